@@ -32,18 +32,18 @@ def _as_uint32_be(tokens: Any) -> np.ndarray:
         raise ValueError(f"token ids must be one-dimensional, got shape {tuple(arr.shape)}")
     if arr.size == 0:
         return np.zeros(0, dtype=">u4")
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
-        # Lists of Python ints outside int64 land here as object arrays.
-        try:
-            ints = [int(t) for t in arr.tolist()]
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}") from exc
-        if any(isinstance(t, bool) for t in arr.tolist()) or arr.dtype.kind == "f":
-            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype == object:
+        # Lists holding Python ints beyond int64 land here; anything but plain ints is refused.
+        items = arr.tolist()
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            raise ValueError("token ids must be integers, got a list holding other types")
+        ints = items
         bad = next((t for t in ints if t < 0 or t > _UINT32_MAX), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside uint32 [0, {_UINT32_MAX}]")
         return np.asarray(ints, dtype=">u4")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi > _UINT32_MAX:
         bad = lo if lo < 0 else hi
