@@ -381,11 +381,29 @@ def build_plan(
     if len(set(local_blocks)) != len(local_blocks):
         raise LayoutError("local block ids repeat: two chunks would land in one block")
 
+    # Pair up runs of block ids that are consecutive on both sides once, then emit one run per
+    # (segment, block run) where a segment's blocks are densely packed: the cost scales with the
+    # number of runs, not blocks x layers (this sits on the per-request path).
+    block_runs: list[list[int]] = []  # [remote start, local start, count]
+    for rb, lb in zip(remote_blocks, local_blocks):
+        if coalesce_runs and block_runs:
+            last = block_runs[-1]
+            if last[0] + last[2] == rb and last[1] + last[2] == lb:
+                last[2] += 1
+                continue
+        block_runs.append([rb, lb, 1])
+
     def generate() -> Iterable[TransferRun]:
-        # Segment-major order: consecutive blocks of one layer come out adjacent, so they merge.
         for rs, ls in zip(remote.segments, local.segments):
-            for rb, lb in zip(remote_blocks, local_blocks):
-                yield TransferRun(rs.region, rs.block_offset(rb), ls.region, ls.block_offset(lb), rs.block_bytes)
+            dense = rs.block_stride == rs.block_bytes and ls.block_stride == ls.block_bytes
+            for rb, lb, count in block_runs:
+                if dense:
+                    yield TransferRun(rs.region, rs.block_offset(rb), ls.region, ls.block_offset(lb),
+                                      rs.block_bytes * count)
+                else:
+                    for i in range(count):
+                        yield TransferRun(rs.region, rs.block_offset(rb + i), ls.region,
+                                          ls.block_offset(lb + i), rs.block_bytes)
 
     n = len(remote.segments) * len(remote_blocks)
     runs = coalesce(generate()) if coalesce_runs else list(generate())
