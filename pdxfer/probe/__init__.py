@@ -1,0 +1,1 @@
+"""pdxfer-probe: bandwidth/latency probe for pdxfer transports (see ``cli.py``)."""

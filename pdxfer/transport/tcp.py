@@ -1,0 +1,499 @@
+"""A real TCP transport: the holder serves READs of its registered memory over plain sockets.
+
+Used where there is no RDMA. The reader sends one request per connection listing many runs
+(region, offset, nbytes); the holder validates every run against what it registered and
+streams the bytes back, and the reader receives them straight into its own registered memory
+with vectored ``recvmsg_into`` (no staging copy). Large plans are split over several parallel
+connections. Frames carry CRC-protected headers and a length trailer (see ``wire.py``), plus
+an optional payload CRC, so truncation and corruption are detected rather than loaded.
+
+Reads are posted to a small worker pool and return a handle whose ``wait`` is bounded; a
+holder that dies mid-read closes its sockets, which the reader sees at once as ``PeerDied``.
+Only host (CPU) memory is served: CUDA regions are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdxfer.layout import TransferPlan
+from pdxfer.transport import wire
+from pdxfer.transport.base import (
+    MetadataError,
+    OutOfRange,
+    PeerDied,
+    PeerUnreachable,
+    ReadHandle,
+    ReadState,
+    RegionUnknown,
+    RegisteredRegion,
+    Transport,
+    TransferCancelled,
+    TransferTimeout,
+    TransportError,
+)
+from pdxfer.transport.tcp_server import RegionTable, TcpServer, region_view
+
+METADATA_VERSION = 1
+_ANY_INSTANCE = bytes(16)
+
+
+@dataclass(frozen=True)
+class TcpPeerInfo:
+    host: str
+    port: int
+    instance: bytes
+    region_sizes: tuple[int, ...]
+
+    @property
+    def peer_id(self) -> str:
+        return f"tcp://{self.host}:{self.port}/{self.instance.hex()[:12]}"
+
+
+def parse_metadata(blob: bytes) -> TcpPeerInfo:
+    """Decode a peer's metadata; MetadataError says what is wrong with it."""
+    try:
+        doc = json.loads(bytes(blob).decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MetadataError(f"tcp metadata is not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise MetadataError("tcp metadata must be a JSON object")
+    if doc.get("kind") != "tcp":
+        raise MetadataError(f"metadata is for transport kind {doc.get('kind')!r}, not 'tcp'")
+    if doc.get("v") != METADATA_VERSION:
+        raise MetadataError(f"tcp metadata version {doc.get('v')!r}, this side speaks {METADATA_VERSION}")
+    try:
+        regions = doc["regions"]
+        for i, r in enumerate(regions):
+            if int(r["index"]) != i:
+                raise MetadataError(f"tcp metadata region {i} carries index {r['index']}")
+        info = TcpPeerInfo(str(doc["host"]), int(doc["port"]), bytes.fromhex(doc["instance"]),
+                           tuple(int(r["nbytes"]) for r in regions))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MetadataError(f"tcp metadata is missing or has a bad field: {exc!r}") from exc
+    if len(info.instance) != 16 or not 0 < info.port < 65536:
+        raise MetadataError(f"tcp metadata has a bad instance id or port {info.port}")
+    return info
+
+
+class _Conn:
+    """One reader connection to a holder; requests on it are serialized by ``lock``."""
+
+    def __init__(self, info: TcpPeerInfo, connect_timeout: float, io_timeout: float, bufsize: int) -> None:
+        self.info = info
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self._connect_timeout = connect_timeout
+        self._io_timeout = io_timeout
+        self._bufsize = bufsize
+
+    def ensure(self) -> socket.socket:
+        """The live socket, (re)connecting and handshaking if needed. Caller holds ``lock``."""
+        if self.sock is not None:
+            return self.sock
+        info = self.info
+        sock = wire.connect_socket(info.host, info.port, self._connect_timeout, self._bufsize)
+        try:
+            sock.sendall(wire.pack_hello(info.instance))
+            status, instance = wire.unpack_hello_ok(wire.recv_exact(sock, wire.HELLO_OK_SIZE, "hello reply"))
+        except (OSError, TransportError) as exc:
+            sock.close()
+            raise PeerUnreachable(f"handshake with {info.peer_id} failed: {exc}") from exc
+        if status != wire.OK:
+            sock.close()
+            raise PeerDied(f"{info.host}:{info.port} is now holder instance {instance.hex()[:12]}, "
+                           f"not {info.peer_id}: the holder restarted; reconnect with its new metadata")
+        sock.settimeout(self._io_timeout)
+        self.sock = sock
+        return sock
+
+    def abort(self) -> None:
+        """Wake any thread blocked on this socket; the next request reconnects."""
+        s = self.sock
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def drop(self) -> None:
+        s, self.sock = self.sock, None
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+class _Peer:
+    def __init__(self, info: TcpPeerInfo, nconns: int, connect_timeout: float, io_timeout: float,
+                 bufsize: int) -> None:
+        self.info = info
+        self.conns = [_Conn(info, connect_timeout, io_timeout, bufsize) for _ in range(nconns)]
+        self.rr = itertools.count()
+
+
+class TcpReadHandle(ReadHandle):
+    """A read split into parts (one per connection). Terminal only once every part has stopped,
+    so after FAILED or CANCELLED no more bytes land in local memory."""
+
+    def __init__(self, peer: str, nparts: int) -> None:
+        self._peer = peer
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._pending = nparts
+        self._state = ReadState.PENDING
+        self._final: ReadState | None = None
+        self._error: TransportError | None = None
+        self._active: set[_Conn] = set()
+        if nparts == 0:
+            self._state = ReadState.DONE
+            self._done.set()
+
+    # ---- called by workers
+    def _begin(self, conn: _Conn) -> bool:
+        with self._lock:
+            if self._error is not None:
+                return False
+            self._active.add(conn)
+            return True
+
+    def _end(self, conn: _Conn | None, err: TransportError | None) -> None:
+        abort: list[_Conn] = []
+        with self._lock:
+            if conn is not None:
+                self._active.discard(conn)
+            if err is not None and self._error is None:
+                self._error = err
+                abort = list(self._active)  # stop sibling parts: their bytes are useless now
+            self._pending -= 1
+            finished = self._pending == 0
+            if finished:
+                if self._error is None:
+                    self._state = ReadState.DONE
+                elif isinstance(self._error, TransferCancelled):
+                    self._state = ReadState.CANCELLED
+                else:
+                    self._state = ReadState.FAILED
+        for c in abort:
+            c.abort()
+        if finished:
+            self._done.set()
+
+    # ---- public
+    def poll(self) -> ReadState:
+        return self._state
+
+    def wait(self, timeout: float) -> ReadState:
+        if not self._done.wait(timeout):
+            raise TransferTimeout(f"read from {self._peer} still pending after {timeout:.3f}s")
+        if self._state is ReadState.DONE:
+            return self._state
+        assert self._error is not None
+        raise self._error
+
+    def cancel(self, timeout: float = 2.0) -> None:
+        with self._lock:
+            if self._done.is_set() or self._error is not None:
+                return
+            self._error = TransferCancelled(f"read from {self._peer} cancelled")
+            active = list(self._active)
+        for c in active:
+            c.abort()
+        # Bounded: shutdown() wakes blocked receives at once; queued parts see the error and skip.
+        self._done.wait(timeout)
+
+    @property
+    def error(self) -> TransportError | None:
+        return self._error if self._state is not ReadState.PENDING else None
+
+
+class TcpTransport(Transport):
+    """See the module docstring. ``connections`` parallel sockets per peer; plans smaller than
+    ``split_min_bytes`` use one of them (latency), bigger ones are split by bytes across all."""
+
+    kind = "tcp"
+
+    def __init__(
+        self,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        advertise_host: str | None = None,
+        connections: int = 2,
+        split_min_bytes: int = 2 << 20,
+        io_timeout: float = 30.0,
+        payload_crc: bool = False,
+        socket_buffer: int = 4 << 20,
+        workers: int = 8,
+    ) -> None:
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
+        if io_timeout <= 0:
+            raise ValueError(f"io_timeout must be > 0, got {io_timeout}")
+        self._listen = (listen_host, int(listen_port))
+        self._advertise = advertise_host
+        self._nconns = int(connections)
+        self._split_min = int(split_min_bytes)
+        self._io_timeout = float(io_timeout)
+        self._flags = wire.FLAG_PAYLOAD_CRC if payload_crc else 0
+        self._bufsize = int(socket_buffer)
+        self._instance = os.urandom(16)
+        self._table = RegionTable()
+        self._local_views: tuple[memoryview, ...] = ()
+        self._server: TcpServer | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._inflight: set[TcpReadHandle] = set()
+        self._req_ids = itertools.count(1)
+        self._pool = ThreadPoolExecutor(max_workers=max(workers, connections), thread_name_prefix="pdxfer-tcp-read")
+        self._closed = False
+
+    # ------------------------------------------------------------------ memory
+    def register(self, regions: Sequence[RegisteredRegion]) -> None:
+        self._check_open()
+        if self._table.regions:
+            raise TransportError("tcp transport: regions are already registered; deregister first")
+        for i, r in enumerate(regions):
+            if r.index != i:
+                raise RegionUnknown(f"region at position {i} carries index {r.index}; indices must be 0..n-1")
+            if not str(r.device).startswith("cpu"):
+                raise TransportError(f"tcp transport serves host memory only; region {i} is on {r.device}")
+            if r.nbytes < 0 or (r.nbytes and not r.ptr):
+                raise TransportError(f"region {i}: bad pointer/size ({r.ptr:#x}, {r.nbytes})")
+        self._table.set(regions)
+        self._local_views = self._table.views()
+
+    def deregister(self) -> None:
+        self._local_views = ()
+        if not self._table.clear(timeout=5.0) and self._server is not None:
+            # A serve is stuck on a slow reader: cut it rather than keep reading freed memory.
+            self._server.drop_connections()
+            self._table.clear(timeout=5.0)
+
+    # ------------------------------------------------------------------ holder side
+    def _ensure_server(self) -> TcpServer:
+        with self._lock:
+            if self._server is None:
+                host, port = self._listen
+                try:
+                    self._server = TcpServer(self._table, self._instance, host, port, self._bufsize)
+                except OSError as exc:
+                    raise TransportError(f"tcp transport cannot listen on {host}:{port}: {exc}") from exc
+            return self._server
+
+    @property
+    def port(self) -> int:
+        return self._ensure_server().port
+
+    def metadata(self) -> bytes:
+        self._check_open()
+        server = self._ensure_server()
+        host = self._advertise or self._listen[0]
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.gethostbyname(socket.gethostname())
+        doc = {
+            "kind": "tcp",
+            "v": METADATA_VERSION,
+            "wire": wire.WIRE_VERSION,
+            "host": host,
+            "port": server.port,
+            "instance": self._instance.hex(),
+            "regions": [{"index": r.index, "nbytes": r.nbytes, "device": r.device} for r in self._table.regions],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    # ------------------------------------------------------------------ reader side
+    def connect(self, peer_metadata: bytes, timeout: float = 5.0) -> str:
+        self._check_open()
+        info = parse_metadata(peer_metadata)
+        pid = info.peer_id
+        with self._lock:
+            if pid in self._peers:
+                return pid
+        peer = _Peer(info, self._nconns, timeout, self._io_timeout, self._bufsize)
+        deadline = time.monotonic() + timeout
+        try:
+            for c in peer.conns:
+                with c.lock:
+                    c._connect_timeout = max(0.05, deadline - time.monotonic())
+                    c.ensure()
+                    c._connect_timeout = timeout
+        except (TransportError, OSError) as exc:
+            for c in peer.conns:
+                c.drop()
+            if isinstance(exc, TransportError):
+                raise PeerUnreachable(str(exc)) from exc
+            raise PeerUnreachable(f"cannot reach {pid}: {exc}") from exc
+        with self._lock:
+            if pid in self._peers:  # lost a race with another connect: keep the first
+                for c in peer.conns:
+                    c.drop()
+            else:
+                self._peers[pid] = peer
+        return pid
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            p = self._peers.pop(peer, None)
+        if p is not None:
+            for c in p.conns:
+                c.abort()
+                c.drop()
+
+    def read(self, peer: str, plan: TransferPlan) -> TcpReadHandle:
+        self._check_open()
+        p = self._peers.get(peer)
+        if p is None:
+            raise PeerUnreachable(f"peer {peer!r} is not connected (connect() it first)")
+        parts = self._split(self._check_plan(p.info, plan), len(p.conns))
+        handle = TcpReadHandle(peer, len(parts))
+        if not parts:
+            return handle
+        with self._lock:
+            self._inflight.add(handle)
+        start = next(p.rr)
+        for i, part in enumerate(parts):
+            conn = p.conns[(start + i) % len(p.conns)]
+            self._pool.submit(self._run_part, handle, conn, part, peer)
+        return handle
+
+    def _check_plan(self, info: TcpPeerInfo, plan: TransferPlan) -> list[tuple[int, int, int, int, int]]:
+        """Runs as (remote region, remote offset, local region, local offset, nbytes), checked on
+        both sides; the holder checks the remote side again, this catches mistakes early."""
+        rsizes = info.region_sizes
+        lviews = self._local_views
+        out = []
+        for i, r in enumerate(plan.runs):
+            rr, ro, lr, lo, n = r.remote_region, r.remote_offset, r.local_region, r.local_offset, r.nbytes
+            if n <= 0:
+                if n == 0:
+                    continue
+                raise OutOfRange(f"run {i}: negative length {n}")
+            if not 0 <= rr < len(rsizes):
+                raise RegionUnknown(f"run {i}: remote region {rr} not registered by {info.peer_id} "
+                                    f"({len(rsizes)} regions)")
+            if ro < 0 or ro + n > rsizes[rr]:
+                raise OutOfRange(f"run {i}: remote bytes [{ro}, {ro + n}) outside region {rr} "
+                                 f"({rsizes[rr]} bytes) of {info.peer_id}")
+            if not 0 <= lr < len(lviews):
+                raise RegionUnknown(f"run {i}: local region {lr} not registered ({len(lviews)} regions)")
+            if lo < 0 or lo + n > len(lviews[lr]):
+                raise OutOfRange(f"run {i}: local bytes [{lo}, {lo + n}) outside local region {lr} "
+                                 f"({len(lviews[lr])} bytes)")
+            out.append((rr, ro, lr, lo, n))
+        return out
+
+    def _split(self, runs: list[tuple[int, int, int, int, int]], nconns: int) -> list[list[tuple]]:
+        """Contiguous slices of the run list with about equal bytes each; runs crossing a cut are
+        split there, so one huge run is spread over all connections too."""
+        if not runs:
+            return []
+        total = sum(r[4] for r in runs)
+        if nconns == 1 or total < self._split_min:
+            return [runs]
+        quota = -(-total // nconns)
+        parts: list[list[tuple]] = [[]]
+        room = quota
+        for rr, ro, lr, lo, n in runs:
+            while n > 0:
+                if room == 0:
+                    parts.append([])
+                    room = quota
+                take = min(n, room)
+                parts[-1].append((rr, ro, lr, lo, take))
+                ro += take
+                lo += take
+                n -= take
+                room -= take
+        return [p for p in parts if p]
+
+    def _run_part(self, handle: TcpReadHandle, conn: _Conn, runs: list[tuple], peer: str) -> None:
+        err: TransportError | None = None
+        used: _Conn | None = None
+        try:
+            with conn.lock:
+                if not handle._begin(conn):
+                    return
+                used = conn
+                try:
+                    self._request(conn, runs)
+                except BaseException:
+                    conn.drop()  # stream position unknown: never reuse this socket
+                    raise
+        except TransportError as exc:
+            err = exc
+        except socket.timeout:
+            err = TransferTimeout(f"no progress from {peer} for {self._io_timeout}s")
+        except OSError as exc:
+            err = PeerDied(f"connection to {peer} failed mid-read: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a worker must always settle its handle
+            err = TransportError(f"read from {peer} failed: {exc!r}")
+        finally:
+            # If the caller cancelled or a sibling failed first, that first error stands.
+            handle._end(used, err)
+            if handle.poll() is not ReadState.PENDING:
+                with self._lock:
+                    self._inflight.discard(handle)
+
+    def _request(self, conn: _Conn, runs: list[tuple]) -> None:
+        sock = conn.ensure()
+        lviews = self._local_views
+        req_id = next(self._req_ids)
+        sock.sendall(wire.pack_request(req_id, [(r[0], r[1], r[4]) for r in runs], self._flags))
+        status, rid, length, flags = wire.unpack_response(wire.recv_exact(sock, wire.RESP_SIZE, "response header"))
+        if rid != req_id:
+            raise wire.CorruptFrame(f"response for request {rid}, expected {req_id}")
+        if status != wire.OK:
+            if length > wire.MAX_ERROR_TEXT:
+                raise wire.CorruptFrame(f"error text of {length} bytes")
+            text = wire.recv_exact(sock, length, "error text").decode(errors="replace")
+            raise wire.error_for_status(status, text, conn.info.peer_id)
+        views = [lviews[lr][lo:lo + n] for _rr, _ro, lr, lo, n in runs]
+        total = sum(r[4] for r in runs)
+        if length != total:
+            raise wire.CorruptFrame(f"response announces {length} bytes, request asked for {total}")
+        wire.recv_into_views(sock, list(views), total, "read payload")
+        magic, crc, echoed = wire.TRAILER.unpack(wire.recv_exact(sock, wire.TRAILER.size, "trailer"))
+        if magic != wire.MAGIC_END or echoed != total:
+            raise wire.CorruptFrame(f"bad trailer (magic {magic:#x}, length {echoed} of {total})")
+        if flags & wire.FLAG_PAYLOAD_CRC:
+            mine = 0
+            for v in views:
+                mine = zlib.crc32(v, mine)
+            if mine != crc:
+                raise wire.CorruptFrame(f"payload CRC mismatch from {conn.info.peer_id}")
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("tcp transport is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles = list(self._inflight)
+            peers = list(self._peers.values())
+            self._peers.clear()
+            server, self._server = self._server, None
+        for h in handles:
+            h.cancel(timeout=1.0)
+        for p in peers:
+            for c in p.conns:
+                c.abort()
+                c.drop()
+        if server is not None:
+            server.close()
+        self._pool.shutdown(wait=False)  # queued parts still run, see the cancel, and settle
+        self._table.clear(timeout=1.0)
+        self._local_views = ()
+
+
+__all__ = ["TcpTransport", "TcpReadHandle", "parse_metadata", "region_view"]

@@ -1,0 +1,194 @@
+"""The holder side of the TCP transport: serve READs of registered memory, nothing else.
+
+One thread blocks in ``accept`` and one thread per connection blocks in ``recv``: an idle holder
+uses no CPU. Every requested run is checked against the registered region table before a byte
+is sent, so a reader can never see memory outside what the holder registered; a bad run gets
+an error frame naming it and the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import socket
+import threading
+import zlib
+from typing import Iterator, Sequence
+
+from pdxfer.transport import wire
+from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
+
+log = logging.getLogger(__name__)
+
+
+def region_view(ptr: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` at ``ptr`` (memory the caller keeps alive)."""
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+
+
+class RegionTable:
+    """Registered regions plus a count of in-flight serves, so deregistration can wait for them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._regions: tuple[RegisteredRegion, ...] = ()
+        self._views: tuple[memoryview, ...] = ()
+        self._active = 0
+
+    def set(self, regions: Sequence[RegisteredRegion]) -> None:
+        with self._cond:
+            self._regions = tuple(regions)
+            self._views = tuple(region_view(r.ptr, r.nbytes) for r in regions)
+
+    @property
+    def regions(self) -> tuple[RegisteredRegion, ...]:
+        return self._regions
+
+    def views(self) -> tuple[memoryview, ...]:
+        return self._views
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[tuple[memoryview, ...]]:
+        with self._cond:
+            self._active += 1
+            views = self._views
+        try:
+            yield views
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def clear(self, timeout: float) -> bool:
+        """Drop every region; True once no serve still touches the old memory (bounded wait)."""
+        with self._cond:
+            self._regions = ()
+            self._views = ()
+            return self._cond.wait_for(lambda: self._active == 0, timeout)
+
+
+def validate_runs(runs: Sequence[tuple[int, int, int]], sizes: Sequence[int]) -> tuple[int, str] | None:
+    """None if every run lies inside a registered region, else (status, text naming the run)."""
+    nregions = len(sizes)
+    for i, (region, offset, nbytes) in enumerate(runs):
+        if region >= nregions:
+            have = f"0..{nregions - 1}" if nregions else "none"
+            return wire.ERR_REGION_UNKNOWN, f"run {i}: region {region} is not registered (registered: {have})"
+        if offset + nbytes > sizes[region]:
+            return wire.ERR_OUT_OF_RANGE, (f"run {i}: bytes [{offset}, {offset + nbytes}) of region {region} "
+                                           f"lie outside its {sizes[region]} registered bytes")
+    return None
+
+
+class TcpServer:
+    """Accepts reader connections and serves their READ requests from a :class:`RegionTable`."""
+
+    def __init__(self, table: RegionTable, instance: bytes, host: str, port: int, bufsize: int) -> None:
+        self._table = table
+        self._instance = instance
+        self._bufsize = bufsize
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.port: int = self._sock.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"pdxfer-tcp-accept-{self.port}",
+                                               daemon=True)
+        self._accept_thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._sock.accept()  # blocks: no CPU while idle
+            except OSError:
+                return  # listening socket shut down by close()
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                wire.tune_socket(conn, self._bufsize)
+                self._conns.add(conn)
+                t = threading.Thread(target=self._serve_conn, args=(conn, addr), daemon=True,
+                                     name=f"pdxfer-tcp-serve-{addr[0]}:{addr[1]}")
+                self._threads.add(t)
+            t.start()
+
+    def _serve_conn(self, conn: socket.socket, addr: tuple) -> None:
+        try:
+            self._handshake(conn)
+            while self._serve_one(conn):
+                pass
+        except (OSError, TransportError) as exc:
+            # A reader that died or sent garbage only costs its own connection.
+            log.debug("connection from %s ended: %s", addr, exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+    def _handshake(self, conn: socket.socket) -> None:
+        want = wire.unpack_hello(wire.recv_exact(conn, wire.HELLO_SIZE, "hello"))
+        if want != bytes(16) and want != self._instance:
+            conn.sendall(wire.pack_hello_ok(wire.ERR_WRONG_INSTANCE, self._instance))
+            raise PeerDied("reader expects another holder instance")
+        conn.sendall(wire.pack_hello_ok(wire.OK, self._instance))
+
+    def _serve_one(self, conn: socket.socket) -> bool:
+        head = bytearray(wire.REQ_SIZE)
+        k = conn.recv_into(head)
+        if k == 0:
+            return False  # reader closed between requests: a normal end
+        if k < wire.REQ_SIZE:
+            head[k:] = wire.recv_exact(conn, wire.REQ_SIZE - k, "request header")
+        flags, req_id, nruns, body_crc = wire.unpack_request_head(bytes(head))
+        body = wire.recv_exact(conn, nruns * wire.RUN.size, "request runs") if nruns else b""
+        if zlib.crc32(body) != body_crc:
+            raise wire.CorruptFrame("request run list CRC mismatch")
+        runs = list(wire.RUN.iter_unpack(body))
+        with self._table.serving() as views:
+            bad = validate_runs(runs, [len(v) for v in views])
+            if bad is not None:
+                status, text = bad
+                blob = text.encode()[: wire.MAX_ERROR_TEXT]
+                conn.sendall(wire.pack_response(status, req_id, len(blob)) + blob)
+                return True
+            out = [views[r][o:o + n] for r, o, n in runs if n]
+            length = sum(len(v) for v in out)
+            crc = 0
+            if flags & wire.FLAG_PAYLOAD_CRC:
+                for v in out:
+                    crc = zlib.crc32(v, crc)
+            bufs: list[memoryview] = [memoryview(wire.pack_response(wire.OK, req_id, length, flags))]
+            bufs += out
+            bufs.append(memoryview(wire.pack_trailer(crc, length)))
+            wire.send_views(conn, bufs)
+        return True
+
+    def close(self, timeout: float = 2.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+            threads = list(self._threads)
+        # shutdown() wakes the threads blocked in accept/recv; close alone would not on Linux.
+        for s in [self._sock, *conns]:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._accept_thread.join(timeout)
+        for t in threads:
+            t.join(timeout)
+
+    def drop_connections(self) -> None:
+        """Cut every reader connection (used when memory is deregistered under a slow serve)."""
+        with self._lock:
+            conns = list(self._conns)
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)

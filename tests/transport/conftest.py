@@ -1,0 +1,224 @@
+"""Fixtures for the transport conformance suite: real holder/reader processes, bounded waits."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_MODULES", "^ib")  # before NIXL/UCX loads anywhere in this process
+
+import importlib  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pdxfer.transport import KINDS, create_transport  # noqa: E402
+from pdxfer.transport.base import RegisteredRegion, Transport  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+# Region 0 fits 4096 distinct 32 KiB blocks with room to shuffle; region 1 is small and odd-sized.
+HOLDER_SIZES = (160 * MiB, MiB + 12345)
+
+
+def kind_available(kind: str) -> str | None:
+    """None if the transport imports here, else the reason it does not."""
+    try:
+        importlib.import_module(f"pdxfer.transport.{kind}")
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"
+        return f"transport {kind!r} does not import here: {exc!r}"
+    return None
+
+
+def transport_options(kind: str, host: str | None = None) -> dict:
+    if kind == "tcp":
+        return {"listen_host": host or "127.0.0.1"}
+    return {}
+
+
+def _opt_args(opts: dict) -> list[str]:
+    out = []
+    for k, v in opts.items():
+        out += ["--opt", f"{k}={v}"]
+    return out
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("UCX_MODULES", "^ib")
+    return env
+
+
+def read_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
+    """Next stdout line of ``proc`` starting with ``prefix``, or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {prefix!r} line from pid {proc.pid} within {timeout}s")
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        if not ready:
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"pid {proc.pid} exited (rc {proc.wait(5)}) before {prefix!r}: {err[-2000:]}")
+        if line.startswith(prefix):
+            return line.rstrip("\n")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill a child we started and reap it (bounded)."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
+
+
+@dataclass
+class Holder:
+    kind: str
+    proc: subprocess.Popen
+    meta: bytes
+    sizes: tuple[int, ...] = HOLDER_SIZES
+    extra: list = field(default_factory=list)
+
+
+def spawn(args: list[str], prefix_cmd: list[str] | None = None) -> subprocess.Popen:
+    cmd = (prefix_cmd or []) + [sys.executable, "-m", "tests.transport.peer_proc", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=child_env())
+
+
+def start_holder(kind: str, sizes: tuple[int, ...] = HOLDER_SIZES, opts: dict | None = None,
+                 prefix_cmd: list[str] | None = None, timeout: float = 60.0) -> Holder:
+    opts = transport_options(kind) if opts is None else opts
+    proc = spawn(["hold", "--kind", kind, "--sizes", ",".join(map(str, sizes)), *_opt_args(opts)], prefix_cmd)
+    try:
+        line = read_line(proc, "META ", timeout)
+    except BaseException:
+        stop(proc)
+        raise
+    return Holder(kind, proc, bytes.fromhex(line.split()[1]), sizes)
+
+
+def spawn_reader(kind: str, holder: Holder, block: int, batch: int, seed: int = 1, loop: bool = False,
+                 iters: int = 1, opts: dict | None = None, prefix_cmd: list[str] | None = None) -> subprocess.Popen:
+    opts = transport_options(kind) if opts is None else opts
+    args = ["read", "--kind", kind, "--meta", holder.meta.hex(), "--remote-size", str(holder.sizes[0]),
+            "--block", str(block), "--batch", str(batch), "--seed", str(seed), "--iters", str(iters),
+            *_opt_args(opts)]
+    if loop:
+        args.append("--loop")
+    return spawn(args, prefix_cmd)
+
+
+class Reader:
+    """This process's side: a transport with one registered destination region plus guard bytes."""
+
+    GUARD = 4096
+
+    def __init__(self, kind: str, size: int = HOLDER_SIZES[0]) -> None:
+        self.kind = kind
+        self.raw = np.full(size + 2 * self.GUARD, 0xA5, dtype=np.uint8)
+        self.dst = self.raw[self.GUARD:self.GUARD + size]
+        self.t: Transport = create_transport(kind, **transport_options(kind))
+        self.t.register([RegisteredRegion(0, self.dst.ctypes.data, self.dst.nbytes)])
+
+    def guards_intact(self) -> bool:
+        return bool((self.raw[:self.GUARD] == 0xA5).all() and (self.raw[-self.GUARD:] == 0xA5).all())
+
+    def close(self) -> None:
+        self.t.close()
+
+
+def kind_params() -> list:
+    return [pytest.param(k, marks=[pytest.mark.nixl] if k == "nixl" else []) for k in KINDS]
+
+
+@pytest.fixture(params=kind_params())
+def kind(request) -> str:
+    reason = kind_available(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture
+def holder_factory():
+    """Start holders on demand; every one is killed and reaped at teardown, even on failure."""
+    made: list[Holder] = []
+
+    def make(kind: str, **kw) -> Holder:
+        h = start_holder(kind, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        stop(h.proc)
+
+
+@pytest.fixture
+def procs():
+    """Child processes a test starts; all killed and reaped at teardown."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        stop(p)
+
+
+@pytest.fixture
+def reader_factory():
+    made: list[Reader] = []
+
+    def make(kind: str, size: int = HOLDER_SIZES[0]) -> Reader:
+        r = Reader(kind, size)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One long-lived holder process and one reader per kind for the read-only tests of a module."""
+    holders: dict[str, Holder] = {}
+    readers: dict[str, Reader] = {}
+
+    class Shared:
+        def holder(self, kind: str) -> Holder:
+            if kind not in holders:
+                holders[kind] = start_holder(kind)
+            return holders[kind]
+
+        def reader(self, kind: str) -> tuple[Reader, str]:
+            if kind not in readers:
+                readers[kind] = Reader(kind)
+            r = readers[kind]
+            return r, r.t.connect(self.holder(kind).meta, timeout=10)
+
+    yield Shared()
+    for r in readers.values():
+        r.close()
+    for h in holders.values():
+        stop(h.proc)
