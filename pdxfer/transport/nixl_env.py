@@ -1,0 +1,61 @@
+"""Import NIXL safely: the UCX environment must be fixed *before* the first import.
+
+Measured here (PLATFORM.md): every process that creates a UCX backend segfaults at exit (rc 139, in
+the bundled libnl) unless ``UCX_MODULES=^ib`` is set before NIXL loads UCX. On a host with real
+InfiniBand devices that setting would disable them, so it is applied only when
+``/sys/class/infiniband`` has no entries, and never overrides a value the operator already set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_IB_SYSFS = "/sys/class/infiniband"
+
+
+def has_infiniband(sysfs: str = _IB_SYSFS) -> bool:
+    """True when the kernel exposes at least one RDMA device."""
+    try:
+        return bool(os.listdir(sysfs))
+    except OSError:
+        return False
+
+
+def prepare_ucx_env() -> None:
+    """Set the UCX variables this host needs; idempotent, never overrides the operator."""
+    if not has_infiniband():
+        if any(m in sys.modules for m in ("nixl_cu12", "nixl_cu13", "nixl")) and "UCX_MODULES" not in os.environ:
+            # Too late to help this process: UCX already read its environment.
+            log.warning("NIXL was imported before pdxfer could set UCX_MODULES=^ib; "
+                        "this process may segfault at exit (set it in the environment)")
+        os.environ.setdefault("UCX_MODULES", "^ib")
+    # NIXL logs every agent creation at INFO; keep test and probe output readable.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL Python API module (``nixl_cu12``, ``nixl_cu13`` or ``nixl``), environment prepared first.
+
+    Raises ImportError naming the packages to install when none is present.
+    """
+    prepare_ucx_env()
+    errors = []
+    for name in ("nixl_cu12", "nixl_cu13", "nixl"):
+        try:
+            mod = __import__(f"{name}._api", fromlist=["nixl_agent"])
+            return mod
+        except ImportError as exc:  # try the next distribution name
+            errors.append(f"{name}: {exc}")
+    raise ImportError("NIXL is not installed (pip install nixl-cu12==1.5.1); tried " + "; ".join(errors))
+
+
+def load_bindings() -> ModuleType:
+    """The compiled bindings module next to the API (exception types, status codes)."""
+    api = load_nixl()
+    pkg = api.__name__.rsplit(".", 1)[0]
+    return __import__(f"{pkg}._bindings", fromlist=["nixlAgent"])
