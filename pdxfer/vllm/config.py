@@ -1,0 +1,109 @@
+"""``kv_connector_extra_config`` of the pdxfer connector: parsing with errors that name the key.
+
+No vLLM import here: the launcher and tests build and validate configs without loading vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+# The launcher exports the address of the master it started; a config without "master" uses it.
+MASTER_ENV = "PDXFER_MASTER"
+MASTER_TOKEN_FILE_ENV = "PDXFER_MASTER_TOKEN_FILE"
+# Test-only hooks (lock-expiry and slow-read faults) are read only when this names a directory.
+TEST_HOOKS_ENV = "PDXFER_TEST_HOOKS_DIR"
+
+TRANSPORTS = ("tcp", "nixl")
+
+
+class ConnectorConfigError(ValueError):
+    """A kv_connector_extra_config value pdxfer cannot use; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    master: str
+    master_token_file: str | None = None
+    transport: str = "tcp"
+    chunk_tokens: int = 256
+    lookup_timeout_s: float = 0.5  # bounded master wait on the scheduler's hot path
+    master_timeout_s: float = 2.0  # publish / release / unpublish calls
+    lock_ttl_s: float = 10.0
+    retention_s: float = 60.0  # how long a holder keeps published chunks after the request ends
+    max_held_fraction: float = 0.5  # cap on the share of KV blocks held for readers
+    load_timeout_s: float = 10.0  # a read still pending after this is cancelled -> recompute
+    lease_ttl_s: float = 10.0
+    listen_host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    model_id: str | None = None  # namespace model identity; default: vLLM's model path/name
+    log_level: str | None = None
+
+    @property
+    def token(self) -> str | None:
+        if not self.master_token_file:
+            return None
+        try:
+            return Path(self.master_token_file).read_text().strip()
+        except OSError as exc:
+            raise ConnectorConfigError(f"master_token_file {self.master_token_file!r}: {exc}") from exc
+
+
+_FLOATS = {"lookup_timeout_s", "master_timeout_s", "lock_ttl_s", "retention_s", "load_timeout_s",
+           "lease_ttl_s"}
+# Keys vLLM's own connectors read from the same dict; harmless to carry, so not an error.
+_IGNORED = {"backends"}
+
+
+def known_keys() -> list[str]:
+    return sorted(f.name for f in fields(ConnectorConfig))
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
+    """Validate ``kv_connector_extra_config``; unknown keys and bad values raise with their name."""
+    env = os.environ if env is None else env
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(known_keys()) - _IGNORED)
+    if unknown:
+        raise ConnectorConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; "
+                                   f"known: {known_keys()}")
+    for k in _IGNORED:
+        extra.pop(k, None)
+    if not extra.get("master"):
+        if env.get(MASTER_ENV):
+            extra["master"] = env[MASTER_ENV]
+        else:
+            raise ConnectorConfigError(f"kv_connector_extra_config needs 'master' (\"host:port\" or "
+                                       f"\"etcd://host:port/prefix\"), or set ${MASTER_ENV}")
+    if not extra.get("master_token_file") and env.get(MASTER_TOKEN_FILE_ENV):
+        extra["master_token_file"] = env[MASTER_TOKEN_FILE_ENV]
+    out: dict[str, Any] = {}
+    for key, value in extra.items():
+        out[key] = _check(key, value)
+    cfg = ConnectorConfig(**out)
+    if cfg.transport not in TRANSPORTS:
+        raise ConnectorConfigError(f"transport {cfg.transport!r} is not one of {list(TRANSPORTS)}")
+    if not 0.0 < cfg.max_held_fraction <= 1.0:
+        raise ConnectorConfigError(f"max_held_fraction must be in (0, 1], got {cfg.max_held_fraction}")
+    if cfg.lock_ttl_s <= cfg.lookup_timeout_s:
+        raise ConnectorConfigError(f"lock_ttl_s ({cfg.lock_ttl_s}) must exceed lookup_timeout_s "
+                                   f"({cfg.lookup_timeout_s})")
+    return cfg
+
+
+def _check(key: str, value: Any) -> Any:
+    if key == "chunk_tokens":
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConnectorConfigError(f"chunk_tokens must be a positive int, got {value!r}")
+        return value
+    if key in _FLOATS or key == "max_held_fraction":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConnectorConfigError(f"{key} must be a positive number, got {value!r}")
+        return float(value)
+    if value is None and key in ("master_token_file", "advertise_host", "model_id", "log_level"):
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConnectorConfigError(f"{key} must be a non-empty string, got {value!r}")
+    return value

@@ -1,0 +1,191 @@
+"""``PdxferConnector``: the vLLM 0.32 ``KVConnectorBase_V1`` front of pdxfer.
+
+A thin adapter: vLLM objects are turned into plain values here and handed to
+:mod:`pdxfer.vllm.scheduler_side` (engine-core process) or :mod:`pdxfer.vllm.worker_side`
+(worker process). Load with::
+
+    --kv-transfer-config '{"kv_connector":"PdxferConnector","kv_connector_module_path":"pdxfer.vllm",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"master":"127.0.0.1:7000"}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch  # noqa: F401  (vLLM imports it anyway; keeps import order predictable)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.request import RequestStatus
+
+from pdxfer.vllm.config import parse_extra_config
+from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_size, model_identity
+from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
+from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("pdxfer.vllm")
+
+_PUBLISHABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class PdxferConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.cfg = parse_extra_config(ktc.kv_connector_extra_config)
+        if self.cfg.log_level:
+            logging.getLogger("pdxfer").setLevel(self.cfg.log_level.upper())
+        self.engine_id = str(ktc.engine_id)
+        self.block_size = kv_block_size(vllm_config, kv_cache_config)
+        self.fingerprint = derive_layout_fingerprint(vllm_config, kv_cache_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.scheduler_side = None
+        self.worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            from pdxfer.vllm.scheduler_side import SchedulerSide
+
+            self.scheduler_side = SchedulerSide(
+                self.cfg, engine_id=self.engine_id,
+                model_id=self.cfg.model_id or model_identity(vllm_config),
+                layout_fingerprint=self.fingerprint, block_size=self.block_size,
+                producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer), tp_size=tp_size)
+            self._sched_stats_sent = dict(vars(self.scheduler_side.stats))
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from pdxfer.vllm.worker_side import WorkerSide
+
+            rank = get_tensor_model_parallel_rank()
+            self.worker_side = WorkerSide(self.cfg, node_id=f"{self.engine_id}-r{rank}", rank=rank,
+                                          expected_fingerprint=self.fingerprint, block_size=self.block_size)
+            self._handshake: PdxferHandshake | None = None
+
+    # pdxfer holds published blocks through block-pool references, not through vLLM's
+    # delayed free, so a preempted producer request has no hand-off to protect.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ============================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        assert self.worker_side is not None
+        self._handshake = self.worker_side.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> PdxferHandshake | None:
+        return getattr(self, "_handshake", None)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self.worker_side is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, PdxferConnectorMetadata):
+            self.worker_side.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous, whole-request: nothing to wait for per layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor",
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # holders serve reads from vLLM's own blocks: nothing is copied out
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker_side is None:
+            return None, None
+        done = self.worker_side.get_finished()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors() if self.worker_side is not None else set()
+
+    def get_kv_connector_stats(self) -> PdxferKVConnectorStats | None:
+        if self.worker_side is not None:
+            data = self.worker_side.stats.take()
+        elif self.scheduler_side is not None:
+            now = dict(vars(self.scheduler_side.stats))
+            data = {k: now[k] - self._sched_stats_sent.get(k, 0) for k in now}
+            self._sched_stats_sent = now
+            if not any(data.values()):
+                data = None
+        else:
+            data = None
+        return PdxferKVConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdxferKVConnectorStats:
+        return PdxferKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PdxferPromMetrics:
+        return PdxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
+
+    # ============================================================ scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.bind_block_pool(gpu_block_pool)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_handshake(
+                [m for _, m in sorted(metadata.items()) if isinstance(m, PdxferHandshake)])
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(
+            request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
+            request.cache_salt)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        return (0,)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        if num_external_tokens > 0:
+            block_ids = blocks.get_block_ids()[0]
+        else:
+            block_ids = []
+        self.scheduler_side.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_connector_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.drain_frees()
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        tokens = None
+        if request.status in _PUBLISHABLE:
+            n = min(request.num_computed_tokens, request.num_tokens)
+            tokens = list(request.all_token_ids[:n])
+        self.scheduler_side.request_finished(request.request_id, tokens, block_ids, request.cache_salt)
+        return False, None
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_frees()

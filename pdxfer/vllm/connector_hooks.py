@@ -1,0 +1,28 @@
+"""Fault-injection hooks for the real-vLLM tests, off unless ``$PDXFER_TEST_HOOKS_DIR`` is set.
+
+A test writes ``<dir>/<name>`` (e.g. ``read_delay_s`` containing ``1.5``) while the instances
+run; the connector reads it at the point of use, so one running pair serves every fault test.
+Without the environment variable every hook answers None after one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pdxfer.vllm.config import TEST_HOOKS_ENV
+
+
+def test_hook_float(name: str) -> float | None:
+    d = os.environ.get(TEST_HOOKS_ENV)
+    if not d:
+        return None
+    try:
+        text = (Path(d) / name).read_text().strip()
+    except OSError:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value > 0 else None

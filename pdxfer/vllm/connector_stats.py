@@ -1,0 +1,80 @@
+"""pdxfer's numbers in vLLM's connector-stats pipeline: periodic log line and Prometheus."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+# Counters summed across workers and the scheduler; lists concatenated.
+_COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
+             "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims")
+_LISTS = ("transfer_s",)
+
+
+class PdxferKVConnectorStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        data = dict(self.data or {})
+        self.data = {k: int(data.get(k, 0)) for k in _COUNTERS}
+        self.data.update({k: list(data.get(k, [])) for k in _LISTS})
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            if k in _LISTS:
+                self.data[k].extend(v)
+            elif k in _COUNTERS:
+                self.data[k] += int(v)
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(self.data[k] for k in _COUNTERS) and not any(self.data[k] for k in _LISTS)
+
+    def reduce(self) -> dict[str, int | float]:
+        ts = sorted(self.data["transfer_s"])
+        med = ts[len(ts) // 2] * 1e3 if ts else 0.0
+        return {
+            "Loads ok": self.data["loads_ok"],
+            "Loads failed (recomputed)": self.data["loads_failed"],
+            "Tokens loaded": self.data["tokens_loaded"],
+            "MiB loaded": round(self.data["bytes_loaded"] / 2**20, 3),
+            "Median load time (ms)": round(med, 3),
+            "Published chunks": self.data["published_chunks"],
+            "Freed chunks": self.data["freed_chunks"],
+            "Master errors": self.data["master_errors"],
+        }
+
+
+class PdxferPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, dict[int, Any]] = {}
+        docs = {
+            "loads_ok": "KV loads validated at release",
+            "loads_failed": "KV loads that failed and were recomputed",
+            "tokens_loaded": "Prompt tokens whose KV was read from a holder",
+            "bytes_loaded": "KV bytes read from holders",
+            "published_chunks": "Chunks published to the pdxfer master",
+            "freed_chunks": "Held chunks returned to the block pool",
+            "master_errors": "Master calls that failed on the scheduler hot path",
+        }
+        for key, doc in docs.items():
+            c = self._counter_cls(name=f"vllm:pdxfer_{key}", documentation=doc, labelnames=labelnames)
+            self.counters[key] = create_metric_per_engine(c, per_engine_labelvalues)
+        h = self._histogram_cls(name="vllm:pdxfer_load_seconds", documentation="Time from posting a "
+                                "load to its validated completion", labelnames=labelnames,
+                                buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0])
+        self.load_seconds = create_metric_per_engine(h, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self.counters.items():
+            v = int(transfer_stats_data.get(key, 0) or 0)
+            if v:
+                per_engine[engine_idx].inc(v)
+        for t in transfer_stats_data.get("transfer_s", []) or []:
+            self.load_seconds[engine_idx].observe(t)

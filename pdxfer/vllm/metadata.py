@@ -1,0 +1,91 @@
+"""What the scheduler half tells the worker half each step, and what workers tell the scheduler
+at start. Both cross a process boundary (vLLM pickles them), so both carry a version that the
+receiver checks before trusting any field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+try:  # The connector needs vLLM's base classes; the core of pdxfer must import without vLLM.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata as _HandshakeBase,
+        KVConnectorMetadata as _MetaBase,
+    )
+except ImportError:  # pragma: no cover - exercised only where vLLM is absent
+    _HandshakeBase = object  # type: ignore[misc,assignment]
+    _MetaBase = object  # type: ignore[misc,assignment]
+
+METADATA_VERSION = 1
+
+
+class MetadataVersionError(RuntimeError):
+    """Scheduler and worker halves of different pdxfer versions were mixed in one engine."""
+
+
+@dataclass(frozen=True)
+class HolderRef:
+    """Just enough about a holder for a worker to connect and plan: from the master's NodeInfo."""
+
+    node_id: str
+    transport: str
+    transport_metadata: bytes
+    layout: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class NodeRead:
+    """Copy ``remote_blocks[i]`` of ``node_id`` into local block ``local_blocks[i]``."""
+
+    node_id: str
+    remote_blocks: tuple[int, ...]
+    local_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    req_id: str
+    lock_id: str
+    num_tokens: int  # tokens these reads provide (for stats and logs)
+    reads: tuple[NodeRead, ...]
+    lock_expires_at: float  # wall clock; the worker skips a read that cannot finish in time
+
+    @property
+    def local_blocks(self) -> set[int]:
+        return {b for r in self.reads for b in r.local_blocks}
+
+
+@dataclass
+class PdxferConnectorMetadata(_MetaBase):  # type: ignore[misc]
+    loads: list[LoadSpec] = field(default_factory=list)
+    nodes: dict[str, HolderRef] = field(default_factory=dict)
+    version: int = METADATA_VERSION
+
+    def check(self) -> None:
+        if self.version != METADATA_VERSION:
+            raise MetadataVersionError(f"connector metadata version {self.version}, this worker "
+                                       f"speaks {METADATA_VERSION}: mixed pdxfer installs?")
+        for spec in self.loads:
+            for r in spec.reads:
+                if r.node_id not in self.nodes:
+                    raise MetadataVersionError(f"load of {spec.req_id} names node {r.node_id} "
+                                               "that the metadata does not describe")
+
+
+@dataclass
+class PdxferHandshake(_HandshakeBase):  # type: ignore[misc]
+    """Worker -> scheduler at engine start: the node the scheduler registers and publishes for."""
+
+    node_id: str
+    rank: int
+    transport: str
+    transport_metadata: bytes
+    layout: dict[str, Any]
+    layout_fingerprint: str
+    version: int = METADATA_VERSION
+
+    def check(self) -> None:
+        if self.version != METADATA_VERSION:
+            raise MetadataVersionError(f"worker handshake version {self.version}, scheduler "
+                                       f"speaks {METADATA_VERSION}: mixed pdxfer installs?")

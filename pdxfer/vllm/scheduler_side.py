@@ -1,0 +1,551 @@
+"""Scheduler half of the pdxfer connector: prompt keys, master lookups, load plans, held chunks.
+
+Runs in vLLM's engine-core process, on the scheduler thread, except where noted. Nothing here
+imports vLLM: requests and the block pool are used through the few attributes named below, so
+the logic is testable with vLLM's real ``BlockPool`` and a real master, without an engine.
+
+Holding published blocks: instead of vLLM's delay-free (``request_finished`` -> True, which
+keeps the engine stepping until the worker reports the send finished, i.e. a busy engine while
+anything is held), the holder takes one extra reference per held chunk on the blocks in vLLM's
+block pool. The request frees its own references as usual; the blocks stay allocated (and in
+the local prefix cache) until pdxfer drops its reference. Dropping happens only after the
+master's compare-and-unpublish succeeded (no valid reader lock), decided on a background thread
+that sleeps until the next retention deadline; the block-pool call itself is made on the
+scheduler thread at its next hook (every step, and before any new request is allocated), since
+vLLM's block pool is not thread-safe. An idle engine therefore costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from pdxfer.keys import IncrementalHasher, Namespace
+from pdxfer.layout import LayoutError, chunk_span
+from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata, PdxferHandshake
+
+log = logging.getLogger("pdxfer.vllm.scheduler")
+
+
+class BlockPoolHolder:
+    """Takes and drops pdxfer's references on vLLM ``BlockPool`` blocks (scheduler thread only)."""
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.pool.num_gpu_blocks)
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        self.pool.touch([self.pool.blocks[b] for b in block_ids])
+
+    def unhold(self, block_ids: Sequence[int]) -> None:
+        self.pool.free_blocks([self.pool.blocks[b] for b in block_ids])
+
+
+@dataclass
+class _Lookup:
+    lock_id: str
+    local_tokens: int  # tokens vLLM already had locally when we looked up
+    first_chunk: int  # chunk index of locations[0]
+    hit_end: int  # tokens [0, hit_end) are available locally + remotely
+    locations: list[Any]
+    nodes: dict[str, Any]
+    expires_at: float  # wall clock
+
+
+@dataclass
+class _Held:
+    blocks: tuple[int, ...]
+    retain_until: float  # monotonic
+    published: bool = True
+
+
+@dataclass
+class SchedulerStats:
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    master_errors: int = 0
+    published_chunks: int = 0
+    freed_chunks: int = 0
+    pressure_reclaims: int = 0
+
+
+class _EpisodeLog:
+    """Log master trouble once per episode (not once per request) and say when it ends."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.failing = False
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.failing:
+            log.warning("pdxfer: %s failing (%s); recomputing instead until it recovers", self.what, exc)
+        self.failing = True
+
+    def ok(self) -> None:
+        if self.failing:
+            log.warning("pdxfer: %s recovered", self.what)
+        self.failing = False
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        *,
+        engine_id: str,
+        model_id: str,
+        layout_fingerprint: str,
+        block_size: int,
+        producer: bool,
+        consumer: bool,
+        tp_size: int = 1,
+        client_factory: Callable[..., Any] | None = None,
+    ):
+        if tp_size != 1:
+            raise ValueError(f"pdxfer connector supports tensor_parallel_size 1 in this version, got {tp_size}")
+        chunk_span(0, cfg.chunk_tokens, block_size)  # refuses incompatible chunk/block sizes early
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.model_id = model_id
+        self.layout_fingerprint = layout_fingerprint
+        self.block_size = block_size
+        self.producer = producer
+        self.consumer = consumer
+        self.reader_id = f"{engine_id}-reader"
+        self.node_id: str | None = None  # set when the worker's handshake arrives
+        self.stats = SchedulerStats()
+        if client_factory is None:
+            from pdxfer.master.client import MasterClient
+
+            client_factory = MasterClient
+        token = cfg.token
+        # Hot path client (lookup, publish) with the short bound; background client for the rest.
+        self._hot = client_factory(cfg.master, token=token, timeout_s=cfg.lookup_timeout_s)
+        self._bg = client_factory(cfg.master, token=token, timeout_s=cfg.master_timeout_s)
+        self._pool: BlockPoolHolder | None = None
+        self._hashers: dict[str, IncrementalHasher] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._pending_nodes: dict[str, HolderRef] = {}
+        self._lookup_log = _EpisodeLog("master lookups")
+        self._publish_log = _EpisodeLog("master publishes")
+        self._backoff_until = 0.0
+        # Held chunks, oldest first. Guarded by _lock: the reaper and re-registration threads read it.
+        self._lock = threading.Lock()
+        self._held: OrderedDict[bytes, _Held] = OrderedDict()
+        self._held_block_refs: dict[int, int] = {}
+        self._to_free: deque[tuple[int, ...]] = deque()  # filled by the reaper, drained here
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._session: Any = None
+        self._reaper: threading.Thread | None = None
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-release")
+        self._master_unreachable_since: float | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def bind_block_pool(self, pool: Any) -> None:
+        self._pool = pool if isinstance(pool, BlockPoolHolder) else BlockPoolHolder(pool)
+
+    def on_handshake(self, handshakes: Iterable[PdxferHandshake]) -> None:
+        """Workers registered their KV with the transport: register the node, start holding."""
+        from pdxfer.master.client import NodeInfo, NodeSession
+
+        for hs in handshakes:
+            hs.check()
+            if hs.layout_fingerprint != self.layout_fingerprint:
+                raise LayoutError(f"worker {hs.node_id} reports KV layout {hs.layout_fingerprint}, the "
+                                  f"scheduler derived {self.layout_fingerprint} from the config")
+            if hs.rank != 0:
+                continue
+            self.node_id = hs.node_id
+            if not self.producer:
+                continue
+            info = NodeInfo(node_id=hs.node_id, rank=hs.rank, transport=hs.transport,
+                            transport_metadata=hs.transport_metadata, layout=hs.layout,
+                            layout_fingerprint=hs.layout_fingerprint)
+            self._session = NodeSession(self._bg, info, lease_ttl_s=self.cfg.lease_ttl_s,
+                                        on_reregistered=self._republish)
+            self._session.start()
+            self._reaper = threading.Thread(target=self._reap_loop, name="pdxfer-reaper", daemon=True)
+            self._reaper.start()
+            log.info("pdxfer: holder node %s registered with master %s (transport %s)",
+                     hs.node_id, self.cfg.master, hs.transport)
+
+    def namespace(self, cache_salt: str | None) -> Namespace:
+        return Namespace(self.model_id, self.layout_fingerprint, 1, 0, self.cfg.chunk_tokens, cache_salt)
+
+    def _hasher(self, req_id: str, cache_salt: str | None) -> IncrementalHasher:
+        h = self._hashers.get(req_id)
+        if h is None:
+            h = IncrementalHasher(self.cfg.chunk_tokens, self.namespace(cache_salt).root())
+            self._hashers[req_id] = h
+        return h
+
+    # ------------------------------------------------------------------ reader (consumer) path
+
+    def get_num_new_matched_tokens(self, req_id: str, tokens: Sequence[int], num_tokens: int,
+                                   num_computed_tokens: int, cache_salt: str | None) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that can be read from holders; never raises."""
+        self.drain_frees()
+        if not self.consumer:
+            return 0, False
+        try:
+            return self._match(req_id, tokens, num_tokens, num_computed_tokens, cache_salt)
+        except Exception as exc:  # never an exception into vLLM's scheduler
+            log.exception("pdxfer: lookup for %s failed unexpectedly: %s", req_id, exc)
+            self._drop_lookup(req_id)
+            return 0, False
+
+    def _match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local: int,
+               cache_salt: str | None) -> tuple[int, bool]:
+        C = self.cfg.chunk_tokens
+        prev = self._lookups.get(req_id)
+        if prev is not None:
+            # vLLM asks again when it could not schedule the request: reuse a lock with time left.
+            if prev.local_tokens == local and prev.expires_at - time.time() > self.cfg.lookup_timeout_s + 0.5:
+                return max(prev.hit_end - local, 0), prev.hit_end > local
+            self._drop_lookup(req_id)
+        # At least one token must be computed here: never offer the whole prompt.
+        max_chunks = (num_tokens - 1) // C
+        first = local // C
+        if max_chunks <= first:
+            return 0, False
+        now_mono = time.monotonic()
+        if now_mono < self._backoff_until:
+            return 0, False
+        keys = self._hasher(req_id, cache_salt).update(list(tokens[: max_chunks * C]))
+        ttl = test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s
+        from pdxfer.master.client import MasterError
+
+        self.stats.lookups += 1
+        try:
+            res = self._hot.lookup_and_lock(keys[first:max_chunks], self.reader_id, lock_ttl_s=ttl)
+        except MasterError as exc:
+            self.stats.master_errors += 1
+            self._lookup_log.fail(exc)
+            self._backoff_until = now_mono + 1.0  # a dead master must not cost every request a timeout
+            return 0, False
+        self._lookup_log.ok()
+        if res.hit_chunks == 0 or res.lock_id is None:
+            return 0, False
+        lk = _Lookup(res.lock_id, local, first, 0, list(res.locations), dict(res.nodes),
+                     time.time() + res.lock_ttl_s)
+        usable = self._usable_chunks(lk)
+        hit_end = (first + usable) * C
+        hit_end -= hit_end % self.block_size  # only whole local blocks can be filled
+        if hit_end <= local:
+            self._release_async(res.lock_id)
+            return 0, False
+        lk.hit_end = hit_end
+        lk.locations = lk.locations[:usable]
+        self._lookups[req_id] = lk
+        self.stats.lookup_hit_tokens += hit_end - local
+        return hit_end - local, True
+
+    def _usable_chunks(self, lk: _Lookup) -> int:
+        """Leading hit chunks this reader can plan: same block size and layout, not itself."""
+        n = 0
+        for loc in lk.locations:
+            node = lk.nodes.get(loc.node_id)
+            if node is None or loc.node_id == self.node_id:
+                break
+            if node.layout_fingerprint != self.layout_fingerprint or \
+                    int(node.layout.get("block_size", -1)) != self.block_size:
+                break
+            n += 1
+        return n
+
+    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        lk = self._lookups.pop(req_id, None)
+        if lk is None:
+            return
+        if num_external_tokens <= 0:
+            self._release_async(lk.lock_id)
+            return
+        try:
+            spec = self._plan(req_id, lk, block_ids, num_external_tokens)
+        except Exception as exc:
+            # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
+            log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
+            spec = LoadSpec(req_id, lk.lock_id, num_external_tokens, (), lk.expires_at)
+        self._pending_loads.append(spec)
+
+    def _plan(self, req_id: str, lk: _Lookup, block_ids: Sequence[int], n_ext: int) -> LoadSpec:
+        C, bs = self.cfg.chunk_tokens, self.block_size
+        start = lk.hit_end - n_ext
+        if start % bs or start < lk.first_chunk * C or lk.hit_end % bs:
+            raise LayoutError(f"external range [{start}, {lk.hit_end}) is not block aligned within the hit")
+        remote_of: dict[int, tuple[str, int]] = {}
+        for i, loc in enumerate(lk.locations):
+            span = chunk_span(lk.first_chunk + i, C, bs)
+            ids = list(loc.block_ids)
+            if len(ids) != span.num_blocks:
+                raise LayoutError(f"chunk {lk.first_chunk + i} has {len(ids)} holder blocks, expected {span.num_blocks}")
+            for j, rb in enumerate(ids):
+                remote_of[span.first_block + j] = (loc.node_id, int(rb))
+        per_node: dict[str, tuple[list[int], list[int]]] = {}
+        for tb in range(start // bs, lk.hit_end // bs):
+            node_id, rb = remote_of[tb]
+            r, l = per_node.setdefault(node_id, ([], []))
+            r.append(rb)
+            l.append(int(block_ids[tb]))
+        for node_id in per_node:
+            n = lk.nodes[node_id]
+            self._pending_nodes[node_id] = HolderRef(node_id, n.transport, bytes(n.transport_metadata), dict(n.layout))
+        reads = tuple(NodeRead(nid, tuple(r), tuple(l)) for nid, (r, l) in per_node.items())
+        return LoadSpec(req_id, lk.lock_id, n_ext, reads, lk.expires_at)
+
+    def build_connector_meta(self) -> PdxferConnectorMetadata:
+        self.drain_frees()
+        meta = PdxferConnectorMetadata(loads=self._pending_loads, nodes=self._pending_nodes)
+        self._pending_loads, self._pending_nodes = [], {}
+        return meta
+
+    def _drop_lookup(self, req_id: str) -> None:
+        lk = self._lookups.pop(req_id, None)
+        if lk is not None:
+            self._release_async(lk.lock_id)
+
+    def _release_async(self, lock_id: str) -> None:
+        """A lock we will not use: give it back off the hot path (it expires anyway)."""
+        def run() -> None:
+            try:
+                self._bg.release(lock_id)
+            except Exception as exc:  # expiry covers it
+                log.debug("pdxfer: release of unused lock %s failed: %s", lock_id, exc)
+        try:
+            self._releaser.submit(run)
+        except RuntimeError:  # shutting down
+            pass
+
+    # ------------------------------------------------------------------ holder (producer) path
+
+    def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
+                         cache_salt: str | None) -> None:
+        """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
+        tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted)."""
+        self._drop_lookup(req_id)
+        hasher = self._hashers.pop(req_id, None)
+        try:
+            self.drain_frees()
+            if not self.producer or tokens is None or self._pool is None or self.node_id is None:
+                return
+            C, bs = self.cfg.chunk_tokens, self.block_size
+            n_chunks = min(len(tokens), len(block_ids) * bs) // C
+            while n_chunks and (blocks := self._chunk_blocks(n_chunks - 1, block_ids)) is None:
+                n_chunks -= 1
+            if n_chunks == 0:
+                return
+            if hasher is None:
+                hasher = IncrementalHasher(C, self.namespace(cache_salt).root())
+            keys = hasher.update(list(tokens[: n_chunks * C]))[:n_chunks]
+            self._publish(keys, [self._chunk_blocks(i, block_ids) for i in range(n_chunks)])
+        except Exception as exc:  # publishing is best effort; never fail vLLM's request
+            log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
+
+    def _chunk_blocks(self, chunk: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
+        span = chunk_span(chunk, self.cfg.chunk_tokens, self.block_size)
+        if span.first_block + span.num_blocks > len(block_ids):
+            return None
+        return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
+
+    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> None:
+        from pdxfer.master.client import MasterError
+
+        assert self._pool is not None and self.node_id is not None
+        now = time.monotonic()
+        retain = test_hook_float("retention_s") or self.cfg.retention_s
+        with self._lock:
+            new = [(k, b) for k, b in zip(keys, blocks) if k not in self._held]
+            for k in keys:  # still useful: a reader of this prompt keeps it around longer
+                if k in self._held:
+                    self._held[k].retain_until = now + retain
+                    self._held.move_to_end(k)
+        if not new:
+            return
+        new = self._fit_under_cap(new)
+        if not new:
+            return
+        for _, b in new:
+            self._pool.hold(b)
+        try:
+            accepted = self._hot.publish(self.node_id, [(k, list(b)) for k, b in new], retention_s=retain)
+        except MasterError as exc:
+            self._publish_log.fail(exc)
+            for _, b in new:
+                self._pool.unhold(b)
+            return
+        self._publish_log.ok()
+        # Entries the master did not accept are still held until retention: freeing them early
+        # would be unsafe if the master accepted a different subset than we think.
+        with self._lock:
+            for k, b in new:
+                self._held[k] = _Held(b, now + retain)
+                for x in b:
+                    self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
+            self._wake.notify()
+        self.stats.published_chunks += int(accepted)
+
+    def _fit_under_cap(self, new: list[tuple[bytes, tuple[int, ...]]]) -> list[tuple[bytes, tuple[int, ...]]]:
+        """Keep held blocks under ``max_held_fraction`` of the pool: reclaim the oldest unlocked
+        chunks first, then publish only the leading chunks that fit (a prefix is what readers use)."""
+        assert self._pool is not None
+        cap = int(self.cfg.max_held_fraction * self._pool.num_blocks)
+        with self._lock:
+            held = len(self._held_block_refs)
+        extra = len({x for _, b in new for x in b} - set(self._held_block_refs))
+        if held + extra > cap:
+            self._reclaim(held + extra - cap)
+            with self._lock:
+                held = len(self._held_block_refs)
+        out: list[tuple[bytes, tuple[int, ...]]] = []
+        seen: set[int] = set()
+        for k, b in new:
+            add = {x for x in b if x not in self._held_block_refs and x not in seen}
+            if held + len(seen) + len(add) > cap:
+                break
+            seen |= add
+            out.append((k, b))
+        return out
+
+    def _reclaim(self, want_blocks: int) -> None:
+        """Unpublish the oldest held chunks (synchronously; pressure path) until enough blocks free."""
+        from pdxfer.master.client import MasterError
+
+        assert self._pool is not None and self.node_id is not None
+        with self._lock:
+            candidates = list(self._held)[: max(8, want_blocks)]
+        if not candidates:
+            return
+        try:
+            done = self._hot.unpublish_if_unlocked(self.node_id, candidates)
+        except MasterError as exc:
+            log.debug("pdxfer: pressure unpublish failed: %s", exc)
+            return
+        self.stats.pressure_reclaims += len(done)
+        self._forget(done)
+        self.drain_frees()
+
+    def _forget(self, keys: Iterable[bytes]) -> None:
+        """Keys no reader can lock any more: queue their blocks for release on the scheduler thread."""
+        with self._lock:
+            for k in keys:
+                h = self._held.pop(bytes(k), None)
+                if h is None:
+                    continue
+                for x in h.blocks:
+                    n = self._held_block_refs.get(x, 0) - 1
+                    if n <= 0:
+                        self._held_block_refs.pop(x, None)
+                    else:
+                        self._held_block_refs[x] = n
+                self._to_free.append(h.blocks)
+                self.stats.freed_chunks += 1
+
+    def drain_frees(self) -> None:
+        """Return blocks the reaper let go to vLLM's pool (scheduler thread only)."""
+        if self._pool is None:
+            return
+        while self._to_free:
+            try:
+                blocks = self._to_free.popleft()
+            except IndexError:
+                break
+            self._pool.unhold(blocks)
+
+    def has_pending_frees(self) -> bool:
+        return bool(self._to_free)
+
+    @property
+    def held_chunks(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    @property
+    def held_blocks(self) -> int:
+        with self._lock:
+            return len(self._held_block_refs)
+
+    def _reap_loop(self) -> None:
+        """Unpublish chunks whose retention is over; sleeps until the next deadline (no polling)."""
+        from pdxfer.master.client import MasterError
+
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+                now = time.monotonic()
+                due = [k for k, h in self._held.items() if h.retain_until <= now]
+                if not due:
+                    nxt = min((h.retain_until for h in self._held.values()), default=None)
+                    self._wake.wait(None if nxt is None else max(nxt - now, 0.01))
+                    continue
+            assert self.node_id is not None
+            try:
+                done = self._bg.unpublish_if_unlocked(self.node_id, due)
+                self._master_unreachable_since = None
+            except MasterError as exc:
+                done = []
+                t0 = self._master_unreachable_since = self._master_unreachable_since or now
+                # After lease + lock TTL without the master, it has dropped our entries and every
+                # lock it granted has expired: freeing can no longer hand a reader wrong bytes.
+                if now - t0 > self.cfg.lease_ttl_s + self.cfg.lock_ttl_s:
+                    log.warning("pdxfer: master unreachable for %.0f s (%s): freeing %d held chunks",
+                                now - t0, exc, len(due))
+                    done = due
+            self._forget(done)
+            with self._lock:
+                # Locked (or not yet unpublishable) chunks: try again shortly, not in a tight loop.
+                retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)
+                for k in due:
+                    if k in self._held:
+                        self._held[k].retain_until = retry
+                if self._closing:
+                    return
+                self._wake.wait(0.05 if done else 0.0)
+
+    def _republish(self) -> None:
+        """The master forgot us (restart, failover, lost lease): publish again what we hold."""
+        from pdxfer.master.client import MasterError
+
+        with self._lock:
+            entries = [(k, list(h.blocks)) for k, h in self._held.items()]
+            left = max((h.retain_until for h in self._held.values()), default=0.0) - time.monotonic()
+        if not entries or self.node_id is None:
+            return
+        try:
+            n = self._bg.publish(self.node_id, entries, retention_s=max(left, 1.0))
+            log.info("pdxfer: re-published %d/%d held chunks after re-registration", n, len(entries))
+        except MasterError as exc:
+            log.warning("pdxfer: re-publish after re-registration failed: %s", exc)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake.notify_all()
+        if self._session is not None:
+            try:
+                self._session.stop(deregister=True)
+            except Exception as exc:
+                log.debug("pdxfer: node session stop: %s", exc)
+        self._releaser.shutdown(wait=False, cancel_futures=True)
+        for c in (self._hot, self._bg):
+            try:
+                c.close()
+            except Exception:
+                pass

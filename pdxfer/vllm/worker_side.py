@@ -1,0 +1,247 @@
+"""Worker half of the pdxfer connector: register KV once, post reads, validate, report.
+
+Runs in vLLM's worker process. Reads are posted when the step's metadata arrives and checked
+(never waited on) at the end of each step; a finished read is only reported as loaded after
+the master confirmed, at ``release``, that the lock held for the whole read. Anything else -- a
+failed or timed-out read, a vanished holder, an expired lock, an unreachable master -- reports
+the request's blocks as load errors, and vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pdxfer.layout import KVLayout, build_plan, describe_kv_caches
+from pdxfer.transport import create_transport
+from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion
+from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
+
+log = logging.getLogger("pdxfer.vllm.worker")
+
+
+class LayoutMismatch(RuntimeError):
+    """The KV tensors vLLM allocated do not match the layout the scheduler derived."""
+
+
+@dataclass
+class _Inflight:
+    spec: LoadSpec
+    handles: list[ReadHandle]
+    started: float
+    nbytes: int
+    error: str | None = None
+
+
+@dataclass
+class WorkerStats:
+    """Interval counters shipped to the scheduler through vLLM's connector stats."""
+
+    loads_ok: int = 0
+    loads_failed: int = 0
+    tokens_loaded: int = 0
+    bytes_loaded: int = 0
+    transfer_s: list[float] = field(default_factory=list)
+
+    def take(self) -> dict[str, Any] | None:
+        if not (self.loads_ok or self.loads_failed):
+            return None
+        out = {"loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
+               "tokens_loaded": self.tokens_loaded, "bytes_loaded": self.bytes_loaded,
+               "transfer_s": list(self.transfer_s)}
+        self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
+        self.transfer_s = []
+        return out
+
+
+class WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, *, node_id: str, rank: int, expected_fingerprint: str,
+                 block_size: int, client_factory: Any = None):
+        self.cfg = cfg
+        self.node_id = node_id
+        self.rank = rank
+        self.expected_fingerprint = expected_fingerprint
+        self.block_size = block_size
+        self._client_factory = client_factory
+        self._client: Any = None
+        self.layout: KVLayout | None = None
+        self.transport: Any = None
+        self._kv_caches: Mapping[str, Any] | None = None  # keeps registered memory alive
+        self._peers: dict[str, tuple[bytes, str, KVLayout]] = {}  # node -> (metadata, peer id, layout)
+        self._inflight: dict[str, _Inflight] = {}
+        self._done_ok: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.stats = WorkerStats()
+
+    # ------------------------------------------------------------------ start
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> PdxferHandshake:
+        layout = describe_kv_caches(kv_caches, block_size=self.block_size)
+        if layout.fingerprint() != self.expected_fingerprint:
+            raise LayoutMismatch(f"KV tensors have layout {layout.fingerprint()} but the scheduler "
+                                 f"derived {self.expected_fingerprint} from the vLLM config; keys "
+                                 "would not match what the bytes are")
+        opts: dict[str, Any] = {}
+        if self.cfg.transport == "tcp":
+            opts["listen_host"] = self.cfg.listen_host
+            if self.cfg.advertise_host:
+                opts["advertise_host"] = self.cfg.advertise_host
+        transport = create_transport(self.cfg.transport, **opts)
+        transport.register([RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions])
+        self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
+        log.info("pdxfer: node %s registered %d KV region(s), %d blocks x %d bytes, transport %s",
+                 self.node_id, len(layout.regions), layout.num_blocks, layout.bytes_per_block,
+                 self.cfg.transport)
+        return PdxferHandshake(self.node_id, self.rank, self.cfg.transport, transport.metadata(),
+                               layout.to_wire(), layout.fingerprint())
+
+    def _master(self) -> Any:
+        if self._client is None:
+            factory = self._client_factory
+            if factory is None:
+                from pdxfer.master.client import MasterClient
+
+                factory = MasterClient
+            self._client = factory(self.cfg.master, token=self.cfg.token, timeout_s=self.cfg.master_timeout_s)
+        return self._client
+
+    # ------------------------------------------------------------------ loads
+
+    def start_loads(self, meta: PdxferConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        meta.check()
+        for spec in meta.loads:
+            self._post(spec, meta.nodes)
+
+    def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> None:
+        now = time.time()
+        inf = _Inflight(spec, [], time.monotonic(), 0)
+        self._inflight[spec.req_id] = inf
+        if not spec.reads:
+            inf.error = "no plan"
+            return
+        if now >= spec.lock_expires_at:
+            inf.error = "lock expired before the read was posted"
+            return
+        assert self.layout is not None and self.transport is not None
+        try:
+            for r in spec.reads:
+                peer, remote = self._peer(nodes[r.node_id])
+                plan = build_plan(remote, list(r.remote_blocks), self.layout, list(r.local_blocks))
+                inf.nbytes += plan.total_bytes
+                inf.handles.append(self.transport.read(peer, plan))
+        except Exception as exc:
+            inf.error = f"{type(exc).__name__}: {exc}"
+
+    def _peer(self, ref: HolderRef) -> tuple[str, KVLayout]:
+        cached = self._peers.get(ref.node_id)
+        if cached is not None and cached[0] == ref.transport_metadata:
+            return cached[1], cached[2]
+        if ref.transport != self.cfg.transport:
+            raise RuntimeError(f"holder {ref.node_id} uses transport {ref.transport}, this node {self.cfg.transport}")
+        if cached is not None:  # the node restarted with new metadata
+            try:
+                self.transport.disconnect(cached[1])
+            except Exception:
+                pass
+        peer = self.transport.connect(ref.transport_metadata, timeout=min(2.0, self.cfg.load_timeout_s))
+        layout = KVLayout.from_wire(ref.layout)
+        self._peers[ref.node_id] = (ref.transport_metadata, peer, layout)
+        return peer, layout
+
+    def get_finished(self) -> set[str]:
+        """Requests whose load ended (loaded or failed) since the last call; never blocks on reads."""
+        out: set[str] = set()
+        if not self._inflight:
+            return out
+        delay = test_hook_float("read_delay_s")
+        for req_id, inf in list(self._inflight.items()):
+            state = self._state(inf, delay)
+            if state is None:
+                continue
+            del self._inflight[req_id]
+            self._finish(inf)
+            out.add(req_id)
+        return out
+
+    def _state(self, inf: _Inflight, delay: float | None) -> str | None:
+        if inf.error is not None:
+            return "failed"
+        elapsed = time.monotonic() - inf.started
+        if delay is not None and elapsed < delay:
+            return None
+        states = []
+        for h in inf.handles:
+            try:
+                states.append(h.poll())
+            except Exception as exc:
+                inf.error = f"{type(exc).__name__}: {exc}"
+                return "failed"
+        if any(s in (ReadState.FAILED, ReadState.CANCELLED) for s in states):
+            errs = [h.error for h in inf.handles if h.error is not None]
+            inf.error = str(errs[0]) if errs else "read failed"
+            self._cancel(inf)
+            return "failed"
+        if all(s is ReadState.DONE for s in states):
+            return "done"
+        if elapsed > self.cfg.load_timeout_s:
+            inf.error = f"read still pending after {self.cfg.load_timeout_s} s"
+            self._cancel(inf)
+            return "failed"
+        return None
+
+    def _cancel(self, inf: _Inflight) -> None:
+        for h in inf.handles:
+            try:
+                h.cancel()
+            except Exception:
+                pass
+
+    def _finish(self, inf: _Inflight) -> None:
+        spec = inf.spec
+        elapsed = time.monotonic() - inf.started
+        valid = False
+        if spec.lock_id:
+            try:
+                valid = bool(self._master().release(spec.lock_id))
+                if not valid and inf.error is None:
+                    inf.error = "lock expired during the read (master refused the release)"
+            except Exception as exc:
+                if inf.error is None:
+                    inf.error = f"release failed, bytes cannot be validated: {exc}"
+        if inf.error is None and valid:
+            self.stats.loads_ok += 1
+            self.stats.tokens_loaded += spec.num_tokens
+            self.stats.bytes_loaded += inf.nbytes
+            self.stats.transfer_s.append(elapsed)
+            log.info("pdxfer: loaded %d tokens (%.1f MiB) for %s in %.2f ms", spec.num_tokens,
+                     inf.nbytes / 2**20, spec.req_id, elapsed * 1e3)
+            return
+        self.stats.loads_failed += 1
+        self._load_errors |= spec.local_blocks
+        log.warning("pdxfer: load of %d tokens for %s failed (%s); recomputing", spec.num_tokens,
+                    spec.req_id, inf.error)
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self) -> None:
+        for inf in self._inflight.values():
+            self._cancel(inf)
+        self._inflight.clear()
+        if self.transport is not None:
+            try:
+                self.transport.close()
+            except Exception as exc:
+                log.debug("pdxfer: transport close: %s", exc)
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass

@@ -1,0 +1,212 @@
+"""Both connector halves without an engine: a real master process, vLLM's real BlockPool, real
+KV-shaped tensors and the real TCP transport between a holder and a reader in one process.
+
+Fast (seconds) and exercises every decision the connector makes: keys, lookup, plan, read,
+validate at release, load errors, retention, locks vs. unpublish, the held-blocks cap.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+
+from pdxfer.layout import describe_kv_caches  # noqa: E402
+from pdxfer.master.client import start_local_master  # noqa: E402
+from pdxfer.vllm.config import TEST_HOOKS_ENV, parse_extra_config  # noqa: E402
+from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
+
+BS = 128  # vLLM CPU default block size
+C = 256
+NUM_BLOCKS = 32
+LAYERS = 3
+
+
+def _kv(seed: int | None) -> dict[str, torch.Tensor]:
+    """CPU backend shape: per layer [num_blocks, kv_heads, block_size, 2*head_dim], views of one buffer."""
+    buf = torch.zeros(LAYERS, NUM_BLOCKS, 2, BS, 2 * 16, dtype=torch.bfloat16)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        buf.copy_(torch.randn(buf.shape, generator=g).to(torch.bfloat16))
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(LAYERS)}
+
+
+@pytest.fixture(scope="module")
+def master():
+    m = start_local_master()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+class Node:
+    """One instance's worth of connector state: scheduler half + worker half + block pool."""
+
+    def __init__(self, name: str, master_addr: str, producer: bool, consumer: bool, seed: int | None, **extra):
+        self.kv = _kv(seed)
+        self.fp = describe_kv_caches(self.kv, block_size=BS).fingerprint()
+        self.cfg = parse_extra_config({"master": master_addr, "transport": "tcp", **extra})
+        self.pool = BlockPool(NUM_BLOCKS, True, BS)
+        self.sched = SchedulerSide(self.cfg, engine_id=name, model_id="tiny", layout_fingerprint=self.fp,
+                                   block_size=BS, producer=producer, consumer=consumer)
+        self.sched.bind_block_pool(self.pool)
+        self.worker = WorkerSide(self.cfg, node_id=f"{name}-r0", rank=0, expected_fingerprint=self.fp, block_size=BS)
+        self.sched.on_handshake([self.worker.register_kv_caches(self.kv)])
+
+    def run_request(self, rid: str, tokens: list[int]) -> list[int]:
+        """A request that computed ``tokens`` locally, then finished (its own refs dropped)."""
+        blocks = self.pool.get_new_blocks(-(-len(tokens) // BS))
+        ids = [b.block_id for b in blocks]
+        self.sched.request_finished(rid, tokens, ids, None)
+        self.pool.free_blocks(blocks)
+        return ids
+
+    def load(self, rid: str, tokens: list[int], local: int = 0, timeout: float = 10.0):
+        """Scheduler + worker path of one reader request; returns (ext tokens, local ids, errors)."""
+        ext, is_async = self.sched.get_num_new_matched_tokens(rid, tokens, len(tokens), local, None)
+        if ext == 0:
+            return 0, [], set()
+        assert is_async
+        blocks = self.pool.get_new_blocks(-(-len(tokens) // BS))
+        ids = [b.block_id for b in blocks]
+        self.sched.update_state_after_alloc(rid, ids, ext)
+        self.worker.start_loads(self.sched.build_connector_meta())
+        deadline = time.monotonic() + timeout
+        while rid not in self.worker.get_finished():
+            assert time.monotonic() < deadline, "load never finished"
+            time.sleep(0.005)
+        return ext, ids, self.worker.take_load_errors()
+
+    def close(self) -> None:
+        self.sched.close()
+        self.worker.close()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 4000, (n,), generator=g).tolist()
+
+
+def _same_blocks(a: Node, a_ids, b: Node, b_ids) -> bool:
+    return all(torch.equal(a.kv[n][x], b.kv[n][y]) for n in a.kv for x, y in zip(a_ids, b_ids))
+
+
+@pytest.fixture
+def pair(master):
+    nodes: list[Node] = []
+
+    def make(**extra):
+        h = Node(f"holder{len(nodes)}", master.address, True, False, seed=len(nodes) + 1, **extra)
+        r = Node(f"reader{len(nodes)}", master.address, False, True, seed=None, **extra)
+        nodes.extend([h, r])
+        return h, r
+
+    yield make
+    for n in nodes:
+        n.close()
+
+
+def test_read_moves_exact_blocks_and_never_the_whole_prompt(pair):
+    holder, reader = pair()
+    toks = _tokens(3 * C + 10, 1)
+    h_ids = holder.run_request("p1", toks)
+    assert holder.pool.get_num_free_blocks() == NUM_BLOCKS - 1 - 6  # 3 chunks = 6 blocks held
+    ext, r_ids, errors = reader.load("d1", toks)
+    assert ext == 3 * C and not errors
+    assert _same_blocks(holder, h_ids[:6], reader, r_ids[:6])
+    assert reader.worker.stats.tokens_loaded == 3 * C
+
+    # A prompt of exactly two chunks may load only the first: one token must be computed.
+    toks2 = _tokens(2 * C, 2)
+    holder.run_request("p2", toks2)
+    ext2, _, errors2 = reader.load("d2", toks2)
+    assert ext2 == C and not errors2
+
+
+def test_local_prefix_is_skipped_and_keys_isolate_salt(pair):
+    holder, reader = pair()
+    toks = _tokens(4 * C + 1, 3)
+    h_ids = holder.run_request("p", toks)
+    # vLLM already has the first 3 blocks locally (block aligned, mid-chunk): read the rest only.
+    ext, r_ids, errors = reader.load("d", toks, local=3 * BS)
+    assert ext == 4 * C - 3 * BS and not errors
+    assert _same_blocks(holder, h_ids[3:8], reader, r_ids[3:8])
+    assert not any(torch.equal(holder.kv[n][h_ids[0]], reader.kv[n][r_ids[0]]) for n in holder.kv)
+    # Same tokens under another cache salt: different keys, no hit.
+    ext_salt, _ = reader.sched.get_num_new_matched_tokens("s", toks, len(toks), 0, "other-salt")
+    assert ext_salt == 0
+
+
+def test_expired_lock_turns_into_load_errors(pair, tmp_path, monkeypatch):
+    holder, reader = pair()
+    toks = _tokens(2 * C + 5, 4)
+    holder.run_request("p", toks)
+    (tmp_path / "lock_ttl_s").write_text("0.6")
+    (tmp_path / "read_delay_s").write_text("1.2")
+    monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
+    ext, r_ids, errors = reader.load("d", toks)
+    assert ext == 2 * C
+    assert errors == set(r_ids[:4])
+    assert reader.worker.stats.loads_failed == 1 and reader.worker.stats.loads_ok == 0
+
+
+def test_dead_holder_turns_into_load_errors(pair):
+    holder, reader = pair()
+    toks = _tokens(2 * C + 5, 5)
+    holder.run_request("p", toks)
+    holder.worker.transport.close()  # the holder's KV server is gone; the master still lists it
+    t0 = time.monotonic()
+    ext, r_ids, errors = reader.load("d", toks)
+    assert ext == 2 * C and errors == set(r_ids[:4])
+    assert time.monotonic() - t0 < 5
+
+
+def test_unreachable_master_means_zero_hits_quickly(master):
+    r = Node("lonely", "127.0.0.1:1", False, True, seed=None, lookup_timeout_s=0.3)
+    try:
+        t0 = time.monotonic()
+        assert r.sched.get_num_new_matched_tokens("x", _tokens(3 * C, 6), 3 * C, 0, None) == (0, False)
+        assert time.monotonic() - t0 < 2.0
+        assert r.sched.stats.master_errors == 1
+    finally:
+        r.close()
+
+
+def test_retention_frees_blocks_but_not_while_locked(pair):
+    holder, reader = pair(retention_s=0.5, lock_ttl_s=3.0)
+    toks = _tokens(C + 3, 7)
+    holder.run_request("p", toks)
+    free_before = holder.pool.get_num_free_blocks()
+    # A reader locks the chunk (lookup) and does not finish: retention passes, the chunk stays.
+    ext, _ = reader.sched.get_num_new_matched_tokens("d", toks, len(toks), 0, None)
+    assert ext == C
+    time.sleep(1.2)
+    holder.sched.drain_frees()
+    assert holder.pool.get_num_free_blocks() == free_before and holder.sched.held_chunks == 1
+    # Lock released (request aborted before allocation): the reaper unpublishes, blocks come back.
+    reader.sched.request_finished("d", None, [], None)
+    deadline = time.monotonic() + 5
+    while holder.sched.held_chunks:
+        assert time.monotonic() < deadline, "held chunk never freed after its lock went away"
+        time.sleep(0.05)
+    holder.sched.drain_frees()
+    assert holder.pool.get_num_free_blocks() == free_before + 2
+    assert reader.sched.get_num_new_matched_tokens("d2", toks, len(toks), 0, None) == (0, False)
+
+
+def test_held_share_is_capped(pair):
+    holder, _ = pair(max_held_fraction=0.25)  # 8 of 32 blocks
+    cap = int(0.25 * NUM_BLOCKS)
+    for i in range(4):  # 4 requests x 3 chunks x 2 blocks = 24 blocks wanted
+        holder.run_request(f"p{i}", _tokens(3 * C + 1, 10 + i))
+        assert holder.sched.held_blocks <= cap
+    holder.sched.drain_frees()
+    assert holder.pool.get_num_free_blocks() >= NUM_BLOCKS - 1 - cap
+    assert holder.sched.stats.pressure_reclaims > 0
