@@ -65,6 +65,12 @@ def _add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="least_loaded")
     p.add_argument("--timeout", type=float, default=300, help="per backend request, seconds")
     p.add_argument("--connect-timeout", type=float, default=5, help="backend connect, seconds")
+    p.add_argument("--handoff", choices=("none", "nixl"), default="none",
+                   help="none: decode finds KV through the pdxfer master; nixl: pass vLLM "
+                        "NixlConnector kv_transfer_params from prefill to decode")
+    p.add_argument("--prefill-failure", choices=("error", "decode"), default="error",
+                   help="when prefill fails: answer 502/504 (error) or let decode compute (decode)")
+    p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")
 
 
 def build_parser() -> argparse.ArgumentParser:

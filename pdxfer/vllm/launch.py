@@ -369,10 +369,10 @@ def start_master(log_dir: str | Path, token_file: str | Path | None = None,
     deadline = time.monotonic() + timeout
     try:
         while True:
-            text = port_file.read_text().strip() if port_file.exists() else ""
+            # The master writes "<port>\n<http port>\n" atomically (os.replace).
+            text = port_file.read_text().split() if port_file.exists() else []
             if text:
-                addr = text if ":" in text else f"127.0.0.1:{int(text)}"
-                return proc, addr
+                return proc, f"127.0.0.1:{int(text[0])}"
             if not proc.alive():
                 raise RuntimeError(f"pdxfer-master exited with {proc.returncode}; log:\n"
                                    f"{proc.log_tail()}")
