@@ -1,0 +1,61 @@
+"""pdxfer-master: the chunk index (key -> holder node, block ids) and its lifetime rules.
+
+Client API: :mod:`pdxfer.master.client` (``MasterClient``, ``NodeSession``, ``start_local_master``).
+
+CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
+
+    pdxfer-master [--host 127.0.0.1] [--port 0] [--port-file F]
+                  [--http-host H] [--http-port 0|-1] [--advertise HOST:PORT]
+                  [--token-file F]
+                  [--etcd HOST:PORT[,HOST:PORT]] [--etcd-prefix /pdxfer/master]
+                  [--leader-ttl 5] [--etcd-timeout 1]
+                  [--chunk-tokens 256] [--max-entries 10000000] [--log-level INFO]
+
+--host / --port      wire-protocol listen address; port 0 lets the OS choose.
+--port-file F        once listening, F is (atomically) written as "<wire port>\\n<http port>\\n".
+--http-host/--http-port
+                     ``GET /metrics`` (Prometheus text) and ``GET /health`` (JSON: status ok |
+                     degraded | standby); port 0 = OS-chosen, -1 = no HTTP endpoint.
+--token-file F       shared secret; every request must carry it, others are refused and logged.
+--etcd ...           HA mode: replicas elect a leader through etcd (lease-held key
+                     ``<prefix>/leader`` holding ``{"addr": ADVERTISE, ...}``), the leader mirrors
+                     node membership as keys under per-node leases (``<prefix>/nodes/<id>``).
+                     Standbys answer "not leader"; clients given ``etcd://host:port/prefix`` follow.
+                     If etcd becomes unreachable the leader keeps serving from memory and reports
+                     itself degraded.
+--advertise          address clients should use to reach this replica (default host:port).
+--leader-ttl         leader lease TTL (s); renewed every TTL/3 on the remaining time.
+--chunk-tokens       only used to report hit tokens (hit chunks x chunk tokens).
+
+Without ``--etcd`` it is one process with everything in memory.
+"""
+
+from pdxfer.master.client import (
+    ChunkLocation,
+    LocalMaster,
+    LookupResult,
+    MasterAuthError,
+    MasterClient,
+    MasterError,
+    MasterProtocolError,
+    MasterUnavailable,
+    NodeInfo,
+    NodeSession,
+    UnknownNode,
+    start_local_master,
+)
+
+__all__ = [
+    "ChunkLocation",
+    "LocalMaster",
+    "LookupResult",
+    "MasterAuthError",
+    "MasterClient",
+    "MasterError",
+    "MasterProtocolError",
+    "MasterUnavailable",
+    "NodeInfo",
+    "NodeSession",
+    "UnknownNode",
+    "start_local_master",
+]

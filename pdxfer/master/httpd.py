@@ -1,0 +1,62 @@
+"""A minimal asyncio HTTP/1.0 endpoint for ``GET /metrics`` and ``GET /health``.
+
+Stdlib only (the master must not need aiohttp): one request per connection, bounded request size
+and read time, anything else answered 404/405/400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Callable
+
+log = logging.getLogger("pdxfer.master.http")
+
+_MAX_REQUEST_BYTES = 8192
+_READ_TIMEOUT_S = 5.0
+
+
+def _response(status: str, body: bytes, ctype: str) -> bytes:
+    head = f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    return head.encode() + body
+
+
+async def serve_http(
+    host: str,
+    port: int,
+    metrics: Callable[[], str],
+    health: Callable[[], tuple[bool, dict[str, Any]]],
+) -> asyncio.AbstractServer:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
+            except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+                writer.write(_response("400 Bad Request", b"bad request\n", "text/plain"))
+                return
+            if len(head) > _MAX_REQUEST_BYTES:
+                writer.write(_response("400 Bad Request", b"request too large\n", "text/plain"))
+                return
+            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            if len(parts) != 3:
+                writer.write(_response("400 Bad Request", b"bad request line\n", "text/plain"))
+                return
+            method, path = parts[0], parts[1].split("?", 1)[0]
+            if method != "GET":
+                writer.write(_response("405 Method Not Allowed", b"only GET\n", "text/plain"))
+            elif path == "/metrics":
+                writer.write(_response("200 OK", metrics().encode(), "text/plain; version=0.0.4"))
+            elif path == "/health":
+                ok, doc = health()
+                status = "200 OK" if ok else "503 Service Unavailable"
+                writer.write(_response(status, json.dumps(doc).encode() + b"\n", "application/json"))
+            else:
+                writer.write(_response("404 Not Found", b"try /metrics or /health\n", "text/plain"))
+            await writer.drain()
+        except (ConnectionError, OSError) as exc:
+            log.debug("http client went away: %s", exc)
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST_BYTES)

@@ -1,0 +1,383 @@
+"""The chunk index and its lifetime rules, in memory. Single-threaded: the service calls it from
+its event loop only, so every operation is atomic with respect to every other one; this is the one
+place where lock validity and unpublish are ordered (DESIGN.md invariant 1).
+
+Rules:
+- A node is registered under a lease (``ttl``); each heartbeat extends it by ``ttl``. A node whose
+  lease ran out is dropped together with every entry it published and every lock that pinned one
+  of its entries (release of such a lock returns False). Registering an id that is already
+  registered starts a new incarnation: the old one's entries and locks are dropped.
+- An entry is (key, node) -> block ids, with an optional hold-until (retention). Past its
+  hold-until an entry is no longer served to lookups; it stays until the holder unpublishes it
+  (which then succeeds unless a lock is still valid) or its node goes away.
+- ``lookup_and_lock`` returns the longest contiguous prefix of the keys that some live node holds,
+  picks holders greedily (the node with the longest run from the current chunk, ties by node id:
+  deterministic, and the first pick is the node holding the longest prefix) and pins the chosen
+  entries under one lock with a deadline.
+- ``release`` is True only if the lock was still valid when the release arrived.
+- ``unpublish_if_unlocked`` removes an entry only when no valid lock pins it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+INF = math.inf
+
+
+class UnknownNodeError(KeyError):
+    """The node id is not registered (never was, deregistered, or its lease ran out)."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id)
+        self.node_id = node_id
+
+    def __str__(self) -> str:
+        return f"node {self.node_id!r} is not registered (unknown, deregistered, or its lease expired)"
+
+
+class Node:
+    __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks")
+
+    def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int) -> None:
+        self.node_id = node_id
+        self.info_json = info_json  # pre-encoded JSON object sent with every lookup that hits it
+        self.ttl = ttl
+        self.expires_at = expires_at
+        self.epoch = epoch
+        self.entries: dict[bytes, Entry] = {}
+        self.locks: set[str] = set()
+
+
+class Entry:
+    __slots__ = ("node", "blocks", "nblocks", "hold_until", "pins", "pin_until")
+
+    def __init__(self, node: Node, blocks: bytes, hold_until: float) -> None:
+        self.node = node
+        self.blocks = blocks  # little-endian uint32 block ids, in token order
+        self.nblocks = len(blocks) // 4
+        self.hold_until = hold_until
+        # Locks pinning this entry (not yet released or reaped) and the latest of their deadlines.
+        self.pins = 0
+        self.pin_until = 0.0
+
+
+@dataclass
+class Lock:
+    lock_id: str
+    reader: str
+    deadline: float
+    pins: list[Entry]
+    nodes: set[str]
+
+
+@dataclass
+class LookupOutcome:
+    lock_id: str | None
+    hit: int
+    runs: list[tuple[str, int]]  # (node id, number of consecutive chunks taken from it)
+    counts: list[int]  # blocks per hit chunk
+    blocks: bytes  # concatenated uint32 block ids of all hit chunks
+    nodes: dict[str, Node]
+
+
+@dataclass
+class Counters:
+    lookups: int = 0
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
+    releases_ok: int = 0
+    releases_expired: int = 0
+    published: int = 0
+    publish_refused: int = 0
+    unpublished: int = 0
+    unpublish_refused: int = 0
+    nodes_expired: int = 0
+    locks_invalidated: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class ChunkIndex:
+    def __init__(self, max_entries: int = 10_000_000, lock_prefix: str | None = None) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.entries: dict[bytes, dict[str, Entry]] = {}
+        self.locks: dict[str, Lock] = {}
+        self.max_entries = max_entries
+        self.n_entries = 0
+        self.counters = Counters()
+        # Lock ids carry a per-incarnation prefix: a lock granted by a previous master (before a
+        # failover or restart) is never mistaken for one of ours, so its release says False.
+        self._lock_prefix = lock_prefix or os.urandom(4).hex()
+        self._lock_seq = itertools.count(1)
+        self._epochs = itertools.count(1)
+        self._lock_heap: list[tuple[float, str]] = []
+        self.on_node_dropped: Callable[[str, str], None] | None = None  # (node id, why)
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def register(self, node_id: str, info_json: str, ttl: float, now: float) -> int:
+        if node_id in self.nodes:
+            self._drop_node(node_id, "re-registered")
+        node = Node(node_id, info_json, ttl, now + ttl, next(self._epochs))
+        self.nodes[node_id] = node
+        return node.epoch
+
+    def heartbeat(self, node_id: str, now: float) -> float | None:
+        """Extend the lease; the new remaining time, or None when the node is not (or no longer) known."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return None
+        if node.expires_at <= now:
+            self._drop_node(node_id, "lease expired")
+            return None
+        node.expires_at = now + node.ttl
+        return node.ttl
+
+    def deregister(self, node_id: str) -> bool:
+        if node_id not in self.nodes:
+            return False
+        self._drop_node(node_id, "deregistered")
+        return True
+
+    def _live_node(self, node_id: str, now: float) -> Node:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise UnknownNodeError(node_id)
+        if node.expires_at <= now:
+            self._drop_node(node_id, "lease expired")
+            raise UnknownNodeError(node_id)
+        return node
+
+    def _drop_node(self, node_id: str, why: str) -> None:
+        node = self.nodes.pop(node_id)
+        for lock_id in list(node.locks):
+            lock = self.locks.pop(lock_id, None)
+            if lock is not None:
+                self.counters.locks_invalidated += 1
+                self._unpin(lock)
+        for key in node.entries:
+            holders = self.entries.get(key)
+            if holders is not None:
+                holders.pop(node_id, None)
+                if not holders:
+                    del self.entries[key]
+        self.n_entries -= len(node.entries)
+        node.entries = {}
+        if why == "lease expired":
+            self.counters.nodes_expired += 1
+        if self.on_node_dropped is not None:
+            self.on_node_dropped(node_id, why)
+
+    # ---- entries ------------------------------------------------------------------------------
+
+    def publish(
+        self, node_id: str, items: Iterable[tuple[bytes, bytes]], retention_s: float | None, now: float
+    ) -> int:
+        """Add or refresh entries; returns how many were accepted.
+
+        Refused: re-publishing a key with *different* blocks while a valid lock pins the old ones
+        (a reader is copying them), and anything beyond ``max_entries``.
+        """
+        node = self._live_node(node_id, now)
+        hold_until = INF if retention_s is None else now + retention_s
+        accepted = 0
+        for key, blocks in items:
+            old = node.entries.get(key)
+            if old is not None:
+                if old.blocks != blocks and self._has_valid_lock(old, now):
+                    self.counters.publish_refused += 1
+                    continue
+                old.blocks = blocks
+                old.nblocks = len(blocks) // 4
+                old.hold_until = hold_until
+                accepted += 1
+                continue
+            if self.n_entries >= self.max_entries:
+                self.counters.publish_refused += 1
+                continue
+            entry = Entry(node, blocks, hold_until)
+            node.entries[key] = entry
+            holders = self.entries.get(key)
+            if holders is None:
+                self.entries[key] = {node_id: entry}
+            else:
+                holders[node_id] = entry
+            self.n_entries += 1
+            accepted += 1
+        self.counters.published += accepted
+        return accepted
+
+    def _has_valid_lock(self, entry: Entry, now: float) -> bool:
+        if entry.pins == 0 or entry.pin_until <= now:
+            return False
+        # Some pinning lock may have expired without being reaped yet: reap, then every lock
+        # still pinning has a deadline in the future.
+        self._reap_locks(now)
+        return entry.pins > 0
+
+    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], now: float) -> list[int]:
+        """Indices (into ``keys``) of the entries removed; locked ones are kept, unknown ones ignored."""
+        node = self._live_node(node_id, now)
+        removed: list[int] = []
+        for i, key in enumerate(keys):
+            entry = node.entries.get(key)
+            if entry is None:
+                continue
+            if self._has_valid_lock(entry, now):
+                self.counters.unpublish_refused += 1
+                continue
+            del node.entries[key]
+            holders = self.entries[key]
+            del holders[node_id]
+            if not holders:
+                del self.entries[key]
+            self.n_entries -= 1
+            removed.append(i)
+        self.counters.unpublished += len(removed)
+        return removed
+
+    # ---- lookups and locks --------------------------------------------------------------------
+
+    def lookup_and_lock(self, keys: Sequence[bytes], reader: str, ttl: float, now: float) -> LookupOutcome:
+        c = self.counters
+        c.lookups += 1
+        c.lookup_chunks += len(keys)
+        entries = self.entries
+        chosen: list[Entry] = []
+        runs: list[list[Any]] = []  # [node id, chunks]
+        cur: str | None = None
+        n = len(keys)
+        i = 0
+        # One pass: stay on the current holder while it holds the next chunk; when it does not,
+        # switch to the live holder with the longest run from here (ties: smallest node id). The
+        # first pick is thus the node holding the longest prefix, and the choice is deterministic.
+        # A chunk nobody live holds ends the prefix: a miss at chunk i hides chunks i+1...
+        while i < n:
+            holders = entries.get(keys[i])
+            if holders is None:
+                break
+            if cur is not None:
+                e = holders.get(cur)
+                if e is not None and e.hold_until > now and e.node.expires_at > now:
+                    chosen.append(e)
+                    runs[-1][1] += 1
+                    i += 1
+                    continue
+            live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now]
+            if not live:
+                break
+            if len(live) == 1:
+                cur = live[0]
+            else:
+                cur = min(live, key=lambda nid: (-self._run_length(keys, i, nid, now), nid))
+            chosen.append(holders[cur])
+            runs.append([cur, 1])
+            i += 1
+        hit = len(chosen)
+        if hit == 0:
+            return LookupOutcome(None, 0, [], [], b"", {})
+        lock_id = f"{self._lock_prefix}-{next(self._lock_seq):x}"
+        deadline = now + ttl
+        for e in chosen:
+            e.pins += 1
+            if deadline > e.pin_until:
+                e.pin_until = deadline
+        nodes = {}
+        for nid, _ in runs:
+            node = self.nodes[nid]
+            node.locks.add(lock_id)
+            nodes[nid] = node
+        self.locks[lock_id] = Lock(lock_id, reader, deadline, chosen, set(nodes))
+        heapq.heappush(self._lock_heap, (deadline, lock_id))
+        c.hit_chunks += hit
+        return LookupOutcome(
+            lock_id,
+            hit,
+            [(nid, k) for nid, k in runs],
+            [e.nblocks for e in chosen],
+            b"".join([e.blocks for e in chosen]),
+            nodes,
+        )
+
+    def _run_length(self, keys: Sequence[bytes], start: int, nid: str, now: float) -> int:
+        j = start
+        entries = self.entries
+        while j < len(keys):
+            holders = entries.get(keys[j])
+            e = holders.get(nid) if holders else None
+            if e is None or not (e.hold_until > now and e.node.expires_at > now):
+                break
+            j += 1
+        return j - start
+
+    def release(self, lock_id: str, now: float) -> bool:
+        lock = self.locks.pop(lock_id, None)
+        if lock is None:
+            self.counters.releases_expired += 1
+            return False
+        self._unpin(lock)
+        valid = now < lock.deadline
+        if valid:
+            self.counters.releases_ok += 1
+        else:
+            self.counters.releases_expired += 1
+        return valid
+
+    def _unpin(self, lock: Lock) -> None:
+        for e in lock.pins:
+            e.pins -= 1
+            if e.pins == 0:
+                e.pin_until = 0.0
+        lid = lock.lock_id
+        for nid in lock.nodes:
+            node = self.nodes.get(nid)
+            if node is not None:
+                node.locks.discard(lid)
+
+    # ---- housekeeping -------------------------------------------------------------------------
+
+    def expire(self, now: float) -> None:
+        """Drop nodes whose lease ran out and forget locks past their deadline."""
+        for nid in [nid for nid, n in self.nodes.items() if n.expires_at <= now]:
+            self._drop_node(nid, "lease expired")
+        self._reap_locks(now)
+
+    def _reap_locks(self, now: float) -> None:
+        heap = self._lock_heap
+        while heap and heap[0][0] <= now:
+            _, lid = heapq.heappop(heap)
+            lock = self.locks.pop(lid, None)
+            if lock is not None:
+                self._unpin(lock)
+
+    def clear(self) -> None:
+        """Forget everything (a master that stops being leader must not serve stale state)."""
+        for nid in list(self.nodes):
+            self._drop_node(nid, "cleared")
+        self.locks.clear()
+        self._lock_heap.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "nodes": len(self.nodes),
+            "entries": self.n_entries,
+            "keys": len(self.entries),
+            "locks": len(self.locks),
+            "lookups": c.lookups,
+            "lookup_chunks": c.lookup_chunks,
+            "hit_chunks": c.hit_chunks,
+            "releases_ok": c.releases_ok,
+            "releases_expired": c.releases_expired,
+            "published": c.published,
+            "publish_refused": c.publish_refused,
+            "unpublished": c.unpublished,
+            "unpublish_refused": c.unpublish_refused,
+            "nodes_expired": c.nodes_expired,
+            "locks_invalidated": c.locks_invalidated,
+        }

@@ -1,0 +1,202 @@
+"""pdxfer-master wire protocol: one length-prefixed binary frame per request and per reply.
+
+Frame = 16-byte header + JSON document + binary blob::
+
+    magic  b"PX"   2 bytes
+    version        u8   (PROTOCOL_VERSION; a mismatch is refused with a clear error)
+    op             u8   (request op; a reply carries op | REPLY_BIT, an error carries OP_ERROR)
+    request id     u32  (echoed in the reply)
+    json length    u32  (<= MAX_JSON_BYTES)
+    blob length    u32  (<= MAX_BLOB_BYTES)
+
+The JSON part carries small fields; the blob carries what is big and fixed-size on the hot path
+(32-byte chunk keys, concatenated; block ids as little-endian uint32), so a 512-key lookup never
+pays for JSON-encoding keys or block lists. Everything is big-endian in the header.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from array import array
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pdxfer.keys import KEY_BYTES
+
+MAGIC = b"PX"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!2sBBIII")
+HEADER_BYTES = HEADER.size  # 16
+
+MAX_JSON_BYTES = 1 << 20  # 1 MiB of small fields is far beyond any legitimate request
+MAX_BLOB_BYTES = 16 << 20  # 16 MiB: 512k keys, or 4M block ids
+MAX_KEYS_PER_REQUEST = 65536
+MAX_BLOCKS_PER_CHUNK = 65536
+MAX_ID_CHARS = 256  # node ids, reader names, lock ids
+MAX_METADATA_BYTES = 1 << 20  # a transport metadata blob (NIXL's is ~550 bytes)
+_U32_MAX = 0xFFFFFFFF
+
+REPLY_BIT = 0x80
+OP_ERROR = 0xFF
+
+# Request ops.
+OP_REGISTER = 1
+OP_HEARTBEAT = 2
+OP_DEREGISTER = 3
+OP_PUBLISH = 4
+OP_LOOKUP = 5
+OP_RELEASE = 6
+OP_UNPUBLISH = 7
+OP_STATS = 8
+OP_PING = 9
+
+OP_NAMES = {
+    OP_REGISTER: "register",
+    OP_HEARTBEAT: "heartbeat",
+    OP_DEREGISTER: "deregister",
+    OP_PUBLISH: "publish",
+    OP_LOOKUP: "lookup_and_lock",
+    OP_RELEASE: "release",
+    OP_UNPUBLISH: "unpublish_if_unlocked",
+    OP_STATS: "stats",
+    OP_PING: "ping",
+}
+
+# Error codes carried in an OP_ERROR reply's JSON ("err").
+ERR_MALFORMED = "malformed"
+ERR_OVERSIZED = "oversized"
+ERR_VERSION = "version"
+ERR_AUTH = "auth"
+ERR_UNKNOWN_NODE = "unknown_node"
+ERR_NOT_LEADER = "not_leader"
+ERR_UNKNOWN_OP = "unknown_op"
+ERR_INTERNAL = "internal"
+
+
+class ProtocolError(ValueError):
+    """A frame or document that does not follow the protocol. ``code`` is one of the ERR_* codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    op: int
+    req_id: int
+    json_len: int
+    blob_len: int
+
+
+def parse_header(data: bytes, max_json: int = MAX_JSON_BYTES, max_blob: int = MAX_BLOB_BYTES) -> Header:
+    """Validate a 16-byte header; raises ProtocolError naming what is wrong."""
+    if len(data) != HEADER_BYTES:
+        raise ProtocolError(ERR_MALFORMED, f"header must be {HEADER_BYTES} bytes, got {len(data)}")
+    magic, version, op, req_id, json_len, blob_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(ERR_MALFORMED, f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ERR_VERSION, f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
+    if json_len > max_json:
+        raise ProtocolError(ERR_OVERSIZED, f"JSON part of {json_len} bytes exceeds the limit of {max_json}")
+    if blob_len > max_blob:
+        raise ProtocolError(ERR_OVERSIZED, f"blob of {blob_len} bytes exceeds the limit of {max_blob}")
+    return Header(version, op, req_id, json_len, blob_len)
+
+
+def encode_frame(op: int, req_id: int, doc: dict[str, Any], blob: bytes = b"") -> bytes:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, op, req_id & _U32_MAX, len(body), len(blob)) + body + blob
+
+
+def decode_json(data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data) if data else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(ERR_MALFORMED, f"JSON part does not parse: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError(ERR_MALFORMED, f"JSON part must be an object, got {type(doc).__name__}")
+    return doc
+
+
+# ---- field helpers: every bad field gets an error naming the field -------------------------------
+
+
+def get_str(doc: dict[str, Any], name: str, optional: bool = False) -> str | None:
+    value = doc.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
+        raise ProtocolError(ERR_MALFORMED, f"field {name!r} must be a non-empty string of <= {MAX_ID_CHARS} chars")
+    return value
+
+
+def get_int(doc: dict[str, Any], name: str, lo: int, hi: int) -> int:
+    value = doc.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ProtocolError(ERR_MALFORMED, f"field {name!r} must be an integer in [{lo}, {hi}], got {value!r:.40}")
+    return value
+
+
+def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: bool = False) -> float | None:
+    value = doc.get(name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ProtocolError(ERR_MALFORMED, f"field {name!r} must be a number in [{lo}, {hi}], got {value!r:.40}")
+    return float(value)
+
+
+def split_keys(blob: bytes | memoryview, n: int) -> list[bytes]:
+    """The first ``n`` 32-byte keys of ``blob``."""
+    if n < 0 or n > MAX_KEYS_PER_REQUEST:
+        raise ProtocolError(ERR_OVERSIZED, f"{n} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    if len(blob) < n * KEY_BYTES:
+        raise ProtocolError(ERR_MALFORMED, f"blob holds {len(blob)} bytes, too short for {n} keys of {KEY_BYTES}")
+    b = bytes(blob[: n * KEY_BYTES])
+    return [b[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)]
+
+
+def join_keys(keys: Sequence[bytes]) -> bytes:
+    if len(keys) > MAX_KEYS_PER_REQUEST:
+        raise ValueError(f"{len(keys)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    try:
+        lengths = set(map(len, keys))  # C-speed check; the hot path sends 512 keys per lookup
+        joined = b"".join(keys)
+    except TypeError:
+        lengths = {-1}
+    if lengths - {KEY_BYTES}:
+        for i, k in enumerate(keys):
+            if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+                raise ValueError(f"key {i} must be {KEY_BYTES} bytes, got {k!r:.60}")
+    return joined
+
+
+def pack_u32(values: Sequence[int]) -> bytes:
+    """Little-endian uint32 array; raises ValueError naming a value outside uint32."""
+    try:
+        arr = array("I", values)
+    except (OverflowError, TypeError) as exc:
+        bad = next((v for v in values if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _U32_MAX), None)
+        raise ValueError(f"block id {bad!r} is not an integer in [0, {_U32_MAX}]") from exc
+    if arr.itemsize != 4:  # pragma: no cover - every platform CPython runs on has 4-byte 'I'
+        arr = array("L", values)
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_u32(data: bytes | memoryview) -> list[int]:
+    if len(data) % 4:
+        raise ProtocolError(ERR_MALFORMED, f"uint32 array of {len(data)} bytes is not a multiple of 4")
+    arr = array("I")
+    arr.frombytes(bytes(data))
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return arr.tolist()

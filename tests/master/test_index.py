@@ -1,0 +1,106 @@
+"""The index's rules, driven with explicit timestamps (the index takes `now` as an argument)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdxfer.master.index import ChunkIndex, UnknownNodeError
+from pdxfer.master.protocol import pack_u32, unpack_u32
+
+from .conftest import keys_for
+
+
+def idx_with(*holders: tuple[str, list[int]], ttl: float = 10.0) -> tuple[ChunkIndex, list[bytes]]:
+    """An index where each node holds the given chunk indices of one 10-key prompt."""
+    ix = ChunkIndex()
+    keys = keys_for("p", 10)
+    for nid, chunks in holders:
+        ix.register(nid, "{}", ttl, now=0.0)
+        ix.publish(nid, [(keys[c], pack_u32([100 * c, 100 * c + 1])) for c in chunks], None, now=0.0)
+    return ix, keys
+
+
+def test_miss_hides_everything_after_it():
+    ix, keys = idx_with(("a", [0, 1, 3, 4]))
+    out = ix.lookup_and_lock(keys[:5], "r", 5.0, now=1.0)
+    assert out.hit == 2
+    assert unpack_u32(out.blocks) == [0, 1, 100, 101]
+
+
+def test_prefers_the_node_with_the_longest_prefix_then_switches_minimally():
+    ix, keys = idx_with(("a", [0, 1, 2]), ("b", [0, 1, 2, 3, 4]), ("c", [4, 5, 6]))
+    out = ix.lookup_and_lock(keys[:8], "r", 5.0, now=1.0)
+    assert out.hit == 7
+    assert out.runs == [("b", 5), ("c", 2)]
+
+
+def test_choice_is_deterministic_on_ties():
+    ix, keys = idx_with(("z", [0, 1]), ("m", [0, 1]))
+    for t in range(5):
+        assert ix.lookup_and_lock(keys[:2], "r", 5.0, now=1.0 + t).runs == [("m", 2)]
+
+
+def test_release_after_deadline_is_false_even_if_entry_exists():
+    ix, keys = idx_with(("a", [0, 1]))
+    lock = ix.lookup_and_lock(keys[:2], "r", 1.0, now=1.0).lock_id
+    assert ix.release(lock, now=2.5) is False
+    lock2 = ix.lookup_and_lock(keys[:2], "r", 1.0, now=3.0).lock_id
+    assert ix.release(lock2, now=3.5) is True
+    assert ix.release(lock2, now=3.6) is False  # a lock is released once
+
+
+def test_unpublish_refused_while_locked_then_allowed():
+    ix, keys = idx_with(("a", [0, 1]))
+    lock = ix.lookup_and_lock(keys[:1], "r", 5.0, now=1.0).lock_id
+    assert ix.unpublish_if_unlocked("a", keys[:2], now=2.0) == [1]  # chunk 1 was not locked
+    assert ix.unpublish_if_unlocked("a", keys[:1], now=2.0) == []
+    # the lock expired (never released): unpublish goes through
+    assert ix.unpublish_if_unlocked("a", keys[:1], now=6.5) == [0]
+    assert ix.release(lock, now=6.6) is False
+    assert ix.n_entries == 0 and not ix.entries
+
+
+def test_lease_expiry_drops_entries_and_invalidates_locks():
+    ix, keys = idx_with(("a", [0, 1]), ("b", [0]), ttl=2.0)
+    out = ix.lookup_and_lock(keys[:2], "r", 60.0, now=1.0)
+    assert out.runs == [("a", 2)]
+    assert ix.heartbeat("b", now=1.5) == 2.0  # b stays, a does not
+    ix.expire(now=2.5)
+    assert "a" not in ix.nodes and ix.n_entries == 1
+    assert ix.release(out.lock_id, now=2.6) is False  # no lock outlives its node's lease
+    assert ix.lookup_and_lock(keys[:2], "r", 5.0, now=2.7).runs == [("b", 1)]
+    with pytest.raises(UnknownNodeError):
+        ix.publish("a", [], None, now=3.0)
+    assert ix.heartbeat("a", now=3.0) is None
+
+
+def test_expired_node_is_not_served_even_before_the_reaper_runs():
+    ix, keys = idx_with(("a", [0]), ttl=1.0)
+    assert ix.lookup_and_lock(keys[:1], "r", 5.0, now=1.5).hit == 0
+
+
+def test_retention_hides_entry_and_unpublish_succeeds():
+    ix = ChunkIndex()
+    keys = keys_for("r", 2)
+    ix.register("a", "{}", 60.0, now=0.0)
+    ix.publish("a", [(keys[0], pack_u32([1]))], 1.0, now=0.0)
+    assert ix.lookup_and_lock(keys[:1], "r", 5.0, now=0.5).hit == 1
+    assert ix.lookup_and_lock(keys[:1], "r", 5.0, now=1.5).hit == 0
+    assert ix.unpublish_if_unlocked("a", keys[:1], now=7.0) == [0]
+
+
+def test_republish_with_other_blocks_refused_while_locked():
+    ix, keys = idx_with(("a", [0]))
+    lock = ix.lookup_and_lock(keys[:1], "r", 5.0, now=1.0).lock_id
+    assert ix.publish("a", [(keys[0], pack_u32([7]))], None, now=1.1) == 0
+    assert ix.publish("a", [(keys[0], pack_u32([0, 1]))], None, now=1.1) == 1  # same blocks: refresh
+    assert ix.release(lock, now=1.2)
+    assert ix.publish("a", [(keys[0], pack_u32([7]))], None, now=1.3) == 1
+
+
+def test_reregistration_starts_a_new_incarnation():
+    ix, keys = idx_with(("a", [0]))
+    lock = ix.lookup_and_lock(keys[:1], "r", 5.0, now=1.0).lock_id
+    ix.register("a", "{}", 10.0, now=1.1)
+    assert ix.n_entries == 0
+    assert ix.release(lock, now=1.2) is False
