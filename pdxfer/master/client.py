@@ -233,6 +233,7 @@ class MasterClient:
         for attempt in itertools.count():
             if attempt and time.monotonic() >= deadline:
                 raise MasterUnavailable(f"{P.OP_NAMES.get(op, op)}: no master answered within {self.timeout_s}s ({last})")
+            addr = None
             try:
                 addr = self._leader(deadline)
                 conn = self._take(addr, deadline)
@@ -240,6 +241,8 @@ class MasterClient:
                 last = str(exc)
                 if self._etcd is None:
                     raise
+                if addr is not None:
+                    self._forget_leader(addr)  # refused: the leader we knew is gone; ask etcd again
                 time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
                 continue
             reused = conn.used

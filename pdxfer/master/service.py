@@ -46,6 +46,8 @@ class MasterService:
         self.coord.on_become_leader = self._became_leader
         self.coord.on_lose_leader = self._lost_leader
         self.index.on_node_dropped = lambda nid, why: self.coord.node_dropped(nid)
+        # The etcd coordinator re-mirrors current members after it lost its etcd state.
+        self.coord.members = lambda: [(nid, n.ttl, n.info_json) for nid, n in self.index.nodes.items()]
         self.chunk_tokens = chunk_tokens
         self.reap_interval_s = reap_interval_s
         self.started = time.time()

@@ -1,0 +1,322 @@
+"""HA coordination through etcd (``aetcd``): leader election, leader address, node membership.
+
+- Election: ``<prefix>/leader`` is created only if absent (txn on version == 0) under this
+  replica's lease; its value is ``{"addr": ADVERTISE, "id": REPLICA_ID}``. Standbys poll for the
+  key to disappear (the leader's lease ran out or it stepped down) and then race to create it.
+- Renewal: the leader refreshes its lease whenever a third of the TTL has passed since the last
+  *successful* refresh was sent (i.e. on the remaining time, with two more chances before expiry),
+  never "half the TTL after grant".
+- Membership: the leader mirrors each registered node as ``<prefix>/nodes/<id>`` under a per-node
+  etcd lease (refreshed on heartbeats, revoked on deregister/drop). The in-memory index stays the
+  authority for the hot path; etcd writes are queued and never block a request.
+- etcd unreachable: the leader keeps serving from memory and reports ``degraded``; when etcd
+  answers again it re-asserts (or re-acquires) leadership and re-mirrors the nodes, or steps down
+  (clearing its index) if another replica took over meanwhile.
+- After a failover the new leader starts empty; nodes find out through ``heartbeat -> False``,
+  re-register and re-publish what they hold (``NodeSession`` does this).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any, Callable
+
+import aetcd
+
+log = logging.getLogger("pdxfer.master.etcd")
+
+_POLL_S = 0.2  # standby poll and membership sync cadence
+
+
+class EtcdCoordinator:
+    kind = "etcd"
+
+    def __init__(self, endpoints: str, prefix: str = "/pdxfer/master", leader_ttl: float = 5.0,
+                 timeout_s: float = 1.0) -> None:
+        self.endpoints: list[tuple[str, int]] = []
+        for ep in endpoints.split(","):
+            host, _, port = ep.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint {ep!r} is not host:port")
+            self.endpoints.append((host, int(port)))
+        self.prefix = prefix.rstrip("/")
+        # etcd leases have whole-second TTLs.
+        self.leader_ttl = max(1, math.ceil(leader_ttl))
+        self.timeout_s = timeout_s
+        self.replica_id = uuid.uuid4().hex[:12]
+        self.advertise = ""
+        self.on_become_leader: Callable[[], None] | None = None
+        self.on_lose_leader: Callable[[], None] | None = None
+        self._leader = False
+        self._leader_addr: str | None = None
+        self._degraded: str | None = None
+        self._client: aetcd.Client | None = None
+        self._ep_index = 0
+        self._lease: Any = None
+        self._lease_sent = 0.0  # when the last successful refresh (or the grant) was sent
+        self._lease_ttl = float(self.leader_ttl)
+        self._task: asyncio.Task[None] | None = None
+        # membership mirror
+        self._pending: dict[str, tuple[str, float, str]] = {}  # node id -> ("put", ttl, json) | ("del", 0, "")
+        self._touched: set[str] = set()
+        self._node_leases: dict[str, tuple[Any, float, float]] = {}  # id -> (lease, ttl, last refresh)
+        self.failovers = 0
+        self.members: Callable[[], list[tuple[str, float, str]]] | None = None
+
+    @property
+    def leader_key(self) -> bytes:
+        return f"{self.prefix}/leader".encode()
+
+    def node_key(self, node_id: str) -> bytes:
+        return f"{self.prefix}/nodes/{node_id}".encode()
+
+    # ---- what the service reads -----------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leader
+
+    @property
+    def degraded(self) -> str | None:
+        return self._degraded
+
+    @property
+    def leader_address(self) -> str | None:
+        return self.advertise if self._leader else self._leader_addr
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "store": self.kind,
+            "leader": self._leader,
+            "leader_address": self.leader_address,
+            "degraded": self._degraded,
+            "replica_id": self.replica_id,
+            "etcd": "%s:%d" % self.endpoints[self._ep_index],
+        }
+
+    # ---- membership (queued; never blocks the caller) -------------------------------------------
+
+    def node_registered(self, node_id: str, ttl: float, info_json: str) -> None:
+        if self._leader:
+            self._pending[node_id] = ("put", ttl, info_json)
+
+    def node_heartbeat(self, node_id: str) -> None:
+        if self._leader:
+            self._touched.add(node_id)
+
+    def node_dropped(self, node_id: str) -> None:
+        if self._leader:
+            self._pending[node_id] = ("del", 0.0, "")
+            self._touched.discard(node_id)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, advertise: str) -> None:
+        self.advertise = advertise
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._leader and self._lease is not None:
+            # Step down promptly so a standby does not wait for the lease to run out.
+            try:
+                await self._call(self._lease.revoke())
+            except Exception as exc:
+                log.warning("could not revoke the leader lease on shutdown: %s", exc)
+        if self._client is not None:
+            try:
+                await asyncio.wait_for(self._client.close(), self.timeout_s)
+            except Exception:
+                pass
+
+    async def _call(self, coro: Any) -> Any:
+        # aetcd's own timeout covers the gRPC call; this bounds everything else around it too.
+        return await asyncio.wait_for(coro, self.timeout_s * 2)
+
+    async def _connect(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self.endpoints[self._ep_index]
+            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)
+            await self._call(self._client.connect())
+        return self._client
+
+    async def _reset_client(self) -> None:
+        client, self._client = self._client, None
+        if len(self.endpoints) > 1:
+            self._ep_index = (self._ep_index + 1) % len(self.endpoints)
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.close(), self.timeout_s)
+            except Exception:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                client = await self._connect()
+                if self._leader:
+                    await self._keep_leadership(client)
+                else:
+                    await self._campaign(client)
+                if self._leader:
+                    await self._sync_members(client)
+                if self._degraded is not None:
+                    log.warning("etcd reachable again; no longer degraded")
+                    if self._leader:
+                        # Node leases may have run out in etcd meanwhile: write members again.
+                        self._node_leases.clear()
+                        self._remirror_all()
+                self._degraded = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reason = f"etcd unreachable: {type(exc).__name__}: {exc}"[:300]
+                if self._degraded is None:
+                    log.warning("%s; %s", reason, "serving from memory" if self._leader else "standby waits")
+                self._degraded = reason
+                await self._reset_client()
+            await asyncio.sleep(_POLL_S if not self._leader else min(_POLL_S, self._lease_ttl / 6))
+
+    async def _campaign(self, client: aetcd.Client) -> None:
+        got = await self._call(client.get(self.leader_key))
+        if got is not None:
+            self._leader_addr = self._addr_of(got.value)
+            return
+        lease = await self._call(client.lease(self.leader_ttl))
+        sent = time.monotonic()
+        value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
+        tx = client.transactions
+        ok, _ = await self._call(client.transaction(
+            compare=[tx.version(self.leader_key) == 0],
+            success=[tx.put(self.leader_key, value, lease)],
+            failure=[],
+        ))
+        if not ok:
+            await self._call(lease.revoke())
+            return
+        self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(lease.ttl or self.leader_ttl)
+        self._leader = True
+        self._leader_addr = self.advertise
+        self.failovers += 1
+        self._node_leases.clear()
+        log.info("became leader (replica %s, lease ttl %ds, advertising %s)", self.replica_id, self.leader_ttl,
+                 self.advertise)
+        if self.on_become_leader is not None:
+            self.on_become_leader()
+
+    async def _keep_leadership(self, client: aetcd.Client) -> None:
+        now = time.monotonic()
+        if now - self._lease_sent < self._lease_ttl / 3:
+            return
+        sent = time.monotonic()
+        reply = await self._call(self._lease.refresh())
+        ttl = getattr(reply, "TTL", 0) if reply is not None else 0
+        if ttl > 0:
+            self._lease_sent, self._lease_ttl = sent, float(ttl)
+            got = await self._call(client.get(self.leader_key))
+            if got is not None and self._id_of(got.value) == self.replica_id:
+                return
+            if got is None:
+                # Our lease lives but the key is gone (deleted by hand): re-create it under the lease.
+                value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
+                tx = client.transactions
+                ok, _ = await self._call(client.transaction(
+                    compare=[tx.version(self.leader_key) == 0],
+                    success=[tx.put(self.leader_key, value, self._lease)], failure=[]))
+                if ok:
+                    return
+                got = await self._call(client.get(self.leader_key))
+            self._step_down("another replica holds the leader key",
+                            self._addr_of(got.value) if got is not None else None)
+            return
+        # Our lease is gone (expired while etcd was unreachable, or revoked). Try to take the key
+        # back; if somebody else has it, step down.
+        got = await self._call(client.get(self.leader_key))
+        if got is None:
+            lease = await self._call(client.lease(self.leader_ttl))
+            sent = time.monotonic()
+            value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
+            tx = client.transactions
+            ok, _ = await self._call(client.transaction(
+                compare=[tx.version(self.leader_key) == 0],
+                success=[tx.put(self.leader_key, value, lease)], failure=[]))
+            if ok:
+                log.warning("leader lease had expired; re-acquired leadership, re-mirroring nodes")
+                self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(lease.ttl or self.leader_ttl)
+                self._node_leases.clear()
+                self._remirror_all()
+                return
+            await self._call(lease.revoke())
+            got = await self._call(client.get(self.leader_key))
+        self._step_down("leader lease lost", self._addr_of(got.value) if got is not None else None)
+
+    def _remirror_all(self) -> None:
+        # Set by the service: current members to write again after losing our etcd state.
+        provider = self.members
+        if provider is None:
+            return
+        for node_id, ttl, info_json in provider():
+            self._pending[node_id] = ("put", ttl, info_json)
+
+    def _step_down(self, why: str, new_leader: str | None) -> None:
+        log.warning("stepping down: %s (leader now %s)", why, new_leader)
+        self._leader = False
+        self._leader_addr = new_leader
+        self._lease = None
+        self._pending.clear()
+        self._touched.clear()
+        self._node_leases.clear()
+        if self.on_lose_leader is not None:
+            self.on_lose_leader()
+
+    async def _sync_members(self, client: aetcd.Client) -> None:
+        # Take the queue first; anything that fails goes back for the next round.
+        pending, self._pending = self._pending, {}
+        touched, self._touched = self._touched, set()
+        try:
+            for node_id, (op, ttl, info_json) in list(pending.items()):
+                old = self._node_leases.pop(node_id, None)
+                if old is not None:
+                    await self._call(old[0].revoke())
+                if op == "put":
+                    lease = await self._call(client.lease(max(1, math.ceil(ttl))))
+                    await self._call(client.put(self.node_key(node_id), info_json.encode(), lease))
+                    self._node_leases[node_id] = (lease, ttl, time.monotonic())
+                else:
+                    await self._call(client.delete(self.node_key(node_id)))
+                del pending[node_id]
+            now = time.monotonic()
+            for node_id in list(touched):
+                held = self._node_leases.get(node_id)
+                if held is not None and now - held[2] >= held[1] / 3:
+                    await self._call(held[0].refresh())
+                    self._node_leases[node_id] = (held[0], held[1], now)
+                touched.discard(node_id)
+        finally:
+            for node_id, v in pending.items():
+                self._pending.setdefault(node_id, v)
+            self._touched |= touched
+
+    @staticmethod
+    def _addr_of(value: bytes) -> str | None:
+        try:
+            return str(json.loads(value)["addr"])
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def _id_of(value: bytes) -> str | None:
+        try:
+            return str(json.loads(value)["id"])
+        except (ValueError, KeyError, TypeError):
+            return None
