@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import operator
 import os
+import select
 import socket
 import threading
 import time
@@ -25,6 +27,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from pdxfer.layout import TransferPlan
 from pdxfer.transport import wire
@@ -46,6 +50,7 @@ from pdxfer.transport.tcp_server import RegionTable, TcpServer, region_view
 
 METADATA_VERSION = 1
 _ANY_INSTANCE = bytes(16)
+_RUN_FIELDS = operator.attrgetter("remote_region", "remote_offset", "local_region", "local_offset", "nbytes")
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,11 @@ class _Conn:
     def ensure(self) -> socket.socket:
         """The live socket, (re)connecting and handshaking if needed. Caller holds ``lock``."""
         if self.sock is not None:
-            return self.sock
+            # Between requests nothing may arrive: readable means the holder closed (or restarted),
+            # so reconnect now instead of failing the read on a stale socket.
+            if not select.select([self.sock], [], [], 0)[0]:
+                return self.sock
+            self.drop()
         info = self.info
         sock = wire.connect_socket(info.host, info.port, self._connect_timeout, self._bufsize)
         try:
@@ -113,7 +122,7 @@ class _Conn:
             sock.close()
             raise PeerDied(f"{info.host}:{info.port} is now holder instance {instance.hex()[:12]}, "
                            f"not {info.peer_id}: the holder restarted; reconnect with its new metadata")
-        sock.settimeout(self._io_timeout)
+        wire.set_io_timeout(sock, self._io_timeout)
         self.sock = sock
         return sock
 
@@ -351,7 +360,7 @@ class TcpTransport(Transport):
         p = self._peers.get(peer)
         if p is None:
             raise PeerUnreachable(f"peer {peer!r} is not connected (connect() it first)")
-        parts = self._split(self._check_plan(p.info, plan), len(p.conns))
+        parts = self._split(self._check_plan(p.info, plan), len(p.conns))  # raises typed errors now
         handle = TcpReadHandle(peer, len(parts))
         if not parts:
             return handle
@@ -363,57 +372,70 @@ class TcpTransport(Transport):
             self._pool.submit(self._run_part, handle, conn, part, peer)
         return handle
 
-    def _check_plan(self, info: TcpPeerInfo, plan: TransferPlan) -> list[tuple[int, int, int, int, int]]:
-        """Runs as (remote region, remote offset, local region, local offset, nbytes), checked on
-        both sides; the holder checks the remote side again, this catches mistakes early."""
-        rsizes = info.region_sizes
-        lviews = self._local_views
-        out = []
-        for i, r in enumerate(plan.runs):
-            rr, ro, lr, lo, n = r.remote_region, r.remote_offset, r.local_region, r.local_offset, r.nbytes
-            if n <= 0:
-                if n == 0:
-                    continue
-                raise OutOfRange(f"run {i}: negative length {n}")
-            if not 0 <= rr < len(rsizes):
-                raise RegionUnknown(f"run {i}: remote region {rr} not registered by {info.peer_id} "
-                                    f"({len(rsizes)} regions)")
-            if ro < 0 or ro + n > rsizes[rr]:
-                raise OutOfRange(f"run {i}: remote bytes [{ro}, {ro + n}) outside region {rr} "
-                                 f"({rsizes[rr]} bytes) of {info.peer_id}")
-            if not 0 <= lr < len(lviews):
-                raise RegionUnknown(f"run {i}: local region {lr} not registered ({len(lviews)} regions)")
-            if lo < 0 or lo + n > len(lviews[lr]):
-                raise OutOfRange(f"run {i}: local bytes [{lo}, {lo + n}) outside local region {lr} "
-                                 f"({len(lviews[lr])} bytes)")
-            out.append((rr, ro, lr, lo, n))
-        return out
-
-    def _split(self, runs: list[tuple[int, int, int, int, int]], nconns: int) -> list[list[tuple]]:
-        """Contiguous slices of the run list with about equal bytes each; runs crossing a cut are
-        split there, so one huge run is spread over all connections too."""
+    def _check_plan(self, info: TcpPeerInfo, plan: TransferPlan) -> np.ndarray:
+        """Runs as an (n, 5) int64 array (remote region, remote offset, local region, local offset,
+        nbytes), zero-length runs dropped, checked on both sides. The holder checks the remote side
+        again; this only catches mistakes early with a message naming the run."""
+        runs = plan.runs
         if not runs:
-            return []
-        total = sum(r[4] for r in runs)
-        if nconns == 1 or total < self._split_min:
-            return [runs]
-        quota = -(-total // nconns)
-        parts: list[list[tuple]] = [[]]
-        room = quota
-        for rr, ro, lr, lo, n in runs:
-            while n > 0:
-                if room == 0:
-                    parts.append([])
-                    room = quota
-                take = min(n, room)
-                parts[-1].append((rr, ro, lr, lo, take))
-                ro += take
-                lo += take
-                n -= take
-                room -= take
-        return [p for p in parts if p]
+            return np.empty((0, 5), dtype=np.int64)
+        try:
+            a = np.array(list(itertools.chain.from_iterable(map(_RUN_FIELDS, runs))), dtype=np.int64).reshape(-1, 5)
+        except OverflowError as exc:
+            raise OutOfRange(f"a run's region, offset or length does not fit in 63 bits: {exc}") from exc
+        rr, ro, lr, lo, n = a.T
+        rsizes = np.array(info.region_sizes + (0,), dtype=np.int64)
+        lsizes = np.array([len(v) for v in self._local_views] + [0], dtype=np.int64)
+        checks = (
+            (n < 0, OutOfRange, "negative length {n}"),
+            ((rr < 0) | (rr >= len(rsizes) - 1), RegionUnknown,
+             "remote region {rr} not registered by " + info.peer_id + f" ({len(rsizes) - 1} regions)"),
+            ((ro < 0) | (ro + n > rsizes[np.clip(rr, -1, len(rsizes) - 1)]), OutOfRange,
+             "remote bytes [{ro}, {ro_end}) outside region {rr} ({rsize} bytes) of " + info.peer_id),
+            ((lr < 0) | (lr >= len(lsizes) - 1), RegionUnknown,
+             f"local region {{lr}} not registered ({len(lsizes) - 1} regions)"),
+            ((lo < 0) | (lo + n > lsizes[np.clip(lr, -1, len(lsizes) - 1)]), OutOfRange,
+             "local bytes [{lo}, {lo_end}) outside local region {lr} ({lsize} bytes)"),
+        )
+        for bad, exc, text in checks:
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                r = runs[i]
+                rsize = info.region_sizes[r.remote_region] if 0 <= r.remote_region < len(info.region_sizes) else 0
+                lsize = int(lsizes[r.local_region]) if 0 <= r.local_region < len(lsizes) - 1 else 0
+                raise exc(f"run {i}: " + text.format(n=r.nbytes, rr=r.remote_region, ro=r.remote_offset,
+                                                     ro_end=r.remote_offset + r.nbytes, rsize=rsize,
+                                                     lr=r.local_region, lo=r.local_offset,
+                                                     lo_end=r.local_offset + r.nbytes, lsize=lsize))
+        return a[n > 0] if not (n > 0).all() else a
 
-    def _run_part(self, handle: TcpReadHandle, conn: _Conn, runs: list[tuple], peer: str) -> None:
+    def _split(self, a: np.ndarray, nconns: int) -> list[np.ndarray]:
+        """Contiguous slices of the run array with about equal bytes each; a run crossing a cut is
+        split there, so one huge run is spread over all connections too."""
+        if len(a) == 0:
+            return []
+        cum = np.cumsum(a[:, 4])
+        total = int(cum[-1])
+        if nconns == 1 or total < self._split_min:
+            return [a]
+        quota = -(-total // nconns)
+        parts = []
+        for k in range(nconns):
+            lo, hi = k * quota, min(total, (k + 1) * quota)
+            if lo >= hi:
+                break
+            j0 = int(np.searchsorted(cum, lo, side="right"))  # run holding byte lo
+            j1 = int(np.searchsorted(cum, hi - 1, side="right"))  # run holding byte hi-1
+            sub = a[j0:j1 + 1].copy()
+            skip = lo - int(cum[j0] - a[j0, 4])
+            sub[0, 1] += skip
+            sub[0, 3] += skip
+            sub[0, 4] -= skip
+            sub[-1, 4] -= int(cum[j1]) - hi
+            parts.append(sub)
+        return parts
+
+    def _run_part(self, handle: TcpReadHandle, conn: _Conn, runs: np.ndarray, peer: str) -> None:
         err: TransportError | None = None
         used: _Conn | None = None
         try:
@@ -428,7 +450,7 @@ class TcpTransport(Transport):
                     raise
         except TransportError as exc:
             err = exc
-        except socket.timeout:
+        except (socket.timeout, BlockingIOError):
             err = TransferTimeout(f"no progress from {peer} for {self._io_timeout}s")
         except OSError as exc:
             err = PeerDied(f"connection to {peer} failed mid-read: {exc}")
@@ -441,11 +463,11 @@ class TcpTransport(Transport):
                 with self._lock:
                     self._inflight.discard(handle)
 
-    def _request(self, conn: _Conn, runs: list[tuple]) -> None:
+    def _request(self, conn: _Conn, runs: np.ndarray) -> None:
         sock = conn.ensure()
         lviews = self._local_views
         req_id = next(self._req_ids)
-        sock.sendall(wire.pack_request(req_id, [(r[0], r[1], r[4]) for r in runs], self._flags))
+        sock.sendall(wire.pack_request_array(req_id, runs[:, 0], runs[:, 1], runs[:, 4], self._flags))
         status, rid, length, flags = wire.unpack_response(wire.recv_exact(sock, wire.RESP_SIZE, "response header"))
         if rid != req_id:
             raise wire.CorruptFrame(f"response for request {rid}, expected {req_id}")
@@ -454,10 +476,16 @@ class TcpTransport(Transport):
                 raise wire.CorruptFrame(f"error text of {length} bytes")
             text = wire.recv_exact(sock, length, "error text").decode(errors="replace")
             raise wire.error_for_status(status, text, conn.info.peer_id)
-        views = [lviews[lr][lo:lo + n] for _rr, _ro, lr, lo, n in runs]
-        total = sum(r[4] for r in runs)
+        total = int(runs[:, 4].sum())
         if length != total:
             raise wire.CorruptFrame(f"response announces {length} bytes, request asked for {total}")
+        starts = runs[:, 3].tolist()
+        ends = (runs[:, 3] + runs[:, 4]).tolist()
+        if len(lviews) == 1:
+            lv = lviews[0]
+            views = [lv[a:b] for a, b in zip(starts, ends)]
+        else:
+            views = [lviews[r][a:b] for r, a, b in zip(runs[:, 2].tolist(), starts, ends)]
         wire.recv_into_views(sock, list(views), total, "read payload")
         magic, crc, echoed = wire.TRAILER.unpack(wire.recv_exact(sock, wire.TRAILER.size, "trailer"))
         if magic != wire.MAGIC_END or echoed != total:

@@ -12,9 +12,12 @@ import contextlib
 import ctypes
 import logging
 import socket
+import struct
 import threading
 import zlib
 from typing import Iterator, Sequence
+
+import numpy as np
 
 from pdxfer.transport import wire
 from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
@@ -70,16 +73,25 @@ class RegionTable:
             return self._cond.wait_for(lambda: self._active == 0, timeout)
 
 
-def validate_runs(runs: Sequence[tuple[int, int, int]], sizes: Sequence[int]) -> tuple[int, str] | None:
-    """None if every run lies inside a registered region, else (status, text naming the run)."""
+def validate_runs(runs: np.ndarray, sizes: Sequence[int]) -> tuple[int, str] | None:
+    """None if every run (a RUN_DTYPE array) lies inside a registered region, else
+    (status, text naming the first bad run)."""
     nregions = len(sizes)
-    for i, (region, offset, nbytes) in enumerate(runs):
-        if region >= nregions:
-            have = f"0..{nregions - 1}" if nregions else "none"
-            return wire.ERR_REGION_UNKNOWN, f"run {i}: region {region} is not registered (registered: {have})"
-        if offset + nbytes > sizes[region]:
-            return wire.ERR_OUT_OF_RANGE, (f"run {i}: bytes [{offset}, {offset + nbytes}) of region {region} "
-                                           f"lie outside its {sizes[region]} registered bytes")
+    region = runs["region"].astype(np.int64)
+    known = region < nregions
+    if not known.all():
+        i = int(np.flatnonzero(~known)[0])
+        have = f"0..{nregions - 1}" if nregions else "none"
+        return wire.ERR_REGION_UNKNOWN, f"run {i}: region {region[i]} is not registered (registered: {have})"
+    # Python ints for the end so offsets near 2**64 cannot wrap around.
+    size = np.array(list(sizes), dtype=np.uint64)[region] if nregions else np.zeros(0, np.uint64)
+    off, n = runs["offset"], runs["nbytes"]
+    bad = (off > size) | (n > size - np.minimum(off, size))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        o, k = int(off[i]), int(n[i])
+        return wire.ERR_OUT_OF_RANGE, (f"run {i}: bytes [{o}, {o + k}) of region {region[i]} "
+                                       f"lie outside its {int(size[i])} registered bytes")
     return None
 
 
@@ -90,6 +102,7 @@ class TcpServer:
         self._table = table
         self._instance = instance
         self._bufsize = bufsize
+        self.send_timeout = 60.0
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -111,6 +124,9 @@ class TcpServer:
                     conn.close()
                     return
                 wire.tune_socket(conn, self._bufsize)
+                # Idle readers may keep a connection for hours: only sends get a bound, so a
+                # reader that stops reading cannot pin a serving thread (and deregister) forever.
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(self.send_timeout), 0))
                 self._conns.add(conn)
                 t = threading.Thread(target=self._serve_conn, args=(conn, addr), daemon=True,
                                      name=f"pdxfer-tcp-serve-{addr[0]}:{addr[1]}")
@@ -149,7 +165,7 @@ class TcpServer:
         body = wire.recv_exact(conn, nruns * wire.RUN.size, "request runs") if nruns else b""
         if zlib.crc32(body) != body_crc:
             raise wire.CorruptFrame("request run list CRC mismatch")
-        runs = list(wire.RUN.iter_unpack(body))
+        runs = np.frombuffer(body, dtype=wire.RUN_DTYPE)
         with self._table.serving() as views:
             bad = validate_runs(runs, [len(v) for v in views])
             if bad is not None:
@@ -157,7 +173,14 @@ class TcpServer:
                 blob = text.encode()[: wire.MAX_ERROR_TEXT]
                 conn.sendall(wire.pack_response(status, req_id, len(blob)) + blob)
                 return True
-            out = [views[r][o:o + n] for r, o, n in runs if n]
+            runs = runs[runs["nbytes"] > 0]
+            starts = runs["offset"].tolist()
+            ends = (runs["offset"] + runs["nbytes"]).tolist()
+            if len(views) == 1:
+                v0 = views[0]
+                out = [v0[a:b] for a, b in zip(starts, ends)]
+            else:
+                out = [views[r][a:b] for r, a, b in zip(runs["region"].tolist(), starts, ends)]
             length = sum(len(v) for v in out)
             crc = 0
             if flags & wire.FLAG_PAYLOAD_CRC:

@@ -26,6 +26,8 @@ import struct
 import zlib
 from typing import Sequence
 
+import numpy as np
+
 from pdxfer.transport.base import (
     OutOfRange,
     PeerDied,
@@ -58,6 +60,7 @@ _REQ = struct.Struct("<IHHQII")
 _RESP = struct.Struct("<IHHQQHH")
 _CRC = struct.Struct("<I")
 RUN = struct.Struct("<IQQ")
+RUN_DTYPE = np.dtype([("region", "<u4"), ("offset", "<u8"), ("nbytes", "<u8")])  # packed, same as RUN
 TRAILER = struct.Struct("<IIQ")
 
 HELLO_SIZE = _HELLO.size + _CRC.size
@@ -111,6 +114,17 @@ def pack_request(req_id: int, runs: Sequence[tuple[int, int, int]], flags: int =
     body = b"".join([RUN.pack(r, o, n) for r, o, n in runs])
     head = _seal(_REQ.pack(MAGIC_REQ, WIRE_VERSION, flags, req_id, len(runs), zlib.crc32(body)))
     return head + body
+
+
+def pack_request_array(req_id: int, regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                       flags: int = 0) -> bytes:
+    """Vectorized :func:`pack_request` (thousands of runs cost microseconds, not milliseconds)."""
+    body_arr = np.empty(len(regions), dtype=RUN_DTYPE)
+    body_arr["region"] = regions
+    body_arr["offset"] = offsets
+    body_arr["nbytes"] = lengths
+    body = body_arr.tobytes()
+    return _seal(_REQ.pack(MAGIC_REQ, WIRE_VERSION, flags, req_id, len(regions), zlib.crc32(body))) + body
 
 
 def unpack_request_head(frame: bytes) -> tuple[int, int, int, int]:
@@ -182,13 +196,15 @@ def recv_into_views(sock: socket.socket, views: list[memoryview], total: int, wh
     if n == 1:
         view = views[0]
         while got < total:
-            k = sock.recv_into(view[got:], total - got)
+            k = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
             if k == 0:
                 raise PeerDied(f"connection closed during {what} after {got} of {total} bytes")
             got += k
         return
     while i < n:
-        k = sock.recvmsg_into(views[i:i + IOV_MAX])[0]
+        # MSG_WAITALL on a blocking socket: one syscall fills up to IOV_MAX buffers (the kernel
+        # wakes us as data arrives), instead of one Python round per socket-buffer's worth.
+        k = sock.recvmsg_into(views[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
         if k == 0:
             raise PeerDied(f"connection closed during {what} after {got} of {total} bytes")
         got += k
@@ -232,6 +248,19 @@ def connect_socket(host: str, port: int, timeout: float, bufsize: int) -> socket
         raise PeerUnreachable(f"cannot connect to {host}:{port}: {exc}") from exc
     tune_socket(sock, bufsize)
     return sock
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket with kernel send/receive timeouts (SO_RCVTIMEO/SO_SNDTIMEO).
+
+    Python's own timeouts make the socket non-blocking, which defeats MSG_WAITALL and costs a
+    poll() per call; kernel timeouts keep every wait bounded without that. A timed-out call
+    raises BlockingIOError (EAGAIN) or returns short.
+    """
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds - int(seconds)) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def tune_socket(sock: socket.socket, bufsize: int) -> None:

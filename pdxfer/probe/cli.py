@@ -1,0 +1,222 @@
+"""pdxfer-probe: bandwidth/latency of pdxfer transports, in the spirit of nixlbench/ib_read_bw.
+
+  pdxfer-probe --loopback [--transport tcp] [--block-sizes 32KiB,16MiB] [--batches 1,4096]
+               [--baseline] [--check] [--json FILE] [--plot FILE.png]
+  pdxfer-probe serve --host 0.0.0.0 --port 7555          # on the holder node
+  pdxfer-probe read --peer HOST:7555 [same sweep options]  # on the reader node
+
+Prints one nixlbench-like line per point as it completes. Points whose block x batch exceeds
+the holder's region are skipped (said so on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+os.environ.setdefault("UCX_MODULES", "^ib")  # before NIXL/UCX can load: no InfiniBand assumed
+
+import numpy as np  # noqa: E402
+
+from pdxfer.probe import report, server, sweep  # noqa: E402
+from pdxfer.transport import create_transport  # noqa: E402
+from pdxfer.transport.base import RegisteredRegion, TransportError  # noqa: E402
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+DEFAULT_BLOCKS = "4KiB,16KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB"
+DEFAULT_BATCHES = "1,64,4096"
+
+
+def parse_size(text: str) -> int:
+    """'32KiB' -> 32768 (binary units; K/M/G and KB/MB/GB mean the same here)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4096, 32KiB, 16MiB")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def parse_list(text: str, item) -> list[int]:
+    try:
+        vals = [item(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"need a comma-separated list of positive values, got {text!r}")
+    return vals
+
+
+def _add_sweep_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--transport", action="append", choices=["tcp", "nixl"],
+                    help="transport to measure (repeatable; default: every one the holder serves)")
+    ap.add_argument("--block-sizes", type=lambda s: parse_list(s, parse_size), default=DEFAULT_BLOCKS)
+    ap.add_argument("--batches", type=lambda s: parse_list(s, int), default=DEFAULT_BATCHES)
+    ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (0: auto)")
+    ap.add_argument("--target-mib", type=int, default=512, help="auto iterations move about this much")
+    ap.add_argument("--baseline", action="store_true", help="also measure raw baselines in the same run")
+    ap.add_argument("--check", action="store_true", help="verify every byte of each point")
+    ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    ap.add_argument("--plot", metavar="FILE.png", help="bandwidth vs block size per transport")
+    ap.add_argument("--label", help="name rows by this instead of the transport (e.g. nixl-ucx-tcp)")
+    ap.add_argument("--tcp-connections", type=int, default=2, help="parallel TCP connections per peer")
+    ap.add_argument("--timeout", type=float, default=60.0, help="bound on any single read")
+    ap.add_argument("--quiet", action="store_true", help="no live lines, only the final table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdxfer-probe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode")
+    s = sub.add_parser("serve", help="hold a region and serve it over every available transport")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=0)
+    s.add_argument("--advertise", help="address readers should use (default: --host)")
+    s.add_argument("--region-size", type=parse_size, default=parse_size("256MiB"))
+    s.add_argument("--transport", action="append", choices=["tcp", "nixl"])
+    r = sub.add_parser("read", help="sweep against a running `pdxfer-probe serve`")
+    r.add_argument("--peer", required=True, help="HOST:PORT of the serve control port")
+    _add_sweep_args(r)
+    ap.add_argument("--loopback", action="store_true", help="spawn a holder process on this host (default)")
+    ap.add_argument("--region-size", type=parse_size, default=parse_size("256MiB"))
+    _add_sweep_args(ap)
+    return ap
+
+
+def spawn_loopback(region_size: int, kinds: list[str] | None, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "pdxfer.probe.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--region-size", str(region_size)]
+    for k in kinds or []:
+        cmd += ["--transport", k]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    import select
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("PROBE-SERVE "):
+            return proc, line.split()[1]
+    proc.kill()
+    proc.wait(10)
+    raise RuntimeError(f"loopback probe server did not start within {timeout}s (rc {proc.poll()})")
+
+
+def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
+    host, _, port = peer_addr.rpartition(":")
+    addr = (host, int(port))
+    hello = server.control_request(addr, {"op": "hello"})
+    region = int(hello["region_size"])
+    kinds = args.transport or hello["kinds"]
+    for k in kinds:
+        if k not in hello["kinds"]:
+            why = hello.get("unavailable", {}).get(k, "not served")
+            print(f"pdxfer-probe: skipping {k}: holder does not serve it ({why})", file=sys.stderr)
+    kinds = [k for k in kinds if k in hello["kinds"]]
+    dst = np.zeros(region, dtype=np.uint8)
+    scratch = np.ones(region, dtype=np.uint8) if args.baseline else None
+    points = [sweep.Point(b, n) for b in args.block_sizes for n in args.batches]
+    fits = [p for p in points if p.total <= region]
+    for p in points:
+        if p.total > region:
+            print(f"pdxfer-probe: skipping {report.fmt_size(p.block_size)} x {p.batch}: "
+                  f"{report.fmt_size(p.total)} exceeds the holder region ({report.fmt_size(region)})", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    raw = sweep.RawSocketBaseline(host, int(hello["raw_port"])) if args.baseline and "tcp" in kinds else None
+    nixl_base = sweep.nixl_baseline() if args.baseline and "nixl" in kinds else None
+    if args.baseline and "nixl" in kinds and nixl_base is None:
+        print("pdxfer-probe: raw NIXL baseline unavailable (pdxfer.probe.nixl_baseline missing)", file=sys.stderr)
+    live = report.LiveTable(enabled=not args.quiet, total=len(fits) * len(kinds))
+    failed = False
+    try:
+        for kind in kinds:
+            opts = {"connections": args.tcp_connections} if kind == "tcp" else {}
+            t = create_transport(kind, **opts)
+            try:
+                t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+                meta = bytes.fromhex(server.control_request(addr, {"op": "meta", "kind": kind})["meta"])
+                peer = t.connect(meta, timeout=args.timeout)
+                for p in fits:
+                    iters = args.iters or sweep.auto_iters(p.total, args.target_mib << 20)
+                    row = sweep.measure_transport(t, peer, p, region, dst.nbytes, iters, args.timeout)
+                    plan = row.pop("_plan")
+                    row["transport"] = args.label or kind
+                    if args.check:
+                        row["check"] = sweep.check_point(t, peer, plan, dst, region, int(hello["seed"]), args.timeout)
+                        failed |= row["check"] != "ok"
+                    if args.baseline:
+                        _baselines(row, kind, p, raw, nixl_base, dst, scratch, iters)
+                    rows.append(row)
+                    live.row(row)
+            finally:
+                t.close()
+    finally:
+        if raw is not None:
+            raw.close()
+    live.done(rows)
+    if failed:
+        print("pdxfer-probe: --check found wrong bytes", file=sys.stderr)
+    return rows
+
+
+def _baselines(row: dict, kind: str, p: "sweep.Point", raw, nixl_base, dst: np.ndarray, scratch, iters: int) -> None:
+    row["memcpy_gbps"] = sweep.memcpy_gbps(scratch, dst, p.total, min(iters, 50))
+    if kind == "tcp" and raw is not None:
+        row["baseline"] = "raw_socket"
+        row["baseline_gbps"] = raw.gbps(memoryview(scratch).cast("B")[:p.total], iters)
+    elif kind == "nixl" and nixl_base is not None:
+        try:
+            res = nixl_base(p.block_size, p.batch, iters)
+            row["baseline"] = "raw_nixl"
+            row["baseline_gbps"] = float(res["gbps"])
+        except Exception as exc:  # noqa: BLE001 - a broken baseline must not lose the measured row
+            row["baseline"] = "raw_nixl"
+            row["baseline_error"] = repr(exc)
+    if row.get("baseline_gbps"):
+        row["ratio"] = row["gbps"] / row["baseline_gbps"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.mode == "serve":
+        return server.run_server(args.host, args.port, args.region_size, args.transport, args.advertise)
+    for name in ("block_sizes", "batches"):
+        if isinstance(getattr(args, name), str):
+            setattr(args, name, parse_list(getattr(args, name), parse_size if name == "block_sizes" else int))
+    proc = None
+    try:
+        if args.mode == "read":
+            peer = args.peer
+        else:
+            proc, peer = spawn_loopback(args.region_size, args.transport)
+        rows = run_sweep(args, peer)
+    except (TransportError, RuntimeError, ConnectionError, OSError) as exc:
+        print(f"pdxfer-probe: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        report.plot(rows, args.plot)
+    return 1 if any(r.get("check", "ok") != "ok" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""TCP-specific behaviour: the holder's own range checks against a hostile raw client, frame
+corruption and truncation detection, instance checks after a restart, an idle holder's CPU."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pdxfer.layout import TransferPlan, TransferRun
+from pdxfer.probe.pattern import pattern
+from pdxfer.transport import wire
+from pdxfer.transport.base import MetadataError, PeerDied, RegisteredRegion, TransportError
+from pdxfer.transport.tcp import TcpTransport, parse_metadata
+
+from .conftest import MiB, start_holder, stop
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tcp_holder():
+    h = start_holder("tcp", sizes=(MiB, 4096))
+    yield h
+    stop(h.proc)
+
+
+def raw_session(info):
+    s = socket.create_connection((info.host, info.port), timeout=5)
+    s.sendall(wire.pack_hello(info.instance))
+    status, instance = wire.unpack_hello_ok(wire.recv_exact(s, wire.HELLO_OK_SIZE, "hello"))
+    assert status == wire.OK and instance == info.instance
+    return s
+
+
+def raw_request(s, runs, req_id=1, flags=0):
+    s.sendall(wire.pack_request(req_id, runs, flags))
+    status, rid, length, rflags = wire.unpack_response(wire.recv_exact(s, wire.RESP_SIZE, "resp"))
+    assert rid == req_id
+    body = wire.recv_exact(s, length, "body")
+    trailer = wire.TRAILER.unpack(wire.recv_exact(s, wire.TRAILER.size, "trailer")) if status == wire.OK else None
+    return status, body, trailer
+
+
+def test_holder_rejects_out_of_range_runs_from_a_hostile_client(tcp_holder):
+    """A reader that skips its own checks still cannot read past what the holder registered."""
+    info = parse_metadata(tcp_holder.meta)
+    s = raw_session(info)
+    try:
+        status, text, _ = raw_request(s, [(0, 0, 16), (0, MiB - 8, 9)])
+        assert status == wire.ERR_OUT_OF_RANGE and b"run 1" in text and b"region 0" in text
+        status, text, _ = raw_request(s, [(2, 0, 1)], req_id=2)
+        assert status == wire.ERR_REGION_UNKNOWN and b"region 2" in text
+        status, text, _ = raw_request(s, [(1, 4095, 2)], req_id=3)
+        assert status == wire.ERR_OUT_OF_RANGE
+        # Same connection still serves, and the payload CRC is right when asked for.
+        status, body, trailer = raw_request(s, [(1, 4000, 96), (0, 10, 6)], req_id=4, flags=wire.FLAG_PAYLOAD_CRC)
+        assert status == wire.OK
+        want = bytes(pattern(1, 4096)[4000:]) + bytes(pattern(0, MiB)[10:16])
+        assert body == want
+        import zlib
+        assert trailer == (wire.MAGIC_END, zlib.crc32(want), 102)
+    finally:
+        s.close()
+
+
+def test_holder_drops_a_corrupt_request_and_keeps_serving(tcp_holder):
+    info = parse_metadata(tcp_holder.meta)
+    s = raw_session(info)
+    frame = bytearray(wire.pack_request(1, [(0, 0, 16)]))
+    frame[-3] ^= 0xFF  # flip a bit in the run list: body CRC must catch it
+    s.sendall(frame)
+    s.settimeout(5)
+    assert s.recv(1) == b"", "holder must close a connection whose request fails its CRC"
+    s.close()
+    s = raw_session(info)
+    assert raw_request(s, [(0, 0, 16)])[0] == wire.OK
+    s.close()
+
+
+def test_wrong_instance_is_refused(tcp_holder):
+    info = parse_metadata(tcp_holder.meta)
+    s = socket.create_connection((info.host, info.port), timeout=5)
+    s.sendall(wire.pack_hello(b"x" * 16))
+    status, _ = wire.unpack_hello_ok(wire.recv_exact(s, wire.HELLO_OK_SIZE, "hello"))
+    assert status == wire.ERR_WRONG_INSTANCE
+    s.close()
+
+
+class FakeHolder:
+    """A real socket server speaking the wire protocol, but sending what ``respond`` builds."""
+
+    def __init__(self, respond):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.instance = bytes(range(16))
+        self.respond = respond
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def meta(self, nbytes: int) -> bytes:
+        import json
+        return json.dumps({"kind": "tcp", "v": 1, "host": "127.0.0.1", "port": self.port,
+                           "instance": self.instance.hex(),
+                           "regions": [{"index": 0, "nbytes": nbytes, "device": "cpu"}]}).encode()
+
+    def _serve(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c):
+        if True:
+            try:
+                wire.recv_exact(c, wire.HELLO_SIZE, "hello")
+                c.sendall(wire.pack_hello_ok(wire.OK, self.instance))
+                head = wire.recv_exact(c, wire.REQ_SIZE, "req")
+                _f, req_id, nruns, _crc = wire.unpack_request_head(head)
+                runs = list(wire.RUN.iter_unpack(wire.recv_exact(c, nruns * wire.RUN.size, "runs")))
+                c.sendall(self.respond(req_id, sum(n for _r, _o, n in runs)))
+            except (OSError, TransportError):
+                pass
+            finally:
+                c.close()
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _read_from_fake(respond, payload_crc=False):
+    fake = FakeHolder(respond)
+    dst = np.zeros(8192, dtype=np.uint8)
+    t = TcpTransport(payload_crc=payload_crc)
+    try:
+        t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+        peer = t.connect(fake.meta(8192), timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(PeerDied) as info:
+            t.read(peer, TransferPlan((TransferRun(0, 0, 0, 0, 4096),), 1)).wait(10)
+        assert time.monotonic() - t0 < 5
+        return info.value
+    finally:
+        t.close()
+        fake.close()
+
+
+def test_truncated_payload_is_detected():
+    err = _read_from_fake(lambda rid, n: wire.pack_response(wire.OK, rid, n) + b"\x01" * (n // 2))
+    assert "closed" in str(err)
+
+
+def test_corrupt_response_header_is_detected():
+    def respond(rid, n):
+        head = bytearray(wire.pack_response(wire.OK, rid, n))
+        head[12] ^= 0x40
+        return bytes(head) + b"\x00" * n + wire.pack_trailer(0, n)
+    assert isinstance(_read_from_fake(respond), wire.CorruptFrame)
+
+
+def test_length_mismatch_and_bad_trailer_are_detected():
+    short = lambda rid, n: wire.pack_response(wire.OK, rid, n - 1) + b"\x00" * (n - 1) + wire.pack_trailer(0, n - 1)
+    assert isinstance(_read_from_fake(short), wire.CorruptFrame)
+    badtrail = lambda rid, n: wire.pack_response(wire.OK, rid, n) + b"\x00" * n + wire.pack_trailer(0, n + 1)
+    assert isinstance(_read_from_fake(badtrail), wire.CorruptFrame)
+
+
+def test_payload_corruption_is_detected_when_crc_is_on():
+    def respond(rid, n):
+        payload = b"\x07" * n
+        import zlib
+        return (wire.pack_response(wire.OK, rid, n, wire.FLAG_PAYLOAD_CRC) + payload[:-1] + b"\x08"
+                + wire.pack_trailer(zlib.crc32(payload), n))
+    err = _read_from_fake(respond, payload_crc=True)
+    assert isinstance(err, wire.CorruptFrame) and "CRC" in str(err)
+
+
+def test_metadata_of_another_kind_or_version_is_refused():
+    with pytest.raises(MetadataError, match="kind"):
+        parse_metadata(b'{"kind": "nixl", "v": 1}')
+    with pytest.raises(MetadataError, match="version"):
+        parse_metadata(b'{"kind": "tcp", "v": 99}')
+    with pytest.raises(MetadataError):
+        parse_metadata(b'{"kind": "tcp", "v": 1, "host": "h"}')
+
+
+def test_holder_restarted_on_the_same_port_is_not_mistaken_for_the_old_one(reader_factory):
+    first = start_holder("tcp", sizes=(MiB,))
+    try:
+        port = parse_metadata(first.meta).port
+        reader = reader_factory("tcp", MiB)
+        peer = reader.t.connect(first.meta, timeout=5)
+        plan = TransferPlan((TransferRun(0, 0, 0, 0, 4096),), 1)
+        reader.t.read(peer, plan).wait(5)
+    finally:
+        stop(first.proc)
+    second = start_holder("tcp", sizes=(MiB,), opts={"listen_host": "127.0.0.1", "listen_port": port})
+    try:
+        assert parse_metadata(second.meta).port == port
+        with pytest.raises(PeerDied, match="restarted"):
+            reader.t.read(peer, plan).wait(5)
+        peer2 = reader.t.connect(second.meta, timeout=5)
+        assert peer2 != peer
+        assert reader.t.read(peer2, plan).wait(5).value == "done"
+    finally:
+        stop(second.proc)
+
+
+def _cpu_seconds(pid: int) -> float:
+    import os
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_holder_uses_no_cpu(tcp_holder, reader_factory):
+    reader = reader_factory("tcp", MiB)
+    reader.t.connect(tcp_holder.meta, timeout=5)  # connected readers, but nothing requested
+    time.sleep(0.3)
+    before = _cpu_seconds(tcp_holder.proc.pid)
+    time.sleep(2.0)
+    used = _cpu_seconds(tcp_holder.proc.pid) - before
+    assert used < 0.1, f"idle holder burned {used:.2f}s CPU in 2s"
+
+
+def test_cuda_regions_are_refused_with_a_clear_error():
+    t = TcpTransport()
+    try:
+        with pytest.raises(TransportError, match="host memory only"):
+            t.register([RegisteredRegion(0, 0x1000, 64, "cuda:0")])
+    finally:
+        t.close()
