@@ -36,6 +36,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdxfer.vllm")
 
+def _setup_logging(level: str | None) -> None:
+    """vLLM configures only its own logger: give pdxfer's a handler in vLLM's style once."""
+    root = logging.getLogger("pdxfer")
+    if not root.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+        root.addHandler(h)
+        root.propagate = False
+    root.setLevel((level or "INFO").upper())
+
+
 _PUBLISHABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
@@ -45,8 +56,7 @@ class PdxferConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg = parse_extra_config(ktc.kv_connector_extra_config)
-        if self.cfg.log_level:
-            logging.getLogger("pdxfer").setLevel(self.cfg.log_level.upper())
+        _setup_logging(self.cfg.log_level)
         self.engine_id = str(ktc.engine_id)
         self.block_size = kv_block_size(vllm_config, kv_cache_config)
         self.fingerprint = derive_layout_fingerprint(vllm_config, kv_cache_config)

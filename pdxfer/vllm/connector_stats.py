@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -13,7 +14,9 @@ _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "looku
 _LISTS = ("transfer_s",)
 
 
+@dataclass
 class PdxferKVConnectorStats(KVConnectorStats):
+    # @dataclass again: the base's generated __init__ only calls a __post_init__ it saw itself.
     def __post_init__(self) -> None:
         data = dict(self.data or {})
         self.data = {k: int(data.get(k, 0)) for k in _COUNTERS}
@@ -26,26 +29,27 @@ class PdxferKVConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in (other.data or {}).items():
             if k in _LISTS:
-                self.data[k].extend(v)
+                self.data.setdefault(k, []).extend(v)
             elif k in _COUNTERS:
-                self.data[k] += int(v)
+                self.data[k] = self.data.get(k, 0) + int(v)
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in _COUNTERS) and not any(self.data[k] for k in _LISTS)
+        return not any(self.data.get(k) for k in _COUNTERS + _LISTS)
 
     def reduce(self) -> dict[str, int | float]:
-        ts = sorted(self.data["transfer_s"])
+        d = {k: self.data.get(k, 0) for k in _COUNTERS}
+        ts = sorted(self.data.get("transfer_s", []))
         med = ts[len(ts) // 2] * 1e3 if ts else 0.0
         return {
-            "Loads ok": self.data["loads_ok"],
-            "Loads failed (recomputed)": self.data["loads_failed"],
-            "Tokens loaded": self.data["tokens_loaded"],
-            "MiB loaded": round(self.data["bytes_loaded"] / 2**20, 3),
+            "Loads ok": d["loads_ok"],
+            "Loads failed (recomputed)": d["loads_failed"],
+            "Tokens loaded": d["tokens_loaded"],
+            "MiB loaded": round(d["bytes_loaded"] / 2**20, 3),
             "Median load time (ms)": round(med, 3),
-            "Published chunks": self.data["published_chunks"],
-            "Freed chunks": self.data["freed_chunks"],
-            "Master errors": self.data["master_errors"],
+            "Published chunks": d["published_chunks"],
+            "Freed chunks": d["freed_chunks"],
+            "Master errors": d["master_errors"],
         }
 
 
