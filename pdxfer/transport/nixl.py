@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 _COOKIE_BYTES = 32
 _HELLO = b"pdxfer:hello"
 _READ_NOTIF = b"pdxfer:r"
+_WAKE = b"pdxfer:wake"
 _MAX_GRANULE = 1 << 20
 _MAX_INDICES = 1 << 21  # above this many prepared descriptors per READ, one descriptor per run is cheaper
 
@@ -155,6 +156,7 @@ class _Peer:
     loopback: bool
     prepped: dict[int, _Prepped] = field(default_factory=dict)
     reads: int = 0
+    last_wake: float = 0.0  # monotonic time of the last wake-up notification sent to this peer
 
 
 class NixlReadHandle(ReadHandle):
@@ -206,7 +208,10 @@ class NixlReadHandle(ReadHandle):
         # reader does not burn a core for a long transfer. Polling is what progresses the READ.
         spins, sleep = 0, 0.0
         while self.poll() is ReadState.PENDING:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now - self._t._last_wake(self.peer) > self._t._hot_window / 2:
+                self._t._wake(self.peer)  # a long READ must keep the holder's progress hot
+            if now >= deadline:
                 raise TransferTimeout(f"NIXL READ of {self.nbytes} bytes from {self.peer} still pending "
                                       f"after {timeout:.3f} s")
             spins += 1
@@ -252,6 +257,7 @@ class NixlTransport(Transport):
         self._bind = load_bindings()
         self.name = name or f"pdxfer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._min_granule = min_granule
+        self._hot_window = hot_window_s
         self._prep_granules = tuple(prep_granules)
         self._lock = threading.RLock()
         cfg = api.nixl_agent_config(enable_prog_thread=nixl_progress_thread, backends=list(backends),
@@ -385,6 +391,7 @@ class NixlTransport(Transport):
             try:
                 if not peer.loopback:
                     self._agent.send_notif(peer.name, _HELLO)
+                    peer.last_wake = time.monotonic()
                 local = self._agent.get_xfer_descs([(landing, _COOKIE_BYTES, 0)], "DRAM")
                 remote = self._agent.get_xfer_descs([(peer.info.cookie_ptr, _COOKIE_BYTES, 0)], "DRAM")
                 xfer = self._agent.initialize_xfer("READ", local, remote, target)
@@ -438,6 +445,10 @@ class NixlTransport(Transport):
             if self._closed or peer not in self._peers:
                 raise PeerUnreachable(f"NIXL peer {peer!r} was disconnected")
             try:
+                if time.monotonic() - p.last_wake > self._hot_window / 2:
+                    # The holder may have gone idle (polling every idle_poll_s): wake it first, so a
+                    # READ that needs target progress (UCX over TCP) is not served at the idle rate.
+                    self._wake(peer)
                 xfer = self._make_xfer(p, arr)
                 state = self._agent.transfer(xfer, _READ_NOTIF)
             except self._bind.nixlRemoteDisconnectError as exc:
@@ -534,6 +545,22 @@ class NixlTransport(Transport):
         return pr
 
     # ------------------------------------------------------------------ lifetime
+
+    def _last_wake(self, peer: str) -> float:
+        p = self._peers.get(peer)
+        return p.last_wake if p is not None else float("inf")
+
+    def _wake(self, peer: str) -> None:
+        """Notify the holder so its progress thread goes hot (best effort: a dead peer fails the READ)."""
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is None or p.loopback or self._closed:
+                return
+            p.last_wake = time.monotonic()
+            try:
+                self._agent.send_notif(p.name, _WAKE)
+            except Exception as exc:
+                log.debug("wake notification to %s failed: %r", peer, exc)
 
     def _forget(self, handle: NixlReadHandle) -> None:
         with self._lock:

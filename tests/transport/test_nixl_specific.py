@@ -6,6 +6,7 @@ name, and loopback. Holders are real separate processes; every wait is bounded."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,9 +18,12 @@ from pdxfer.layout import TransferPlan, TransferRun
 from pdxfer.probe.pattern import fill, mismatches, scattered_plan
 from pdxfer.transport.base import (
     MetadataError,
+    PeerDied,
     PeerUnreachable,
     ReadState,
     RegisteredRegion,
+    TransferCancelled,
+    TransferTimeout,
     TransportError,
 )
 
@@ -243,3 +247,55 @@ def test_reregistered_holder_same_agent_name_new_metadata(procs, nixl_reader):
     p.stdin.write("done\n")
     p.stdin.flush()
     assert p.wait(30) == 0, p.stderr.read()[-2000:]
+
+
+def test_connect_to_frozen_holder_fails_in_time_then_succeeds(nixl_reader):
+    holder = start_holder("nixl", sizes=(4 * MiB,), opts={})
+    try:
+        t, _ = nixl_reader(4 * MiB)
+        os.kill(holder.proc.pid, signal.SIGSTOP)  # accepts TCP connections in the kernel, answers nothing
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="did not answer"):
+            t.connect(holder.meta, timeout=2)
+        assert time.monotonic() - t0 < 5
+        os.kill(holder.proc.pid, signal.SIGCONT)
+        t.connect(holder.meta, timeout=10)
+    finally:
+        stop(holder.proc)
+
+
+def test_ucx_tcp_frozen_holder_times_out_cancel_then_peer_death(monkeypatch, nixl_reader):
+    """Over UCX TCP a READ needs the holder: frozen -> TransferTimeout at the bound, cancel is
+    immediate, the next READ works after SIGCONT, and SIGKILL turns into PeerDied (no hang)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when each UCX context is created: holder and reader
+    size = 16 * MiB
+    holder = start_holder("nixl", sizes=(size,), opts={})
+    try:
+        t, dst = nixl_reader(size)
+        peer = t.connect(holder.meta, timeout=10)
+        plan = scattered_plan(256 << 10, 32, size, dst.nbytes, seed=1)
+        assert t.read(peer, plan).wait(WAIT) is ReadState.DONE
+        os.kill(holder.proc.pid, signal.SIGSTOP)
+        try:
+            h = t.read(peer, plan)
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                h.wait(1.0)
+            assert 0.9 < time.monotonic() - t0 < 3
+            h.cancel()
+            assert h.poll() is ReadState.CANCELLED
+            with pytest.raises(TransferCancelled):
+                h.wait(1)
+        finally:
+            os.kill(holder.proc.pid, signal.SIGCONT)
+        dst[:] = 0
+        assert t.read(peer, plan).wait(WAIT) is ReadState.DONE
+        assert mismatches(plan, {0: dst}, {0: size}) == []
+        holder.proc.kill()
+        holder.proc.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises((PeerDied, PeerUnreachable)):
+            t.read(peer, plan).wait(10)
+        assert time.monotonic() - t0 < 10
+    finally:
+        stop(holder.proc)
