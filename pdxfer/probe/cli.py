@@ -147,7 +147,14 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
                 peer = t.connect(meta, timeout=args.timeout)
                 for p in fits:
                     iters = args.iters or sweep.auto_iters(p.total, args.target_mib << 20)
-                    row = sweep.measure_transport(t, peer, p, region, dst.nbytes, iters, args.timeout)
+                    inter = {}
+                    if args.baseline:
+                        # Same byte count into one contiguous buffer, interleaved with our reads.
+                        inter["memcpy"] = sweep.memcpy_once(scratch[:p.total], dst[:p.total])
+                        if kind == "tcp" and raw is not None:
+                            view = memoryview(scratch).cast("B")[:p.total]
+                            inter["raw_socket"] = lambda v=view: raw.once(v)
+                    row = sweep.measure_transport(t, peer, p, region, dst.nbytes, iters, args.timeout, inter)
                     plan = row.pop("_plan")
                     row["transport"] = args.label or kind
                     if args.check:
@@ -169,10 +176,9 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
 
 
 def _baselines(row: dict, kind: str, p: "sweep.Point", raw, nixl_base, dst: np.ndarray, scratch, iters: int) -> None:
-    row["memcpy_gbps"] = sweep.memcpy_gbps(scratch, dst, p.total, min(iters, 50))
     if kind == "tcp" and raw is not None:
         row["baseline"] = "raw_socket"
-        row["baseline_gbps"] = raw.gbps(memoryview(scratch).cast("B")[:p.total], iters)
+        row["baseline_gbps"] = row.pop("raw_socket_gbps")
     elif kind == "nixl" and nixl_base is not None:
         try:
             res = nixl_base(p.block_size, p.batch, iters)

@@ -47,8 +47,17 @@ def auto_iters(total: int, target_bytes: int, lo: int = 5, hi: int = 200) -> int
 
 
 def measure_transport(t: Transport, peer: str, pt: Point, region_size: int, local_size: int, iters: int,
-                      timeout: float = 60.0) -> dict[str, Any]:
-    """Time ``iters`` reads of one scattered plan (plus one untimed warm-up)."""
+                      timeout: float = 60.0, interleave: dict[str, Callable[[], float]] | None = None
+                      ) -> dict[str, Any]:
+    """Time ``iters`` reads of one scattered plan (plus one untimed warm-up).
+
+    ``interleave`` maps a name to a baseline that moves the same bytes and returns its seconds;
+    each runs once after every timed read, so load changes on a shared box hit both alike.
+    Their medians come back as ``<name>_gbps``.
+    """
+    interleave = interleave or {}
+    for fn in interleave.values():
+        fn()  # warm-up
     template = scattered_plan(pt.block_size, pt.batch, region_size, local_size, seed=pt.block_size + pt.batch)
     offs = [(r.remote_offset, r.local_offset) for r in template.runs]
     bs = pt.block_size
@@ -58,6 +67,7 @@ def measure_transport(t: Transport, peer: str, pt: Point, region_size: int, loca
 
     t.read(peer, build()).wait(timeout)  # warm-up: connection set-up, page faults
     prep, post, tx = [], [], []
+    extra: dict[str, list[float]] = {}
     for _ in range(iters):
         t0 = time.perf_counter()
         plan = build()
@@ -69,9 +79,12 @@ def measure_transport(t: Transport, peer: str, pt: Point, region_size: int, loca
         prep.append(t1 - t0)
         post.append(t2 - t1)
         tx.append(t3 - t2)
+        for name, fn in interleave.items():
+            extra.setdefault(name, []).append(fn())
     xfer = [a + b for a, b in zip(post, tx)]
     us = 1e6
     return {
+        **{f"{name}_gbps": pt.total / statistics.median(ts) / 1e9 for name, ts in extra.items()},
         "block_size": pt.block_size, "batch": pt.batch, "bytes": pt.total, "iters": iters,
         "gbps": pt.total / statistics.median(xfer) / 1e9,
         "avg_lat_us": statistics.fmean(p + q + r for p, q, r in zip(prep, post, tx)) * us,
@@ -117,6 +130,14 @@ class RawSocketBaseline:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def memcpy_once(dst: np.ndarray, src: np.ndarray) -> Callable[[], float]:
+    def once() -> float:
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t0
+    return once
 
 
 def memcpy_gbps(dst: np.ndarray, src: np.ndarray, nbytes: int, iters: int) -> float:
