@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from pdxfer.master import protocol as P
@@ -59,7 +59,6 @@ class LookupResult:
     locations: list[ChunkLocation]
     nodes: dict[str, NodeInfo]
     lock_ttl_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class MasterError(RuntimeError):
@@ -83,6 +82,10 @@ class UnknownNode(MasterError):
 
 
 class _Closed(Exception):
+    pass
+
+
+class _StaleNodeCache(Exception):
     pass
 
 
@@ -163,7 +166,9 @@ class MasterClient:
         self._lock = threading.Lock()
         self._pool: list[_Conn] = []
         self._closed = False
+        # Node descriptions by (node id, epoch), and the epochs we tell the master we have.
         self._node_cache: dict[tuple[str, int], NodeInfo] = {}
+        self._have: dict[str, int] = {}
         self._etcd: list[tuple[str, int]] | None = None
         self._etcd_prefix = ""
         self._addr: tuple[str, int] | None = None
@@ -334,24 +339,48 @@ class MasterClient:
         keys = list(keys)
         if not keys:
             return LookupResult(None, 0, [], {}, lock_ttl_s)
-        doc, blob = self._call(
-            P.OP_LOOKUP, {"n": len(keys), "reader": reader, "ttl": float(lock_ttl_s)}, P.join_keys(keys)
-        )
-        hit = int(doc["hit"])
-        if hit == 0:
-            return LookupResult(None, 0, [], {}, float(doc.get("ttl", lock_ttl_s)))
-        blocks = P.unpack_u32(blob)
-        counts = doc["counts"] if "counts" in doc else None
-        nodes: dict[str, NodeInfo] = {}
-        for nid, d in doc["nodes"].items():
-            ck = (nid, int(d["epoch"]))
+        joined = P.join_keys(keys)
+        for attempt in range(2):
+            with self._lock:
+                have = dict(self._have) if attempt == 0 else {}
+            doc, blob = self._call(
+                P.OP_LOOKUP, {"n": len(keys), "reader": reader, "ttl": float(lock_ttl_s), "have": have}, joined
+            )
+            try:
+                return self._parse_lookup(keys, doc, blob)
+            except _StaleNodeCache:
+                # Another thread evicted a node description between request and reply: drop
+                # this lock and ask again with the full descriptions.
+                if doc.get("lock"):
+                    self.release(doc["lock"])
+        raise MasterProtocolError("lookup reply referenced node descriptions the client does not have")
+
+    def _node_from(self, nid: str, d: dict[str, Any]) -> NodeInfo:
+        ck = (nid, int(d["epoch"]))
+        if "meta" not in d:  # the master sent the epoch only: we told it we have this one
             info = self._node_cache.get(ck)
             if info is None:
-                info = NodeInfo(nid, int(d["rank"]), d["transport"], base64.b64decode(d["meta"]), d["layout"], d["fp"])
-                if len(self._node_cache) > 4096:
-                    self._node_cache.clear()
-                self._node_cache[ck] = info
-            nodes[nid] = info
+                raise _StaleNodeCache(nid)
+            return info
+        info = NodeInfo(nid, int(d["rank"]), d["transport"], base64.b64decode(d["meta"]), d["layout"], d["fp"])
+        with self._lock:
+            if len(self._node_cache) >= 1024:  # bounded: forget the older half
+                for old in list(self._node_cache)[:512]:
+                    del self._node_cache[old]
+                    if self._have.get(old[0]) == old[1]:
+                        del self._have[old[0]]
+            self._node_cache[ck] = info
+            if len(self._have) < 256 or nid in self._have:
+                self._have[nid] = ck[1]
+        return info
+
+    def _parse_lookup(self, keys: list[bytes], doc: dict[str, Any], blob: bytes) -> LookupResult:
+        hit = int(doc["hit"])
+        if hit == 0:
+            return LookupResult(None, 0, [], {}, float(doc.get("ttl", 0.0)))
+        blocks = P.unpack_u32(blob)
+        counts = doc["counts"] if "counts" in doc else None
+        nodes = {nid: self._node_from(nid, d) for nid, d in doc["nodes"].items()}
         node_ids: list[str] = []
         for nid, run in doc["runs"]:
             node_ids += [nid] * run

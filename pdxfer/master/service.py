@@ -77,7 +77,8 @@ class MasterService:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self, host: str, port: int, http_host: str | None, http_port: int, advertise: str | None) -> None:
-        server = await asyncio.start_server(self._serve_conn, host, port, limit=P.HEADER_BYTES * 4)
+        # A small reader limit would pause/resume the socket many times per 16 KiB lookup body.
+        server = await asyncio.start_server(self._serve_conn, host, port, limit=1 << 20)
         self._servers.append(server)
         self.port = server.sockets[0].getsockname()[1]
         if http_port >= 0:
@@ -199,7 +200,16 @@ class MasterService:
             else:
                 head["counts"] = out.counts
             # Node descriptions are pre-encoded at registration; splice them in, never re-encode.
-            nodes = ",".join(f"{json.dumps(nid)}:{node.info_json}" for nid, node in out.nodes.items())
+            # A node the client already holds at this epoch ("have") is sent as its epoch only:
+            # a real layout description is ~12 KB of JSON, costlier to parse than the lookup.
+            have = doc.get("have")
+            if not isinstance(have, dict):
+                have = {}
+            nodes = ",".join(
+                f'{json.dumps(nid)}:{{"epoch":{node.epoch}}}' if have.get(nid) == node.epoch
+                else f"{json.dumps(nid)}:{node.info_json}"
+                for nid, node in out.nodes.items()
+            )
             text = json.dumps(head, separators=(",", ":"))[:-1] + ',"nodes":{' + nodes + "}}"
             self.lookup_seconds += time.perf_counter() - t0
             return (text.encode(), out.blocks)

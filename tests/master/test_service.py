@@ -252,3 +252,24 @@ def test_silent_master_times_out(tmp_path):
         assert time.monotonic() - t0 < 1.0
     finally:
         m.kill()
+
+
+def test_node_descriptions_cached_per_epoch(master, masters):
+    """The client tells the master which node descriptions it has; a new incarnation is re-sent."""
+    from pdxfer.master.client import NodeInfo
+
+    c = masters.client(master.address)
+    keys = keys_for("epoch", 2)
+    c.register_node(NodeInfo("p", 0, "tcp", b"first", {"layers": 2}, "fp"), 30)
+    c.publish("p", [(k, [1]) for k in keys])
+    r1 = c.lookup_and_lock(keys, reader="d")
+    r2 = c.lookup_and_lock(keys, reader="d")
+    assert r2.nodes["p"] is r1.nodes["p"] and r2.nodes["p"].transport_metadata == b"first"
+    c.register_node(NodeInfo("p", 0, "tcp", b"second", {"layers": 3}, "fp"), 30)  # restarted holder
+    c.publish("p", [(k, [2]) for k in keys])
+    r3 = c.lookup_and_lock(keys, reader="d")
+    assert r3.nodes["p"].transport_metadata == b"second" and r3.nodes["p"].layout == {"layers": 3}
+    assert r3.locations[0].block_ids == [2]
+    # a second client (empty cache) gets the full description
+    other = masters.client(master.address)
+    assert other.lookup_and_lock(keys, reader="d2").nodes["p"].transport_metadata == b"second"
