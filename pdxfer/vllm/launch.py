@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -28,8 +29,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    import argparse
+
+_ROOT = str(Path(__file__).resolve().parents[2])
 
 # ---------------------------------------------------------------------------------------------
 # The tiny model
@@ -147,9 +154,15 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(tmp)
     (tmp / ".pdxfer-building").unlink()
     (tmp / TINY_COMPLETE_MARKER).write_text(json.dumps({"seed": seed, "vocab": vocab}))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    if out.exists() and not _is_complete_tiny(out, seed):
+        shutil.rmtree(out, ignore_errors=True)  # a half-built directory left by a killed build
+    try:
+        tmp.rename(out)
+    except OSError:
+        # Another process finished the same build first (tests in parallel): use theirs.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_complete_tiny(out, seed):
+            raise
     return out
 
 
@@ -165,6 +178,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux).
+
+    The kernel sends it when the *thread* that forked exits, so use it only from a main thread.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class ManagedProcess:
     """A child process in its own process group, with its output in a log file.
 
@@ -173,7 +199,8 @@ class ManagedProcess:
     """
 
     def __init__(self, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
-                 name: str | None = None, cwd: str | Path | None = None) -> None:
+                 name: str | None = None, cwd: str | Path | None = None,
+                 die_with_parent: bool = False) -> None:
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.name = name or Path(self.argv[0]).name
@@ -182,6 +209,7 @@ class ManagedProcess:
         self._popen = subprocess.Popen(
             self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
         )
         self.pid = self._popen.pid
 
@@ -274,8 +302,7 @@ def vllm_serve_env(cpu_bind: str | None, cache_root: Path,
     if not _has_infiniband():
         env.setdefault("UCX_MODULES", "^ib")
     # The child must import pdxfer (connector, launcher) from this checkout even when not installed.
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if extra:
         env.update(extra)
     return env
@@ -308,7 +335,7 @@ def default_run_dir() -> Path:
 def start_vllm(model_dir: str | Path, port: int, kv_transfer_config: dict | None = None,
                cpu_bind: str | None = None, log_dir: str | Path | None = None,
                extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,
-               name: str | None = None) -> ManagedProcess:
+               name: str | None = None, die_with_parent: bool = False) -> ManagedProcess:
     """Start `vllm serve` as a child process group; does not wait for readiness."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
@@ -317,7 +344,8 @@ def start_vllm(model_dir: str | Path, port: int, kv_transfer_config: dict | None
     name = name or f"vllm-{port}"
     env = vllm_serve_env(cpu_bind, default_run_dir() / "cache", extra_env)
     argv = vllm_serve_argv(model_dir, port, kv_transfer_config, extra_args)
-    return ManagedProcess(argv, log_dir / f"{name}.log", env=env, name=name)
+    return ManagedProcess(argv, log_dir / f"{name}.log", env=env, name=name,
+                          die_with_parent=die_with_parent)
 
 
 def wait_http_ready(url: str, timeout: float, proc: ManagedProcess | None = None,
@@ -362,8 +390,7 @@ def start_master(log_dir: str | Path, token_file: str | Path | None = None,
         argv += ["--token-file", str(token_file)]
     argv += list(extra_args)
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     proc = ManagedProcess(argv, log_dir / "master.log", env=env, name="pdxfer-master")
     deadline = time.monotonic() + timeout
@@ -383,6 +410,336 @@ def start_master(log_dir: str | Path, token_file: str | Path | None = None,
     except BaseException:
         proc.stop(5)
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# The paired launch: master + prefill + decode + proxy, readiness with progress, clean stop.
+# ---------------------------------------------------------------------------------------------
+
+_LOG_MSG = re.compile(r"\[[\w.]+:\d+\]\s*(.*)$")
+
+
+def last_log_message(path: Path, width: int = 60) -> str:
+    """The newest informative line of a log, shortened, for the progress display."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        line = line.strip()
+        if not line or "Warning" in line or line.startswith(("warnings.", "if ", "wrapper")):
+            continue
+        m = _LOG_MSG.search(line)
+        msg = m.group(1) if m else line
+        return msg if len(msg) <= width else msg[: width - 3] + "..."
+    return ""
+
+
+@dataclass
+class Component:
+    """One process of the stack and how to tell it is ready (None: ready once started)."""
+
+    name: str
+    proc: ManagedProcess
+    ready_url: str | None = None
+    ready: bool = False
+    url: str | None = None
+
+
+@dataclass
+class Stack:
+    """Processes started together and stopped together (reverse order)."""
+
+    components: list[Component] = field(default_factory=list)
+
+    def add(self, comp: Component) -> Component:
+        self.components.append(comp)
+        return comp
+
+    def __getitem__(self, name: str) -> Component:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def stop(self, timeout: float = 15) -> None:
+        for c in reversed(self.components):
+            c.proc.stop(timeout)
+
+    def dead(self) -> list[Component]:
+        return [c for c in self.components if not c.proc.alive()]
+
+    def wait_ready(self, timeout: float, progress: Callable[[str], None] | None = None,
+                   interval: float = 0.5) -> float:
+        """Poll every component until all answer; returns the seconds it took.
+
+        Raises RuntimeError (with the log tail) if one dies, TimeoutError after `timeout`.
+        """
+        t0 = time.monotonic()
+        while True:
+            for c in self.components:
+                if not c.proc.alive():
+                    raise RuntimeError(
+                        f"{c.name} (pid {c.proc.pid}) exited with {c.proc.returncode} during "
+                        f"startup; log {c.proc.log_path} ends with:\n{c.proc.log_tail()}")
+                if not c.ready:
+                    c.ready = c.ready_url is None or _probe(c.ready_url)
+            elapsed = time.monotonic() - t0
+            if progress is not None:
+                progress(self.progress_line(elapsed))
+            if all(c.ready for c in self.components):
+                return elapsed
+            if elapsed > timeout:
+                late = [c for c in self.components if not c.ready]
+                raise TimeoutError(
+                    f"not ready after {timeout:.0f} s: {', '.join(c.name for c in late)}; "
+                    f"log {late[0].proc.log_path} ends with:\n{late[0].proc.log_tail()}")
+            time.sleep(interval)
+
+    def progress_line(self, elapsed: float) -> str:
+        parts = []
+        for c in self.components:
+            if c.ready:
+                parts.append(f"{c.name}: ready")
+            else:
+                parts.append(f"{c.name}: {last_log_message(c.proc.log_path, 40) or 'starting'}")
+        return f"[{elapsed:5.0f}s] " + " | ".join(parts)
+
+
+def _probe(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def pdxfer_kv_config(role: str, master: str, transport: str = "tcp",
+                     chunk_tokens: int | None = None, **extra: object) -> dict:
+    """--kv-transfer-config for the pdxfer connector in `role` (kv_producer|kv_consumer|kv_both)."""
+    if role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise ValueError(f"kv role must be kv_producer, kv_consumer or kv_both, not {role!r}")
+    cfg: dict[str, object] = {"master": master, "transport": transport, **extra}
+    if chunk_tokens is not None:
+        cfg["chunk_tokens"] = chunk_tokens
+    return {"kv_connector": "PdxferConnector", "kv_connector_module_path": "pdxfer.vllm",
+            "kv_role": role, "kv_connector_extra_config": cfg}
+
+
+def start_proxy(prefill: Sequence[str], decode: Sequence[str], log_dir: Path, port: int = 0,
+                extra_args: Sequence[str] = ()) -> tuple[ManagedProcess, str]:
+    """`pdxfer proxy` as a child process; returns (process, base URL) once its port is known."""
+    port_file = log_dir / f"proxy-{os.getpid()}-{time.monotonic_ns()}.port"
+    argv = [sys.executable, "-m", "pdxfer.cli", "proxy", "--port", str(port),
+            "--port-file", str(port_file)]
+    for u in prefill:
+        argv += ["--prefill", u]
+    for u in decode:
+        argv += ["--decode", u]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = ManagedProcess(argv + list(extra_args), log_dir / "proxy.log", env=env, name="proxy")
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        if not proc.alive() or time.monotonic() > deadline:
+            proc.stop(5)
+            raise RuntimeError(f"proxy did not start; log:\n{proc.log_tail()}")
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
+
+
+def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
+               transport: str = "tcp", master: str | None = None,
+               chunk_tokens: int | None = None, prefill_cpus: str | None = "0",
+               decode_cpus: str | None = "1", proxy_port: int = 0,
+               kv_cache_gib: int = 1, vllm_args: Sequence[str] = (),
+               connector_extra: Mapping[str, object] | None = None) -> tuple[Stack, str]:
+    """Start master (unless given or no connector), prefill, decode and proxy; no waiting.
+
+    Returns the stack and the proxy URL. On any start error everything started is stopped.
+    """
+    stack = Stack()
+    try:
+        env_extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        p_cfg = d_cfg = None
+        if connector:
+            if master is None:
+                mproc, master = start_master(log_dir, extra_args=(
+                    ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else []))
+                stack.add(Component("master", mproc, None, url=master))
+            extra = dict(connector_extra or {})
+            p_cfg = pdxfer_kv_config("kv_producer", master, transport, chunk_tokens, **extra)
+            d_cfg = pdxfer_kv_config("kv_consumer", master, transport, chunk_tokens, **extra)
+        urls = {}
+        for role, cfg, cpus in (("prefill", p_cfg, prefill_cpus), ("decode", d_cfg, decode_cpus)):
+            port = free_port()
+            proc = start_vllm(model_dir, port, cfg, cpus, log_dir, vllm_args, env_extra, name=role,
+                              die_with_parent=True)
+            urls[role] = f"http://127.0.0.1:{port}"
+            stack.add(Component(role, proc, urls[role] + "/health", url=urls[role]))
+        pproc, proxy_url = start_proxy([urls["prefill"]], [urls["decode"]], log_dir, proxy_port)
+        stack.add(Component("proxy", pproc, proxy_url + "/health", url=proxy_url))
+        return stack, proxy_url
+    except BaseException:
+        stack.stop(5)
+        raise
+
+
+def read_prom_counter(base_url: str, name: str, timeout: float = 5) -> float:
+    """Sum of a Prometheus counter (all label sets) from an instance's /metrics; 0 if absent."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+TRANSFER_COUNTER = "vllm:external_prefix_cache_hits_total"
+
+_DEMO_WORDS = ("the data block cache token layer chunk read write key value model prefix decode "
+               "prefill kari tomu sena lovi peda").split()
+
+
+def demo_prompts(seed: int = 1) -> list[tuple[str, str]]:
+    """(label, prompt) pairs: short (under one chunk), ~3 chunks, ~8 chunks of 256 tokens.
+
+    Random words from a fixed seed: distinct prompts, so the decode side's own prefix cache
+    cannot answer them and what it skips came from the prefill instance.
+    """
+    rng = random.Random(seed)
+
+    def text(n_words: int) -> str:
+        return " ".join(rng.choice(_DEMO_WORDS) for _ in range(n_words))
+
+    return [("short", text(40)), ("~3 chunks", text(650)), ("~8 chunks", text(1750))]
+
+
+def run_demo(proxy_url: str, decode_url: str, model: str, connector: bool,
+             out: Callable[[str], None] = print) -> bool:
+    """Send the demo prompts through the proxy; print outputs and decode-side transfers."""
+    ok = True
+    total_transferred = 0.0
+    for label, prompt in demo_prompts():
+        before = read_prom_counter(decode_url, TRANSFER_COUNTER)
+        body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        req = urllib.request.Request(proxy_url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                data = json.loads(r.read())
+                prefill_ms = float(r.headers.get("X-Pdxfer-Prefill-Ms", "nan"))
+        except urllib.error.HTTPError as e:
+            out(f"  {label}: HTTP {e.code}: {e.read()[:300]!r}")
+            ok = False
+            continue
+        except (urllib.error.URLError, OSError) as e:
+            out(f"  {label}: failed: {e}")
+            ok = False
+            continue
+        ms = (time.perf_counter() - t0) * 1000
+        # vLLM updates its counters once per engine step; give the step that finished a moment.
+        transferred = before
+        deadline = time.monotonic() + 2
+        while transferred == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+            transferred = read_prom_counter(decode_url, TRANSFER_COUNTER)
+        total_transferred += transferred - before
+        out(f"  {label}: {data['usage']['prompt_tokens']} prompt tokens, "
+            f"{ms:.0f} ms (prefill step {prefill_ms:.0f} ms), decode loaded "
+            f"{transferred - before:.0f} tokens from prefill")
+        out(f"      -> {data['choices'][0]['text']!r}")
+    if connector and total_transferred == 0:
+        out("  no tokens were transferred to the decode instance: check the logs")
+        ok = False
+    return ok
+
+
+def run_launch_cli(args: "argparse.Namespace") -> int:
+    """`pdxfer launch`: start everything, show progress, serve until Ctrl-C (or run --demo)."""
+    if args.make_tiny_model:
+        print(f"building/reusing the tiny model in {args.make_tiny_model} ...", flush=True)
+        model_dir = make_tiny_model(args.make_tiny_model)
+    elif args.model_dir:
+        model_dir = Path(args.model_dir)
+        if not (model_dir / "config.json").exists():
+            print(f"pdxfer launch: {model_dir} is not a model directory (no config.json)",
+                  file=sys.stderr)
+            return 2
+    else:
+        print("pdxfer launch: give MODEL_DIR or --make-tiny-model DIR", file=sys.stderr)
+        return 2
+    log_dir = args.log_dir or default_run_dir() / time.strftime("launch-%Y%m%d-%H%M%S")
+    log_dir = Path(log_dir).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"logs in {log_dir}", flush=True)
+
+    # SIGTERM takes the same path as Ctrl-C so that `finally` stops every child.
+    def _term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, _term)
+    stack: Stack | None = None
+    tty = sys.stdout.isatty()
+    try:
+        stack, proxy_url = start_pair(
+            model_dir, log_dir, connector=not args.no_connector, transport=args.transport,
+            master=args.master, chunk_tokens=args.chunk_tokens, prefill_cpus=args.prefill_cpus,
+            decode_cpus=args.decode_cpus, proxy_port=args.port, kv_cache_gib=args.kv_cache_gib,
+            vllm_args=args.vllm_arg)
+        last = [""]
+
+        def show(line: str) -> None:
+            if tty:
+                print("\r" + line[:160].ljust(160), end="", flush=True)
+            elif line.split("] ", 1)[1] != last[0]:
+                print(line, flush=True)
+            last[0] = line.split("] ", 1)[1]
+
+        took = stack.wait_ready(args.ready_timeout, show)
+        if tty:
+            print()
+        model = "tiny" if _is_tiny(model_dir) else Path(model_dir).name
+        mode = "no connector (decode recomputes)" if args.no_connector else \
+            f"pdxfer connector, transport {args.transport}"
+        print(f"ready in {took:.0f} s: {mode}")
+        for c in stack.components:
+            print(f"  {c.name:8s} pid {c.proc.pid:<7d} {c.url or '':28s} log {c.proc.log_path}")
+        print(f"\nOpenAI endpoint: {proxy_url}/v1\nexample:\n  curl -s {proxy_url}/v1/completions "
+              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"prompt\": "
+              f"\"the data block\", \"max_tokens\": 16, \"temperature\": 0}}'\n", flush=True)
+        if args.demo:
+            print("demo:")
+            ok = run_demo(proxy_url, stack["decode"].url or "", model, not args.no_connector)
+            return 0 if ok else 1
+        print("Ctrl-C stops everything.", flush=True)
+        while True:
+            dead = stack.dead()
+            if dead:
+                c = dead[0]
+                print(f"{c.name} exited with {c.proc.returncode}; stopping. Log tail:\n"
+                      f"{c.proc.log_tail(2000)}", file=sys.stderr)
+                return 1
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 130
+    except (RuntimeError, TimeoutError) as e:
+        print(f"\npdxfer launch: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if stack is not None:
+            # A second Ctrl-C during shutdown must not leave children behind.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            stack.stop()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print("all processes stopped", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""`pdxfer launch` end to end: real master, two real `vllm serve` instances, the proxy.
+
+One launch (the heavy part, ~1-2 min on 2 cores) serves three checks: readiness and the printed
+endpoints, the demo (prompts through the proxy; the decode side really loaded prefill's chunks),
+and a clean stop on SIGTERM that leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdxfer.vllm.launch import TRANSFER_COUNTER, make_tiny_model, read_prom_counter, run_demo
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    except (ProcessLookupError, OSError):
+        return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().split(")")[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+def test_launch_rejects_bad_model_dir(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "pdxfer.cli", "launch", str(tmp_path / "nothing")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no config.json" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pdxfer.cli", "launch"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--make-tiny-model" in r.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
+    model = make_tiny_model(ROOT / ".pdxfer-run" / "tiny-seed0")
+    log = tmp_path / "launch.out"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdxfer.cli", "launch", str(model), "--port", "0",
+             "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "400"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    pids: dict[str, int] = {}
+    urls: dict[str, str] = {}
+    pgids: list[int] = []
+    try:
+        deadline = time.monotonic() + 450
+        while "Ctrl-C stops everything" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "pdxfer connector, transport tcp" in text
+        for name, pid, url in re.findall(r"^\s+(master|prefill|decode|proxy)\s+pid (\d+)\s+(\S+)",
+                                         text, re.M):
+            pids[name] = int(pid)
+            urls[name] = url
+        assert set(pids) == {"master", "prefill", "decode", "proxy"}
+        pgids = list(pids.values())  # each child leads its own process group
+        proxy_url, decode_url = urls["proxy"], urls["decode"]
+        assert f"curl -s {proxy_url}/v1/completions" in text
+
+        lines: list[str] = []
+        before = read_prom_counter(decode_url, TRANSFER_COUNTER)
+        assert run_demo(proxy_url, decode_url, "tiny", connector=True, out=lines.append), lines
+        loaded = [int(m) for m in re.findall(r"decode loaded (\d+) tokens", "\n".join(lines))]
+        assert len(loaded) == 3
+        # Full 256-token chunks only, never the whole prompt: the short one loads nothing,
+        # the ~8-chunk one loads 8 chunks.
+        assert loaded[0] == 0 and loaded[2] >= 8 * 256 and loaded[2] % 256 == 0
+        assert read_prom_counter(decode_url, TRANSFER_COUNTER) - before == sum(loaded)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 130
+        assert "all processes stopped" in log.read_text()
+        for g in pgids:
+            assert _group_members(g) == [], f"process group {g} left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for g in pgids:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
