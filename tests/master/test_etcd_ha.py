@@ -121,11 +121,14 @@ def test_etcd_killed_leader_serves_from_memory_degraded(etcd, masters):
     wait_until(lambda: c.stats()["degraded"], 8, "master to report degraded")
     with urllib.request.urlopen(f"http://{m.http_address}/health", timeout=2) as r:
         assert json.loads(r.read())["status"] == "degraded"
-    # the hot path does not depend on etcd
-    t0 = time.monotonic()
-    r = c.lookup_and_lock(keys, reader="d")
-    assert r.hit_chunks == 3 and c.release(r.lock_id) is True
-    assert time.monotonic() - t0 < 0.5
+    # the hot path does not wait on etcd (an etcd call would cost its 0.5 s timeout)
+    lat = []
+    for _ in range(9):
+        t0 = time.monotonic()
+        r = c.lookup_and_lock(keys, reader="d")
+        assert r.hit_chunks == 3 and c.release(r.lock_id) is True
+        lat.append(time.monotonic() - t0)
+    assert sorted(lat)[4] < 0.25, lat
     assert c.heartbeat("p") is True
     assert c.stats()["leader"] is True
     with urllib.request.urlopen(f"http://{m.http_address}/metrics", timeout=2) as resp:

@@ -233,7 +233,7 @@ def test_unreachable_master_fails_within_timeout(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(MasterUnavailable):
         c.lookup_and_lock(keys_for("x", 1), reader="d")
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 1.5  # timeout 0.5 s, slack for a loaded CI machine
 
 
 def test_silent_master_times_out(tmp_path):
@@ -249,7 +249,7 @@ def test_silent_master_times_out(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(MasterUnavailable):
             c.lookup_and_lock(keys_for("x", 1), reader="d")
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 1.5  # timeout 0.5 s, slack for a loaded CI machine
     finally:
         m.kill()
 
