@@ -299,3 +299,14 @@ def test_ucx_tcp_frozen_holder_times_out_cancel_then_peer_death(monkeypatch, nix
         assert time.monotonic() - t0 < 10
     finally:
         stop(holder.proc)
+
+
+def test_raw_nixl_baseline_reads_exact_bytes_and_reports_columns():
+    from pdxfer.probe.nixl_baseline import raw_nixl_read_gbps
+
+    res = raw_nixl_read_gbps(16 << 10, 64, 2, check=True)
+    assert res["ok"] is True
+    assert res["gbps"] > 0 and res["avg_lat_us"] > 0
+    assert {"prep_p99_us", "post_p99_us", "tx_p99_us"} <= res.keys()
+    with pytest.raises(ValueError, match="positive"):
+        raw_nixl_read_gbps(0, 1, 1)
