@@ -50,6 +50,7 @@ from pdxfer.transport.tcp_server import RegionTable, TcpServer, region_view
 
 METADATA_VERSION = 1
 _ANY_INSTANCE = bytes(16)
+_SMALL_PLAN = 32  # up to this many runs, plain Python beats numpy's per-call overhead
 _RUN_FIELDS = operator.attrgetter("remote_region", "remote_offset", "local_region", "local_offset", "nbytes")
 
 
@@ -379,6 +380,8 @@ class TcpTransport(Transport):
         runs = plan.runs
         if not runs:
             return np.empty((0, 5), dtype=np.int64)
+        if len(runs) <= _SMALL_PLAN:
+            return self._check_small(info, runs)
         try:
             a = np.array(list(itertools.chain.from_iterable(map(_RUN_FIELDS, runs))), dtype=np.int64).reshape(-1, 5)
         except OverflowError as exc:
@@ -409,14 +412,43 @@ class TcpTransport(Transport):
                                                      lo_end=r.local_offset + r.nbytes, lsize=lsize))
         return a[n > 0] if not (n > 0).all() else a
 
+    def _check_small(self, info: TcpPeerInfo, runs: Sequence) -> np.ndarray:
+        """Same checks as the vectorized path; for a few runs plain Python is ~10x cheaper."""
+        rsizes = info.region_sizes
+        lviews = self._local_views
+        out = []
+        for i, r in enumerate(runs):
+            rr, ro, lr, lo, n = _RUN_FIELDS(r)
+            if n < 0:
+                raise OutOfRange(f"run {i}: negative length {n}")
+            if not 0 <= rr < len(rsizes):
+                raise RegionUnknown(f"run {i}: remote region {rr} not registered by {info.peer_id} "
+                                    f"({len(rsizes)} regions)")
+            if ro < 0 or ro + n > rsizes[rr]:
+                raise OutOfRange(f"run {i}: remote bytes [{ro}, {ro + n}) outside region {rr} "
+                                 f"({rsizes[rr]} bytes) of {info.peer_id}")
+            if not 0 <= lr < len(lviews):
+                raise RegionUnknown(f"run {i}: local region {lr} not registered ({len(lviews)} regions)")
+            if lo < 0 or lo + n > len(lviews[lr]):
+                raise OutOfRange(f"run {i}: local bytes [{lo}, {lo + n}) outside local region {lr} "
+                                 f"({len(lviews[lr])} bytes)")
+            if n:
+                out.append((rr, ro, lr, lo, n))
+        try:
+            return np.array(out, dtype=np.int64).reshape(-1, 5)
+        except OverflowError as exc:
+            raise OutOfRange(f"a run's offset or length does not fit in 63 bits: {exc}") from exc
+
     def _split(self, a: np.ndarray, nconns: int) -> list[np.ndarray]:
         """Contiguous slices of the run array with about equal bytes each; a run crossing a cut is
         split there, so one huge run is spread over all connections too."""
         if len(a) == 0:
             return []
+        if nconns == 1 or (len(a) <= _SMALL_PLAN and int(a[:, 4].sum()) < self._split_min):
+            return [a]
         cum = np.cumsum(a[:, 4])
         total = int(cum[-1])
-        if nconns == 1 or total < self._split_min:
+        if total < self._split_min:
             return [a]
         quota = -(-total // nconns)
         parts = []
@@ -467,7 +499,10 @@ class TcpTransport(Transport):
         sock = conn.ensure()
         lviews = self._local_views
         req_id = next(self._req_ids)
-        sock.sendall(wire.pack_request_array(req_id, runs[:, 0], runs[:, 1], runs[:, 4], self._flags))
+        if len(runs) <= _SMALL_PLAN:
+            sock.sendall(wire.pack_request(req_id, [(r[0], r[1], r[4]) for r in runs.tolist()], self._flags))
+        else:
+            sock.sendall(wire.pack_request_array(req_id, runs[:, 0], runs[:, 1], runs[:, 4], self._flags))
         status, rid, length, flags = wire.unpack_response(wire.recv_exact(sock, wire.RESP_SIZE, "response header"))
         if rid != req_id:
             raise wire.CorruptFrame(f"response for request {rid}, expected {req_id}")

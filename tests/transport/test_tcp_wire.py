@@ -67,6 +67,27 @@ def test_holder_rejects_out_of_range_runs_from_a_hostile_client(tcp_holder):
         s.close()
 
 
+def test_holder_checks_every_run_of_a_large_request(tcp_holder):
+    """Large run lists take the vectorized path on the holder: same checks, same messages."""
+    info = parse_metadata(tcp_holder.meta)
+    s = raw_session(info)
+    try:
+        runs = [(0, i * 1000, 1000) for i in range(100)]
+        status, body, _ = raw_request(s, runs)
+        assert status == wire.OK and body == bytes(pattern(0, MiB)[:100_000])
+        runs[77] = (0, MiB - 10, 11)
+        status, text, _ = raw_request(s, runs, req_id=2)
+        assert status == wire.ERR_OUT_OF_RANGE and text.startswith(b"run 77:")
+        runs[77] = (0, (1 << 64) - 5, 10)  # offset + length wraps 64 bits: must not pass as small
+        status, text, _ = raw_request(s, runs, req_id=3)
+        assert status == wire.ERR_OUT_OF_RANGE and text.startswith(b"run 77:")
+        runs[77] = (5, 0, 10)
+        status, text, _ = raw_request(s, runs, req_id=4)
+        assert status == wire.ERR_REGION_UNKNOWN and text.startswith(b"run 77:")
+    finally:
+        s.close()
+
+
 def test_holder_drops_a_corrupt_request_and_keeps_serving(tcp_holder):
     info = parse_metadata(tcp_holder.meta)
     s = raw_session(info)
