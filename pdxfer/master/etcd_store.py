@@ -217,7 +217,11 @@ class EtcdCoordinator:
     async def _keep_leadership(self, client: aetcd.Client) -> None:
         now = time.monotonic()
         if now - self._lease_sent < self._lease_ttl / 3:
-            return
+            # Not due for renewal: still check (one cheap get per round) that the key is ours,
+            # so a replica that lost the key stops serving within a poll interval.
+            got = await self._call(client.get(self.leader_key))
+            if got is not None and self._id_of(got.value) == self.replica_id:
+                return
         sent = time.monotonic()
         reply = await self._call(self._lease.refresh())
         ttl = getattr(reply, "TTL", 0) if reply is not None else 0

@@ -138,3 +138,34 @@ def test_etcd_killed_leader_serves_from_memory_degraded(etcd, masters):
     wait_until(lambda: c.stats()["degraded"] is None, 15, "master to leave degraded mode")
     assert c.stats()["leader"] is True
     assert c.lookup_and_lock(keys, reader="d").hit_chunks == 3
+
+
+def test_leader_key_stolen_exactly_one_leader_remains(etcd, masters):
+    """Delete the leader key under a live leader: whoever ends up holding it leads, the other
+    steps down (clearing what it knew) - never two leaders once etcd is reachable."""
+    a = masters.start(extra_args=ha_args(etcd))
+    wait_until(lambda: role(a.address), 10, "first replica to lead")
+    b = masters.start(extra_args=ha_args(etcd))
+    ca = masters.client(a.address)
+    ca.register_node(node_info("n"), 30)
+    req = urllib.request.Request(
+        f"http://{etcd.endpoint}/v3/kv/deleterange",
+        data=json.dumps({"key": base64.b64encode(f"{PREFIX}/leader".encode()).decode()}).encode(), method="POST")
+    for _ in range(5):  # give the standby several chances to win the race
+        urllib.request.urlopen(req, timeout=2).read()
+        time.sleep(0.3)
+
+    def settled():
+        roles = {m.address: role(m.address) for m in (a, b)}
+        key = etcd_keys(etcd.endpoint, PREFIX).get(f"{PREFIX}/leader")
+        leaders = [addr for addr, r in roles.items() if r]
+        if len(leaders) == 1 and key is not None and json.loads(key)["addr"] == leaders[0]:
+            return leaders[0]
+        return None
+
+    leader = wait_until(settled, 10, "exactly one leader matching the key")
+    time.sleep(0.8)  # stays settled
+    assert settled() == leader
+    standby = b if leader == a.address else a
+    st = masters.client(standby.address).stats()
+    assert st["leader"] is False and st["nodes"] == 0  # a standby serves nothing it knew as leader
