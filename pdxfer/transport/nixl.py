@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 import os
 import secrets
@@ -61,9 +62,10 @@ log = logging.getLogger(__name__)
 
 _COOKIE_BYTES = 32
 _HELLO = b"pdxfer:hello"
-_READ_NOTIF = b"pdxfer:r"
 _WAKE = b"pdxfer:wake"
 _MAX_GRANULE = 1 << 20
+_SMALL_PLAN = 8  # plans with at most this many runs skip numpy
+_SMALL_INDICES = 4096  # ... as long as they map to at most this many prepared descriptors
 _MAX_INDICES = 1 << 21  # above this many prepared descriptors per READ, one descriptor per run is cheaper
 
 
@@ -126,6 +128,9 @@ class _RegionTable:
                    np.array([r[4] for r in regions], dtype=np.uint64),
                    mems.pop() if mems else "DRAM")
 
+    def __post_init__(self) -> None:
+        self.sizes: list[int] = self.nbytes.tolist()  # Python ints for the few-runs fast path
+
     def __len__(self) -> int:
         return len(self.nbytes)
 
@@ -145,6 +150,10 @@ class _Prepped:
     remote: Any
     local_base: np.ndarray
     remote_base: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.local_base_list = self.local_base.tolist()
+        self.remote_base_list = self.remote_base.tolist()
 
 
 @dataclass
@@ -434,9 +443,16 @@ class NixlTransport(Transport):
             raise PeerUnreachable(f"not connected to NIXL peer {peer!r}; call connect() with its metadata first")
         if not plan.runs:
             return NixlReadHandle(self, peer, None, 0, ReadState.DONE)
-        arr = _plan_array(plan)
-        self._validate(p, arr)
-        nbytes = int(arr[:, 4].sum())
+        runs = plan.runs
+        small = len(runs) <= _SMALL_PLAN
+        if small:
+            # A few runs: plain Python is ~5x cheaper than a dozen numpy calls (latency of 1-run reads).
+            g = self._validate_small(p, runs)
+            nbytes = sum(r.nbytes for r in runs)
+        else:
+            arr = _plan_array(plan)
+            self._validate(p, arr)
+            nbytes = int(arr[:, 4].sum())
         with self._lock:
             if self._closed or peer not in self._peers:
                 raise PeerUnreachable(f"NIXL peer {peer!r} was disconnected")
@@ -445,8 +461,10 @@ class NixlTransport(Transport):
                     # The holder may have gone idle (polling every idle_poll_s): wake it first, so a
                     # READ that needs target progress (UCX over TCP) is not served at the idle rate.
                     self._wake(peer)
-                xfer = self._make_xfer(p, arr)
-                state = self._agent.transfer(xfer, _READ_NOTIF)
+                xfer = self._make_xfer_small(p, runs, g) if small else None
+                if xfer is None:
+                    xfer = self._make_xfer(p, arr if not small else _plan_array(plan))
+                state = self._agent.transfer(xfer)
             except self._bind.nixlRemoteDisconnectError as exc:
                 return NixlReadHandle(self, peer, None, nbytes, ReadState.FAILED,
                                       PeerDied(f"NIXL peer {peer} disconnected: {exc}"))
@@ -480,6 +498,46 @@ class NixlTransport(Transport):
                 raise OutOfRange(f"run {i}: {side} region {int(reg[i])} bytes [{int(off[i])}, "
                                  f"{int(off[i] + n[i])}) outside its {int(size[i])} registered bytes on {who}")
 
+    def _validate_small(self, p: _Peer, runs: Sequence[Any]) -> int:
+        """Same checks and messages as ``_validate`` for a few runs; returns the gcd of offsets and sizes."""
+        g = 0
+        for i, r in enumerate(runs):
+            for side, reg, off, table, who in (("remote", r.remote_region, r.remote_offset, p.table, f"peer {p.name}"),
+                                               ("local", r.local_region, r.local_offset, self._table, "this side")):
+                if not 0 <= reg < len(table.sizes):
+                    raise RegionUnknown(f"run {i}: {side} region {reg} is not registered on {who} "
+                                        f"({len(table.sizes)} regions)")
+                size = table.sizes[reg]
+                if off < 0 or r.nbytes <= 0 or off + r.nbytes > size:
+                    raise OutOfRange(f"run {i}: {side} region {reg} bytes [{off}, {off + r.nbytes}) outside "
+                                     f"its {size} registered bytes on {who}")
+            g = math.gcd(g, r.remote_offset, r.local_offset, r.nbytes)
+        return g
+
+    def _make_xfer_small(self, p: _Peer, runs: Sequence[Any], g: int) -> Any:
+        """Prepared-list READ for a few runs built with Python lists; None when the numpy path must decide."""
+        granule = min(g & -g, _MAX_GRANULE)
+        if granule < self._min_granule:
+            return None
+        pr = self._prepped_for(p, granule)
+        if pr is None:
+            return None
+        lidx: list[int] = []
+        ridx: list[int] = []
+        for r in runs:
+            n = r.nbytes // granule
+            rs, ls = p.table.sizes[r.remote_region], self._table.sizes[r.local_region]
+            if (r.remote_offset + r.nbytes > rs // granule * granule
+                    or r.local_offset + r.nbytes > ls // granule * granule or len(lidx) + n > _SMALL_INDICES):
+                return None
+            r0 = pr.remote_base_list[r.remote_region] + r.remote_offset // granule
+            l0 = pr.local_base_list[r.local_region] + r.local_offset // granule
+            ridx.extend(range(r0, r0 + n))
+            lidx.extend(range(l0, l0 + n))
+        xfer = self._agent.make_prepped_xfer("READ", pr.local, lidx, pr.remote, ridx)
+        self._counts["prepped_reads"] += 1
+        return xfer
+
     def _make_xfer(self, p: _Peer, arr: np.ndarray) -> Any:
         offs_and_lens = np.concatenate([arr[:, 1], arr[:, 3], arr[:, 4]])
         g = int(np.gcd.reduce(offs_and_lens))
@@ -494,7 +552,7 @@ class NixlTransport(Transport):
                 step = np.arange(total, dtype=np.int64) - np.repeat(first, n)
                 ridx = (np.repeat(pr.remote_base[arr[:, 0]] + arr[:, 1] // granule, n) + step).astype(np.int32)
                 lidx = (np.repeat(pr.local_base[arr[:, 2]] + arr[:, 3] // granule, n) + step).astype(np.int32)
-                xfer = self._agent.make_prepped_xfer("READ", pr.local, lidx, pr.remote, ridx, _READ_NOTIF)
+                xfer = self._agent.make_prepped_xfer("READ", pr.local, lidx, pr.remote, ridx)
                 self._counts["prepped_reads"] += 1
                 return xfer
         # Fallback: plans aligned to less than min_granule: one descriptor per run.
@@ -504,8 +562,7 @@ class NixlTransport(Transport):
                           p.table.dev[arr[:, 0]]], axis=1)
         target = self.name if p.loopback else p.name
         xfer = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(ldesc, self._table.mem_type),
-                                           self._agent.get_xfer_descs(rdesc, p.table.mem_type), target,
-                                           _READ_NOTIF)
+                                           self._agent.get_xfer_descs(rdesc, p.table.mem_type), target)
         self._counts["fallback_reads"] += 1
         return xfer
 

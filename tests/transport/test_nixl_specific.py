@@ -18,9 +18,11 @@ from pdxfer.layout import TransferPlan, TransferRun
 from pdxfer.probe.pattern import fill, mismatches, scattered_plan
 from pdxfer.transport.base import (
     MetadataError,
+    OutOfRange,
     PeerDied,
     PeerUnreachable,
     ReadState,
+    RegionUnknown,
     RegisteredRegion,
     TransferCancelled,
     TransferTimeout,
@@ -310,3 +312,20 @@ def test_raw_nixl_baseline_reads_exact_bytes_and_reports_columns():
     assert {"prep_p99_us", "post_p99_us", "tx_p99_us"} <= res.keys()
     with pytest.raises(ValueError, match="positive"):
         raw_nixl_read_gbps(0, 1, 1)
+
+
+@pytest.mark.parametrize("nruns", [2, 100])  # few runs: pure-Python checks; many: vectorised checks
+def test_bad_run_in_small_and_large_plans_is_named(holder_factory, nixl_reader, nruns):
+    holder = holder_factory("nixl", sizes=(MiB,))
+    t, _ = nixl_reader(MiB)
+    peer = t.connect(holder.meta, timeout=10)
+    good = [TransferRun(0, i * 4096, 0, i * 4096, 4096) for i in range(nruns - 1)]
+    cases = [(TransferRun(0, MiB - 8, 0, 0, 16), OutOfRange, "remote region 0 bytes"),
+             (TransferRun(2, 0, 0, 0, 16), RegionUnknown, "remote region 2 is not registered"),
+             (TransferRun(0, 0, 0, MiB, 1), OutOfRange, "local region 0 bytes"),
+             (TransferRun(0, 0, -1, 0, 16), RegionUnknown, "local region -1"),
+             (TransferRun(0, 0, 0, 0, 0), OutOfRange, "remote region 0 bytes")]
+    for bad, exc, words in cases:
+        with pytest.raises(exc, match=f"run {nruns - 1}: {words}"):
+            t.read(peer, TransferPlan(tuple(good) + (bad,), nruns))
+    assert t.stats["prepped_reads"] + t.stats["fallback_reads"] == 0, "nothing may be posted"
