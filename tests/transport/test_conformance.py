@@ -218,3 +218,23 @@ def test_reconnect_after_holder_restart(kind, holder_factory, reader_factory):
     peer2 = reader.t.connect(second.meta, timeout=10)
     read_and_check(reader, peer2, plan)
     reader.t.disconnect(peer)
+
+
+def test_close_fails_in_flight_reads_with_cancelled(kind, holder_factory, reader_factory):
+    holder = holder_factory(kind)
+    reader = reader_factory(kind)
+    peer = reader.t.connect(holder.meta, timeout=10)
+    os.kill(holder.proc.pid, signal.SIGSTOP)
+    try:
+        h = _big_pending_read(reader, peer)
+        time.sleep(0.2)
+        pending = h.poll() is ReadState.PENDING
+        t0 = time.monotonic()
+        reader.t.close()
+        assert time.monotonic() - t0 < 10
+    finally:
+        os.kill(holder.proc.pid, signal.SIGCONT)
+    if pending:
+        with pytest.raises(TransferCancelled):
+            h.wait(5)
+    reader.t.close()  # idempotent

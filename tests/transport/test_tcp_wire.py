@@ -260,3 +260,21 @@ def test_cuda_regions_are_refused_with_a_clear_error():
             t.register([RegisteredRegion(0, 0x1000, 64, "cuda:0")])
     finally:
         t.close()
+
+
+def test_deregistered_memory_is_no_longer_served(reader_factory):
+    src = np.arange(MiB, dtype=np.uint8)
+    holder = TcpTransport()
+    try:
+        holder.register([RegisteredRegion(0, src.ctypes.data, src.nbytes)])
+        reader = reader_factory("tcp", MiB)
+        peer = reader.t.connect(holder.metadata(), timeout=5)
+        plan = TransferPlan((TransferRun(0, 0, 0, 0, 4096),), 1)
+        reader.t.read(peer, plan).wait(5)
+        assert bytes(reader.dst[:4096]) == bytes(src[:4096])
+        holder.deregister()
+        from pdxfer.transport.base import RegionUnknown
+        with pytest.raises(RegionUnknown, match="not registered"):
+            reader.t.read(peer, plan).wait(5)
+    finally:
+        holder.close()
