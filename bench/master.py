@@ -169,7 +169,16 @@ def main() -> None:
     try:
         etcd.start()
         c = MasterClient(master.address, timeout_s=10)
-        c.register_node(NodeInfo("bench-holder", 0, "tcp", b"x" * 550, {"v": 1}, "fp"), lease_ttl_s=600)
+        # A realistic node description: 32 layers, separate K and V regions (~12 KB of JSON).
+        layout = {
+            "v": 1, "kv_format": "bench", "dtype": "bfloat16", "num_blocks": 8192, "block_size": 128,
+            "kv_heads": 8, "head_dim": 128,
+            "regions": [{"index": i, "nbytes": 1 << 30, "device": "cuda:0"} for i in range(64)],
+            "segments": [{"layer": f"model.layers.{i}.self_attn.attn", "part": p, "region": 2 * i + (p == "v"),
+                          "base": 0, "block_stride": 262144, "block_bytes": 262144}
+                         for i in range(32) for p in ("k", "v")],
+        }
+        c.register_node(NodeInfo("bench-holder", 0, "nixl", b"x" * 550, layout, "fp"), lease_ttl_s=600)
         for p in range(args.clients):
             c.publish("bench-holder", [(k, [2 * i, 2 * i + 1]) for i, k in enumerate(_keys(p, args.keys))])
         asyncio.run(etcd_load(etcd.endpoint, args.clients, args.keys))

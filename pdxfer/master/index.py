@@ -24,7 +24,7 @@ import heapq
 import itertools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 INF = math.inf
@@ -99,7 +99,6 @@ class Counters:
     unpublish_refused: int = 0
     nodes_expired: int = 0
     locks_invalidated: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class ChunkIndex:
