@@ -15,12 +15,19 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 def pattern(region: int, nbytes: int, seed: int = 0) -> np.ndarray:
     """``nbytes`` uint8 whose value at offset i depends on (region, seed, i // 8) and i % 8."""
-    words = (nbytes + 7) // 8
-    w = np.arange(words, dtype=np.uint64)
+    return pattern_at(region, 0, nbytes, seed)
+
+
+def pattern_at(region: int, offset: int, nbytes: int, seed: int = 0) -> np.ndarray:
+    """Bytes ``[offset, offset + nbytes)`` of :func:`pattern` without computing the rest."""
+    first = offset // 8
+    words = (offset + nbytes + 7) // 8 - first
+    w = np.arange(first, first + words, dtype=np.uint64)
     w *= _GOLDEN
     w ^= np.uint64(((region + 1) * 0x100000001B3 + seed * 0x51ED27) & 0xFFFFFFFFFFFFFFFF)
     w ^= w >> np.uint64(29)
-    return w.view(np.uint8)[:nbytes]
+    skip = offset - first * 8
+    return w.view(np.uint8)[skip:skip + nbytes]
 
 
 def fill(buf: np.ndarray, region: int, seed: int = 0) -> None:
@@ -54,11 +61,16 @@ def mismatches(plan: TransferPlan, local: dict[int, np.ndarray], remote_sizes: d
                seed: int = 0) -> list[str]:
     """Runs whose local bytes differ from the holder's pattern (empty list: all exact)."""
     cache: dict[int, np.ndarray] = {}
+    # Whole-region patterns pay off only when the plan covers a good part of the region.
+    whole = plan.total_bytes * 4 >= sum(remote_sizes.values())
     bad = []
     for i, r in enumerate(plan.runs):
-        if r.remote_region not in cache:
-            cache[r.remote_region] = pattern(r.remote_region, remote_sizes[r.remote_region], seed)
-        want = cache[r.remote_region][r.remote_offset:r.remote_offset + r.nbytes]
+        if not whole:
+            want = pattern_at(r.remote_region, r.remote_offset, r.nbytes, seed)
+        else:
+            if r.remote_region not in cache:
+                cache[r.remote_region] = pattern(r.remote_region, remote_sizes[r.remote_region], seed)
+            want = cache[r.remote_region][r.remote_offset:r.remote_offset + r.nbytes]
         got = local[r.local_region][r.local_offset:r.local_offset + r.nbytes]
         if not np.array_equal(want, got):
             first = int(np.argmax(want != got))
