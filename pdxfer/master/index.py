@@ -248,8 +248,10 @@ class ChunkIndex:
         c.lookup_chunks += len(keys)
         entries = self.entries
         chosen: list[Entry] = []
-        runs: list[list[Any]] = []  # [node id, chunks]
-        cur: str | None = None
+        append = chosen.append
+        runs: list[tuple[str, int]] = []  # (node id, chunks)
+        cur: str | None = None  # current holder; its node lease was checked when we switched to it
+        run_start = 0
         n = len(keys)
         i = 0
         # One pass: stay on the current holder while it holds the next chunk; when it does not,
@@ -262,11 +264,12 @@ class ChunkIndex:
                 break
             if cur is not None:
                 e = holders.get(cur)
-                if e is not None and e.hold_until > now and e.node.expires_at > now:
-                    chosen.append(e)
-                    runs[-1][1] += 1
+                if e is not None and e.hold_until > now:
+                    append(e)
                     i += 1
                     continue
+                runs.append((cur, i - run_start))
+                cur = None
             live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now]
             if not live:
                 break
@@ -274,9 +277,11 @@ class ChunkIndex:
                 cur = live[0]
             else:
                 cur = min(live, key=lambda nid: (-self._run_length(keys, i, nid, now), nid))
-            chosen.append(holders[cur])
-            runs.append([cur, 1])
+            run_start = i
+            append(holders[cur])
             i += 1
+        if cur is not None:
+            runs.append((cur, i - run_start))
         hit = len(chosen)
         if hit == 0:
             return LookupOutcome(None, 0, [], [], b"", {})
@@ -297,7 +302,7 @@ class ChunkIndex:
         return LookupOutcome(
             lock_id,
             hit,
-            [(nid, k) for nid, k in runs],
+            runs,
             [e.nblocks for e in chosen],
             b"".join([e.blocks for e in chosen]),
             nodes,

@@ -66,6 +66,13 @@ class PdxferConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from pdxfer.vllm.scheduler_side import SchedulerSide
 
+            # pdxfer's contract is "any failed load is a cache miss": vLLM's default policy
+            # ("fail") would turn a dead holder or an expired lock into a failed request. The
+            # scheduler reads the policy right after constructing its connector.
+            if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+                log.info("pdxfer: setting kv_load_failure_policy=recompute (failed loads are recomputed)")
+                ktc.kv_load_failure_policy = "recompute"
+
             self.scheduler_side = SchedulerSide(
                 self.cfg, engine_id=self.engine_id,
                 model_id=self.cfg.model_id or model_identity(vllm_config),

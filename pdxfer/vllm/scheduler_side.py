@@ -136,6 +136,9 @@ class SchedulerSide:
         self._hashers: dict[str, IncrementalHasher] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._pending_loads: list[LoadSpec] = []
+        # One remote load per request: after a failed load (or a preemption) vLLM asks again,
+        # and a fault that persists must not turn into a load-fail-recompute loop.
+        self._attempted: set[str] = set()
         self._pending_nodes: dict[str, HolderRef] = {}
         self._lookup_log = _EpisodeLog("master lookups")
         self._publish_log = _EpisodeLog("master publishes")
@@ -210,6 +213,8 @@ class SchedulerSide:
     def _match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local: int,
                cache_salt: str | None) -> tuple[int, bool]:
         C = self.cfg.chunk_tokens
+        if req_id in self._attempted:
+            return 0, False
         prev = self._lookups.get(req_id)
         if prev is not None:
             # vLLM asks again when it could not schedule the request: reuse a lock with time left.
@@ -279,6 +284,7 @@ class SchedulerSide:
             # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
             log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
             spec = LoadSpec(req_id, lk.lock_id, num_external_tokens, (), lk.expires_at)
+        self._attempted.add(req_id)
         self._pending_loads.append(spec)
 
     def _plan(self, req_id: str, lk: _Lookup, block_ids: Sequence[int], n_ext: int) -> LoadSpec:
@@ -336,6 +342,7 @@ class SchedulerSide:
         """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
         tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted)."""
         self._drop_lookup(req_id)
+        self._attempted.discard(req_id)
         hasher = self._hashers.pop(req_id, None)
         try:
             self.drain_frees()

@@ -155,6 +155,8 @@ def test_expired_lock_turns_into_load_errors(pair, tmp_path, monkeypatch):
     assert ext == 2 * C
     assert errors == set(r_ids[:4])
     assert reader.worker.stats.loads_failed == 1 and reader.worker.stats.loads_ok == 0
+    # vLLM asks again for the request it must now recompute: one attempt only, no retry loop.
+    assert reader.sched.get_num_new_matched_tokens("d", toks, len(toks), 0, None) == (0, False)
 
 
 def test_dead_holder_turns_into_load_errors(pair):

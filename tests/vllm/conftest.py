@@ -1,0 +1,145 @@
+"""Real ``vllm serve`` pairs (prefill = kv_producer, decode = kv_consumer) of the tiny model on CPU,
+with a real pdxfer-master, started once per test module and always stopped (process groups).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdxfer.vllm.launch import (
+    ManagedProcess,
+    default_run_dir,
+    free_port,
+    make_tiny_model,
+    start_master,
+    start_vllm,
+    wait_http_ready,
+)
+
+READY_TIMEOUT_S = 420  # cold start of two instances on two busy cores
+REQUEST_TIMEOUT_S = 120
+CHUNK = 256
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return make_tiny_model(default_run_dir() / "tiny-model")
+
+
+def connector_config(role: str, master: str, transport: str, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "PdxferConnector", "kv_connector_module_path": "pdxfer.vllm", "kv_role": role,
+            "kv_connector_extra_config": {"master": master, "transport": transport, **extra}}
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def complete(port: int, prompt: list[int], max_tokens: int) -> str:
+    out = post_json(f"http://127.0.0.1:{port}/v1/completions",
+                    {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    return out["choices"][0]["text"]
+
+
+_METRIC = re.compile(r"^(vllm:pdxfer_\w+|vllm:external_prefix_cache_\w+)\{[^}]*\} ([0-9.e+-]+)$")
+
+
+def metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def wait_metric(port: int, name: str, at_least: float, timeout: float = 10.0) -> float:
+    """Stats reach Prometheus one engine step after the event: poll, with a bound."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = metrics(port).get(name, 0.0)
+        if v >= at_least or time.monotonic() > deadline:
+            return v
+        time.sleep(0.2)
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 4000) for _ in range(n)]
+
+
+@dataclass
+class PDPair:
+    run_dir: Path
+    model: Path
+    transport: str
+    master_port: int = 0
+    master: ManagedProcess | None = None
+    master_addr: str = ""
+    prefill: ManagedProcess | None = None
+    decode: ManagedProcess | None = None
+    prefill_port: int = 0
+    decode_port: int = 0
+    hooks: Path = field(default_factory=Path)
+
+    def start_master(self) -> None:
+        # A fixed port (chosen free once) lets a restarted master be found at the same address.
+        self.master, self.master_addr = start_master(self.run_dir, extra_args=["--port", str(self.master_port)])
+
+    def start(self) -> None:
+        self.master_port = free_port()
+        self.hooks = self.run_dir / "hooks"
+        self.hooks.mkdir(parents=True, exist_ok=True)
+        self.start_master()
+        self.prefill_port, self.decode_port = free_port(), free_port()
+        common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0}
+        self.prefill = start_vllm(self.model, self.prefill_port,
+                                  connector_config("kv_producer", self.master_addr, self.transport, **common),
+                                  cpu_bind="0", log_dir=self.run_dir, name=f"prefill-{self.transport}")
+        self.decode = start_vllm(self.model, self.decode_port,
+                                 connector_config("kv_consumer", self.master_addr, self.transport, **common),
+                                 cpu_bind="1", log_dir=self.run_dir, name=f"decode-{self.transport}",
+                                 extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks),
+                                            "VLLM_SERVER_DEV_MODE": "1"})
+        wait_http_ready(f"http://127.0.0.1:{self.prefill_port}/health", READY_TIMEOUT_S, self.prefill)
+        wait_http_ready(f"http://127.0.0.1:{self.decode_port}/health", READY_TIMEOUT_S, self.decode)
+
+    def stop(self) -> None:
+        for p in (self.decode, self.prefill, self.master):
+            if p is not None:
+                p.stop(15)
+
+    def set_hook(self, name: str, value: float | None) -> None:
+        path = self.hooks / name
+        if value is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(str(value))
+
+    def loaded_tokens(self) -> float:
+        return metrics(self.decode_port).get("vllm:pdxfer_tokens_loaded_total", 0.0)
+
+    def failed_loads(self) -> float:
+        return metrics(self.decode_port).get("vllm:pdxfer_loads_failed_total", 0.0)
+
+
+def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: str):
+    pair = PDPair(tmp_path_factory.mktemp(f"pd-{transport}"), model, transport)
+    try:
+        pair.start()
+        yield pair
+    finally:
+        pair.stop()

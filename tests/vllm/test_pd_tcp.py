@@ -1,0 +1,105 @@
+"""Real prefill -> decode through pdxfer over the TCP transport, and the faults that must end in
+recompute (same output, no hang). One pair for the module; tests run in file order and the two
+that kill processes come last.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.vllm.conftest import CHUNK, complete, make_pair, post_json, prompt_of, wait_metric
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_model):
+    yield from make_pair(tmp_path_factory, tiny_model, "tcp")
+
+
+def _through_pair(pair, prompt: list[int]) -> str:
+    complete(pair.prefill_port, prompt, 1)
+    return complete(pair.decode_port, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("n_tokens", [100, 700, 2200], ids=["short", "3-chunks", "8-chunks"])
+def test_decode_output_equals_plain_and_skips_the_prefix(pair, n_tokens):
+    prompt = prompt_of(n_tokens, seed=n_tokens)
+    # Reference: the producer instance computing everything itself (kv_producer never loads).
+    ref = complete(pair.prefill_port, prompt, MAX_TOKENS)
+    before = pair.loaded_tokens()
+    out = _through_pair(pair, prompt)
+    assert out == ref
+    expected = (n_tokens - 1) // CHUNK * CHUNK  # full chunks, never the whole prompt
+    got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + expected) - before
+    assert got == expected
+
+
+def test_second_decode_reuses_held_chunks(pair):
+    prompt = prompt_of(1300, seed=11)
+    ref = complete(pair.prefill_port, prompt, MAX_TOKENS)
+    assert _through_pair(pair, prompt) == ref
+    # Empty the decode's local prefix cache; the prefill is not asked again: the chunks it still
+    # holds serve a second reader.
+    post_json(f"http://127.0.0.1:{pair.decode_port}/reset_prefix_cache", {})
+    before = pair.loaded_tokens()
+    assert complete(pair.decode_port, prompt, MAX_TOKENS) == ref
+    got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + 5 * CHUNK) - before
+    assert got == 5 * CHUNK
+
+
+def test_lock_expired_mid_read_recomputes(pair):
+    prompt = prompt_of(900, seed=12)
+    ref = complete(pair.prefill_port, prompt, MAX_TOKENS)
+    complete(pair.prefill_port, prompt, 1)
+    failed = pair.failed_loads()
+    pair.set_hook("lock_ttl_s", 0.5)
+    pair.set_hook("read_delay_s", 1.5)
+    try:
+        assert complete(pair.decode_port, prompt, MAX_TOKENS) == ref
+    finally:
+        pair.set_hook("lock_ttl_s", None)
+        pair.set_hook("read_delay_s", None)
+    assert wait_metric(pair.decode_port, "vllm:pdxfer_loads_failed_total", failed + 1) == failed + 1
+
+
+def test_master_killed_requests_recompute_then_recover(pair):
+    prompt = prompt_of(1100, seed=13)
+    ref = complete(pair.prefill_port, prompt, MAX_TOKENS)
+    pair.master.kill()
+    before = pair.loaded_tokens()
+    t0 = time.monotonic()
+    assert _through_pair(pair, prompt) == ref
+    assert time.monotonic() - t0 < 60
+    assert pair.loaded_tokens() == before  # nothing could be looked up: all recomputed
+    # A new master on the same address: the holder re-registers and re-publishes what it holds.
+    pair.start_master()
+    prompt2 = prompt_of(1100, seed=14)
+    ref2 = complete(pair.prefill_port, prompt2, MAX_TOKENS)
+    deadline = time.monotonic() + 30
+    while True:  # the decode backs off after master errors; the prefill re-registers on its lease
+        complete(pair.prefill_port, prompt2, 1)  # (re)publish once the node is known again
+        before = pair.loaded_tokens()
+        post_json(f"http://127.0.0.1:{pair.decode_port}/reset_prefix_cache", {})
+        out = complete(pair.decode_port, prompt2, MAX_TOKENS)
+        assert out == ref2
+        if wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + 4 * CHUNK, 3) > before:
+            break
+        assert time.monotonic() < deadline, "transfers never resumed after the master came back"
+        time.sleep(1)
+
+
+def test_prefill_killed_after_publishing_decode_recomputes(pair):
+    prompt = prompt_of(1500, seed=15)
+    ref = complete(pair.prefill_port, prompt, MAX_TOKENS)  # computed and published by the prefill
+    failed = pair.failed_loads()
+    pair.prefill.kill()
+    t0 = time.monotonic()
+    assert complete(pair.decode_port, prompt, MAX_TOKENS) == ref
+    assert time.monotonic() - t0 < 30
+    # The master still listed the dead holder (lease not yet expired): the read failed -> recompute.
+    assert wait_metric(pair.decode_port, "vllm:pdxfer_loads_failed_total", failed + 1) == failed + 1
