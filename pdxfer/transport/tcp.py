@@ -50,6 +50,8 @@ from pdxfer.transport.tcp_server import RegionTable, TcpServer, region_view
 
 METADATA_VERSION = 1
 _ANY_INSTANCE = bytes(16)
+_FIELD_GETTERS = tuple(operator.attrgetter(f) for f in
+                       ("remote_region", "remote_offset", "local_region", "local_offset", "nbytes"))
 _SMALL_PLAN = 32  # up to this many runs, plain Python beats numpy's per-call overhead
 _RUN_FIELDS = operator.attrgetter("remote_region", "remote_offset", "local_region", "local_offset", "nbytes")
 
@@ -383,7 +385,10 @@ class TcpTransport(Transport):
         if len(runs) <= _SMALL_PLAN:
             return self._check_small(info, runs)
         try:
-            a = np.array(list(itertools.chain.from_iterable(map(_RUN_FIELDS, runs))), dtype=np.int64).reshape(-1, 5)
+            # One C-level pass per field: ~2x faster than going through a list of tuples.
+            a = np.empty((len(runs), 5), dtype=np.int64)
+            for j, field in enumerate(_FIELD_GETTERS):
+                a[:, j] = np.fromiter(map(field, runs), dtype=np.int64, count=len(runs))
         except OverflowError as exc:
             raise OutOfRange(f"a run's region, offset or length does not fit in 63 bits: {exc}") from exc
         rr, ro, lr, lo, n = a.T
