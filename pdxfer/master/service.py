@@ -391,8 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_token(path: str) -> str:
-    with open(path) as f:
-        token = f.read().strip()
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"pdxfer-master: cannot read token file {path}: {exc}") from None
     if not token:
         raise SystemExit(f"pdxfer-master: token file {path} is empty")
     return token
@@ -401,9 +404,14 @@ def _read_token(path: str) -> str:
 async def _amain(args: argparse.Namespace) -> None:
     coordinator = None
     if args.etcd:
-        from pdxfer.master.etcd_store import EtcdCoordinator
+        try:
+            from pdxfer.master.etcd_store import EtcdCoordinator
 
-        coordinator = EtcdCoordinator(args.etcd, args.etcd_prefix, args.leader_ttl, args.etcd_timeout)
+            coordinator = EtcdCoordinator(args.etcd, args.etcd_prefix, args.leader_ttl, args.etcd_timeout)
+        except ImportError as exc:
+            raise SystemExit(f"pdxfer-master: --etcd needs the aetcd package ({exc})") from None
+        except ValueError as exc:
+            raise SystemExit(f"pdxfer-master: --etcd {args.etcd!r}: {exc}") from None
     svc = MasterService(
         token=_read_token(args.token_file) if args.token_file else None,
         coordinator=coordinator,
