@@ -372,8 +372,34 @@ class TcpTransport(Transport):
         start = next(p.rr)
         for i, part in enumerate(parts):
             conn = p.conns[(start + i) % len(p.conns)]
-            self._pool.submit(self._run_part, handle, conn, part, peer)
+            # Send the request from the caller's thread when its connection is idle and live, so
+            # the holder starts while a worker wakes up to receive (one less hand-off of latency).
+            req_id = self._send_now(handle, conn, part)
+            try:
+                self._pool.submit(self._run_part, handle, conn, part, peer, req_id)
+            except RuntimeError as exc:  # pool shut down by a concurrent close()
+                if req_id is not None:
+                    conn.drop()
+                    conn.lock.release()
+                handle._end(conn if req_id is not None else None, TransferCancelled(f"transport closed: {exc}"))
         return handle
+
+    def _send_now(self, handle: TcpReadHandle, conn: _Conn, runs: np.ndarray) -> int | None:
+        """Request id if the request went out now (``conn.lock`` then stays held for the worker),
+        None if the worker must connect and send itself. Never blocks on a busy connection."""
+        if conn.sock is None or not conn.lock.acquire(blocking=False):
+            return None
+        try:
+            if conn.sock is None or select.select([conn.sock], [], [], 0)[0] or not handle._begin(conn):
+                conn.lock.release()  # stale socket or read already over: leave it to the worker
+                return None
+            return self._send_request(conn.sock, runs)
+        except OSError:
+            conn.drop()
+            with handle._lock:
+                handle._active.discard(conn)
+            conn.lock.release()
+            return None
 
     def _check_plan(self, info: TcpPeerInfo, plan: TransferPlan) -> np.ndarray:
         """Runs as an (n, 5) int64 array (remote region, remote offset, local region, local offset,
@@ -472,19 +498,27 @@ class TcpTransport(Transport):
             parts.append(sub)
         return parts
 
-    def _run_part(self, handle: TcpReadHandle, conn: _Conn, runs: np.ndarray, peer: str) -> None:
+    def _run_part(self, handle: TcpReadHandle, conn: _Conn, runs: np.ndarray, peer: str,
+                  sent: int | None = None) -> None:
+        """Worker: receive one part (sending it first unless ``read`` already did, in which case
+        ``conn.lock`` is held on our behalf and ``sent`` is the request id)."""
         err: TransportError | None = None
-        used: _Conn | None = None
+        used: _Conn | None = conn if sent is not None else None
+        locked = sent is not None
         try:
-            with conn.lock:
+            if not locked:
+                conn.lock.acquire()
+                locked = True
                 if not handle._begin(conn):
                     return
                 used = conn
-                try:
-                    self._request(conn, runs)
-                except BaseException:
-                    conn.drop()  # stream position unknown: never reuse this socket
-                    raise
+            try:
+                if sent is None:
+                    sent = self._send_request(conn.ensure(), runs)
+                self._receive(conn, runs, sent)
+            except BaseException:
+                conn.drop()  # stream position unknown: never reuse this socket
+                raise
         except TransportError as exc:
             err = exc
         except (socket.timeout, BlockingIOError):
@@ -494,20 +528,35 @@ class TcpTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - a worker must always settle its handle
             err = TransportError(f"read from {peer} failed: {exc!r}")
         finally:
+            if locked:
+                conn.lock.release()
             # If the caller cancelled or a sibling failed first, that first error stands.
             handle._end(used, err)
             if handle.poll() is not ReadState.PENDING:
                 with self._lock:
                     self._inflight.discard(handle)
 
-    def _request(self, conn: _Conn, runs: np.ndarray) -> None:
-        sock = conn.ensure()
-        lviews = self._local_views
+    def _send_request(self, sock: socket.socket, runs: np.ndarray) -> int:
         req_id = next(self._req_ids)
         if len(runs) <= _SMALL_PLAN:
             sock.sendall(wire.pack_request(req_id, [(r[0], r[1], r[4]) for r in runs.tolist()], self._flags))
         else:
             sock.sendall(wire.pack_request_array(req_id, runs[:, 0], runs[:, 1], runs[:, 4], self._flags))
+        return req_id
+
+    def _receive(self, conn: _Conn, runs: np.ndarray, req_id: int) -> None:
+        sock = conn.sock
+        if sock is None:
+            raise PeerDied(f"connection to {conn.info.peer_id} was aborted")
+        lviews = self._local_views
+        # Build the destination views while the holder works on the request.
+        starts = runs[:, 3].tolist()
+        ends = (runs[:, 3] + runs[:, 4]).tolist()
+        if len(lviews) == 1:
+            lv = lviews[0]
+            views = [lv[a:b] for a, b in zip(starts, ends)]
+        else:
+            views = [lviews[r][a:b] for r, a, b in zip(runs[:, 2].tolist(), starts, ends)]
         status, rid, length, flags = wire.unpack_response(wire.recv_exact(sock, wire.RESP_SIZE, "response header"))
         if rid != req_id:
             raise wire.CorruptFrame(f"response for request {rid}, expected {req_id}")
@@ -519,13 +568,6 @@ class TcpTransport(Transport):
         total = int(runs[:, 4].sum())
         if length != total:
             raise wire.CorruptFrame(f"response announces {length} bytes, request asked for {total}")
-        starts = runs[:, 3].tolist()
-        ends = (runs[:, 3] + runs[:, 4]).tolist()
-        if len(lviews) == 1:
-            lv = lviews[0]
-            views = [lv[a:b] for a, b in zip(starts, ends)]
-        else:
-            views = [lviews[r][a:b] for r, a, b in zip(runs[:, 2].tolist(), starts, ends)]
         wire.recv_into_views(sock, list(views), total, "read payload")
         magic, crc, echoed = wire.TRAILER.unpack(wire.recv_exact(sock, wire.TRAILER.size, "trailer"))
         if magic != wire.MAGIC_END or echoed != total:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pdxfer.layout import TransferPlan, TransferRun
-from pdxfer.probe.pattern import mismatches, pattern, scattered_plan
+from pdxfer.probe.pattern import mismatches, scattered_plan
 from pdxfer.transport.base import (
     MetadataError,
     OutOfRange,

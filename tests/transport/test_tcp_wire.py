@@ -3,9 +3,11 @@ corruption and truncation detection, instance checks after a restart, an idle ho
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from pdxfer.layout import TransferPlan, TransferRun
 from pdxfer.probe.pattern import pattern
 from pdxfer.transport import wire
-from pdxfer.transport.base import MetadataError, PeerDied, RegisteredRegion, TransportError
+from pdxfer.transport.base import MetadataError, PeerDied, RegionUnknown, RegisteredRegion, TransportError
 from pdxfer.transport.tcp import TcpTransport, parse_metadata
 
 from .conftest import MiB, start_holder, stop
@@ -61,7 +63,6 @@ def test_holder_rejects_out_of_range_runs_from_a_hostile_client(tcp_holder):
         assert status == wire.OK
         want = bytes(pattern(1, 4096)[4000:]) + bytes(pattern(0, MiB)[10:16])
         assert body == want
-        import zlib
         assert trailer == (wire.MAGIC_END, zlib.crc32(want), 102)
     finally:
         s.close()
@@ -123,7 +124,6 @@ class FakeHolder:
         self.thread.start()
 
     def meta(self, nbytes: int) -> bytes:
-        import json
         return json.dumps({"kind": "tcp", "v": 1, "host": "127.0.0.1", "port": self.port,
                            "instance": self.instance.hex(),
                            "regions": [{"index": 0, "nbytes": nbytes, "device": "cpu"}]}).encode()
@@ -198,7 +198,6 @@ def test_length_mismatch_and_bad_trailer_are_detected():
 def test_payload_corruption_is_detected_when_crc_is_on():
     def respond(rid, n):
         payload = b"\x07" * n
-        import zlib
         return (wire.pack_response(wire.OK, rid, n, wire.FLAG_PAYLOAD_CRC) + payload[:-1] + b"\x08"
                 + wire.pack_trailer(zlib.crc32(payload), n))
     err = _read_from_fake(respond, payload_crc=True)
@@ -273,7 +272,6 @@ def test_deregistered_memory_is_no_longer_served(reader_factory):
         reader.t.read(peer, plan).wait(5)
         assert bytes(reader.dst[:4096]) == bytes(src[:4096])
         holder.deregister()
-        from pdxfer.transport.base import RegionUnknown
         with pytest.raises(RegionUnknown, match="not registered"):
             reader.t.read(peer, plan).wait(5)
     finally:
