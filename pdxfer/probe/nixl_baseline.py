@@ -1,6 +1,7 @@
 """Raw NIXL READ baseline: what NIXL alone achieves with the descriptor shape pdxfer uses.
 
-``raw_nixl_read_gbps(block_size, batch, iters)`` starts a holder in a second process (plain NIXL
+``raw_nixl_read_gbps(block_size, batch, iters)`` (or ``RawNixlBaseline(...).once()`` to interleave
+with pdxfer's own reads) starts a holder in a second process (plain NIXL
 agent, one registered buffer, progress thread off, target progressed by a light poll loop), then in
 this process reads ``batch`` scattered ``block_size`` descriptors per iteration the way a NIXL user
 such as vLLM's NixlConnector does: strided descriptor lists prepared once, then per iteration one
@@ -117,85 +118,128 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
 
 
+class RawNixlBaseline:
+    """A raw NIXL reader with its own holder process, for interleaving with pdxfer reads.
+
+    ``once()`` performs one READ of ``batch`` scattered ``block_size`` descriptors and returns its
+    (prep, post, tx) seconds; pdxfer-probe can call it right after each of its own timed reads so
+    that load changes on a shared machine hit both alike (``lambda: sum(b.once())``).
+    The first READ (UCX wire-up) happens in the constructor. Use as a context manager or ``close()``.
+    """
+
+    def __init__(self, block_size: int, batch: int, seed: int = 0, holder_poll_s: float = 0.0005,
+                 timeout: float = 30.0):
+        if block_size <= 0 or batch <= 0:
+            raise ValueError(f"block_size and batch must be positive (got {block_size}, {batch})")
+        self.block_size, self.batch, self.seed, self.timeout = block_size, batch, seed, timeout
+        self.nblocks = 2 * batch  # room to scatter: each READ takes batch of 2*batch blocks, shuffled both sides
+        self.size = self.nblocks * block_size
+        self._proc, md, raddr = _start_holder(self.size, seed, holder_poll_s, timeout)
+        self._agent: Any = None
+        try:
+            self._agent = _agent(f"raw-reader-{os.getpid()}-{time.monotonic_ns()}")
+            self.dst = np.zeros(self.size, dtype=np.uint8)
+            self._reg = self._agent.register_memory([(self.dst.ctypes.data, self.size, 0, "")], "DRAM")
+            peer = self._agent.add_remote_agent(md)
+            self._peer = peer.decode() if isinstance(peer, bytes) else peer
+            # Strided lists: one descriptor per block, like pdxfer's per-peer prepared lists.
+            self._rem = self._agent.prep_xfer_dlist(
+                self._peer, np.array([[raddr, block_size, 0, block_size, self.nblocks]], np.uint64), "DRAM")
+            self._loc = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", np.array([[self.dst.ctypes.data, block_size, 0, block_size, self.nblocks]],
+                                            np.uint64), "DRAM")
+            rng = np.random.default_rng(seed + 1)
+            self.ridx = rng.permutation(self.nblocks)[:batch].astype(np.int32)
+            self.lidx = rng.permutation(self.nblocks)[:batch].astype(np.int32)
+            self.once()  # wire-up
+        except BaseException:
+            self.close()
+            raise
+
+    def once(self) -> tuple[float, float, float]:
+        """One READ: seconds spent in make_prepped_xfer, transfer, and waiting for completion."""
+        a = self._agent
+        deadline = time.monotonic() + self.timeout
+        t0 = time.perf_counter()
+        h = a.make_prepped_xfer("READ", self._loc, self.lidx, self._rem, self.ridx)
+        t1 = time.perf_counter()
+        st = a.transfer(h)
+        t2 = time.perf_counter()
+        while st == "PROC":
+            if time.monotonic() > deadline:
+                h.release()
+                raise TimeoutError(f"raw NIXL READ still pending after {self.timeout} s")
+            st = a.check_xfer_state(h)
+        t3 = time.perf_counter()
+        h.release()
+        if st != "DONE":
+            raise RuntimeError(f"raw NIXL READ ended in state {st}")
+        return t1 - t0, t2 - t1, t3 - t2
+
+    def check(self) -> bool:
+        """Every block of the last READ equals the holder's bytes."""
+        src = np.empty(self.size, dtype=np.uint8)
+        _fill(src, self.seed)
+        bs = self.block_size
+        return bool(all(np.array_equal(self.dst[li * bs:(li + 1) * bs], src[ri * bs:(ri + 1) * bs])
+                        for li, ri in zip(self.lidx.tolist(), self.ridx.tolist())))
+
+    def close(self) -> None:
+        a, self._agent = self._agent, None
+        if a is not None:
+            # release order: prepared lists, remote agent, registered memory, agent
+            for step in (lambda: self._rem.release(), lambda: self._loc.release(),
+                         lambda: a.remove_remote_agent(self._peer), lambda: a.deregister_memory(self._reg)):
+                try:
+                    step()
+                except Exception:  # noqa: BLE001 - partially constructed: release what exists
+                    pass
+        if self._proc is not None:
+            _stop(self._proc)
+            self._proc = None
+
+    def __enter__(self) -> "RawNixlBaseline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def raw_nixl_read_gbps(block_size: int, batch: int, iters: int, check: bool = False, seed: int = 0,
                        holder_poll_s: float = 0.0005, timeout: float = 30.0) -> dict:
     """Raw NIXL READ of ``batch`` scattered ``block_size`` descriptors, ``iters`` times (after one warm-up).
 
     Returns gbps (bytes / median READ latency / 1e9, as pdxfer-probe computes its rows; ``gbps_mean``
-    uses the total time), avg_lat_us per READ, and avg/p99 of
-    prep (make_prepped_xfer), post (transfer) and tx (completion wait) in microseconds; with
-    ``check`` every byte of the last READ is compared with the holder's pattern (``ok``).
+    uses the total time), avg_lat_us per READ, and avg/p99 of prep (make_prepped_xfer), post
+    (transfer) and tx (completion wait) in microseconds; with ``check`` every byte of the last READ
+    is compared with the holder's pattern (``ok``).
     """
-    if block_size <= 0 or batch <= 0 or iters <= 0:
-        raise ValueError(f"block_size, batch and iters must be positive (got {block_size}, {batch}, {iters})")
-    nblocks = 2 * batch  # room to scatter: every READ picks batch of 2*batch blocks, shuffled both sides
-    size = nblocks * block_size
-    proc, md, raddr = _start_holder(size, seed, holder_poll_s, timeout)
-    agent = None
-    try:
-        agent = _agent(f"raw-reader-{os.getpid()}-{time.monotonic_ns()}")
-        dst = np.zeros(size, dtype=np.uint8)
-        reg = agent.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM")
-        peer = agent.add_remote_agent(md)
-        peer = peer.decode() if isinstance(peer, bytes) else peer
-        # Strided lists: one descriptor per block, like pdxfer's per-peer prepared lists.
-        rem = agent.prep_xfer_dlist(peer, np.array([[raddr, block_size, 0, block_size, nblocks]], np.uint64), "DRAM")
-        loc = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                    np.array([[dst.ctypes.data, block_size, 0, block_size, nblocks]], np.uint64),
-                                    "DRAM")
-        rng = np.random.default_rng(seed + 1)
-        ridx = rng.permutation(nblocks)[:batch].astype(np.int32)
-        lidx = rng.permutation(nblocks)[:batch].astype(np.int32)
-        prep, post, tx, lat = [], [], [], []
-        deadline = time.monotonic() + timeout
-        for it in range(iters + 1):
-            t0 = time.perf_counter()
-            h = agent.make_prepped_xfer("READ", loc, lidx, rem, ridx)
-            t1 = time.perf_counter()
-            st = agent.transfer(h)
-            t2 = time.perf_counter()
-            while st == "PROC":
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"raw NIXL READ still pending after {timeout} s")
-                st = agent.check_xfer_state(h)
-            t3 = time.perf_counter()
-            if st != "DONE":
-                raise RuntimeError(f"raw NIXL READ ended in state {st}")
-            h.release()
-            if it:  # iteration 0 pays the UCX wire-up
-                prep.append((t1 - t0) * 1e6)
-                post.append((t2 - t1) * 1e6)
-                tx.append((t3 - t2) * 1e6)
-                lat.append((t3 - t0) * 1e6)
-        ok = None
-        if check:
-            src = np.empty(size, dtype=np.uint8)
-            _fill(src, seed)
-            ok = bool(all(np.array_equal(dst[li * block_size:(li + 1) * block_size],
-                                         src[ri * block_size:(ri + 1) * block_size])
-                          for li, ri in zip(lidx.tolist(), ridx.tolist())))
-        rem.release()
-        loc.release()
-        agent.remove_remote_agent(peer)
-        agent.deregister_memory(reg)
-        nbytes = block_size * batch
-        return {
-            "name": "raw-nixl",
-            "block_size": block_size,
-            "batch": batch,
-            "iters": iters,
-            # bytes / median READ latency, the statistic pdxfer-probe uses for its own rows
-            "gbps": nbytes / (float(np.median(lat)) / 1e6) / 1e9,
-            "gbps_mean": nbytes * iters / (sum(lat) / 1e6) / 1e9,
-            "avg_lat_us": float(np.mean(lat)),
-            "prep_avg_us": float(np.mean(prep)), "prep_p99_us": _pct(prep, 99),
-            "post_avg_us": float(np.mean(post)), "post_p99_us": _pct(post, 99),
-            "tx_avg_us": float(np.mean(tx)), "tx_p99_us": _pct(tx, 99),
-            "ok": ok,
-        }
-    finally:
-        agent = None
-        _stop(proc)
+    if iters <= 0:
+        raise ValueError(f"iters must be positive (got {iters})")
+    with RawNixlBaseline(block_size, batch, seed, holder_poll_s, timeout) as b:
+        prep, post, tx = [], [], []
+        for _ in range(iters):
+            p, q, r = b.once()
+            prep.append(p * 1e6)
+            post.append(q * 1e6)
+            tx.append(r * 1e6)
+        ok = b.check() if check else None
+    lat = [a + c + d for a, c, d in zip(prep, post, tx)]
+    nbytes = block_size * batch
+    return {
+        "name": "raw-nixl",
+        "block_size": block_size,
+        "batch": batch,
+        "iters": iters,
+        # bytes / median READ latency, the statistic pdxfer-probe uses for its own rows
+        "gbps": nbytes / (float(np.median(lat)) / 1e6) / 1e9,
+        "gbps_mean": nbytes * iters / (sum(lat) / 1e6) / 1e9,
+        "avg_lat_us": float(np.mean(lat)),
+        "prep_avg_us": float(np.mean(prep)), "prep_p99_us": _pct(prep, 99),
+        "post_avg_us": float(np.mean(post)), "post_p99_us": _pct(post, 99),
+        "tx_avg_us": float(np.mean(tx)), "tx_p99_us": _pct(tx, 99),
+        "ok": ok,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -265,6 +265,7 @@ class NixlTransport(Transport):
         self._hot_window = hot_window_s
         self._prep_granules = tuple(prep_granules)
         self._lock = threading.RLock()
+        self._connect_lock = threading.Lock()
         cfg = api.nixl_agent_config(enable_prog_thread=nixl_progress_thread, backends=list(backends),
                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = api.nixl_agent(self.name, cfg)
@@ -351,7 +352,15 @@ class NixlTransport(Transport):
     def connect(self, peer_metadata: bytes, timeout: float = 5.0) -> str:
         self._check_open()
         info = nixl_meta.decode(peer_metadata)
-        blob = bytes(peer_metadata)
+        # One connect at a time: the handshake lands every peer's cookie in the same scratch bytes.
+        if not self._connect_lock.acquire(timeout=max(0.0, timeout)):
+            raise PeerUnreachable(f"connect to {info.agent}: another connect did not finish within {timeout} s")
+        try:
+            return self._connect(info, bytes(peer_metadata), timeout)
+        finally:
+            self._connect_lock.release()
+
+    def _connect(self, info: nixl_meta.NixlPeerInfo, blob: bytes, timeout: float) -> str:
         with self._lock:
             old = self._peers.get(info.agent)
             if old is not None:

@@ -329,3 +329,37 @@ def test_bad_run_in_small_and_large_plans_is_named(holder_factory, nixl_reader, 
         with pytest.raises(exc, match=f"run {nruns - 1}: {words}"):
             t.read(peer, TransferPlan(tuple(good) + (bad,), nruns))
     assert t.stats["prepped_reads"] + t.stats["fallback_reads"] == 0, "nothing may be posted"
+
+
+def test_concurrent_connects_and_reads_to_two_holders(holder_factory, nixl_reader):
+    """Each holder has its own random cookie, so handshakes racing on the landing bytes would fail
+    as a cookie mismatch (the region bytes of both holders are the same pattern)."""
+    import threading
+
+    holders = [holder_factory("nixl", sizes=(8 * MiB,)) for _ in range(2)]
+    t, dst = nixl_reader(16 * MiB)
+    peers: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def connect(i: int) -> None:
+        try:
+            peers[i] = t.connect(holders[i].meta, timeout=10)
+        except BaseException as exc:  # reported below, in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=connect, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors, errors
+    assert len(set(peers.values())) == 2
+    # Holder i's region 0 lands in local half i; both reads in flight at once.
+    plans = [TransferPlan(tuple(TransferRun(0, r.remote_offset, 0, r.local_offset + i * 8 * MiB, r.nbytes)
+                                for r in scattered_plan(32 << 10, 128, 8 * MiB, 8 * MiB, seed=i).runs), 128)
+             for i in range(2)]
+    handles = [t.read(peers[i], plans[i]) for i in range(2)]
+    for h in handles:
+        assert h.wait(WAIT) is ReadState.DONE
+    for p in plans:
+        assert mismatches(p, {0: dst}, {0: 8 * MiB}) == []
