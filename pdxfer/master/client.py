@@ -152,8 +152,12 @@ def resolve_etcd_leader(endpoints: Sequence[tuple[str, int]], prefix: str, timeo
         kvs = doc.get("kvs") or []
         if not kvs:
             return None
-        value = json.loads(base64.b64decode(kvs[0]["value"]))
-        return str(value["addr"])
+        try:
+            addr = str(json.loads(base64.b64decode(kvs[0]["value"]))["addr"])
+            parse_hostport(addr)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MasterUnavailable(f"leader record under {prefix} in etcd is malformed: {exc}") from None
+        return addr
     raise MasterUnavailable(f"no etcd endpoint answered: {last}")
 
 
