@@ -376,7 +376,8 @@ def wait_http_ready(url: str, timeout: float, proc: ManagedProcess | None = None
 
 
 def start_master(log_dir: str | Path, token_file: str | Path | None = None,
-                 extra_args: Sequence[str] = (), timeout: float = 30) -> tuple[ManagedProcess, str]:
+                 extra_args: Sequence[str] = (), timeout: float = 30,
+                 die_with_parent: bool = False) -> tuple[ManagedProcess, str]:
     """Start `pdxfer-master` (in-memory store) on 127.0.0.1 with an OS-chosen port.
 
     Returns (process, "host:port") once the master has written its port file.
@@ -392,7 +393,8 @@ def start_master(log_dir: str | Path, token_file: str | Path | None = None,
     env = dict(os.environ)
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
-    proc = ManagedProcess(argv, log_dir / "master.log", env=env, name="pdxfer-master")
+    proc = ManagedProcess(argv, log_dir / "master.log", env=env, name="pdxfer-master",
+                          die_with_parent=die_with_parent)
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -530,7 +532,8 @@ def pdxfer_kv_config(role: str, master: str, transport: str = "tcp",
 
 
 def start_proxy(prefill: Sequence[str], decode: Sequence[str], log_dir: Path, port: int = 0,
-                extra_args: Sequence[str] = ()) -> tuple[ManagedProcess, str]:
+                extra_args: Sequence[str] = (), die_with_parent: bool = False
+                ) -> tuple[ManagedProcess, str]:
     """`pdxfer proxy` as a child process; returns (process, base URL) once its port is known."""
     port_file = log_dir / f"proxy-{os.getpid()}-{time.monotonic_ns()}.port"
     argv = [sys.executable, "-m", "pdxfer.cli", "proxy", "--port", str(port),
@@ -541,7 +544,8 @@ def start_proxy(prefill: Sequence[str], decode: Sequence[str], log_dir: Path, po
         argv += ["--decode", u]
     env = dict(os.environ)
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = ManagedProcess(argv + list(extra_args), log_dir / "proxy.log", env=env, name="proxy")
+    proc = ManagedProcess(argv + list(extra_args), log_dir / "proxy.log", env=env, name="proxy",
+                          die_with_parent=die_with_parent)
     deadline = time.monotonic() + 30
     while not port_file.exists():
         if not proc.alive() or time.monotonic() > deadline:
@@ -556,10 +560,12 @@ def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
                chunk_tokens: int | None = None, prefill_cpus: str | None = "0",
                decode_cpus: str | None = "1", proxy_port: int = 0,
                kv_cache_gib: int = 1, vllm_args: Sequence[str] = (),
-               connector_extra: Mapping[str, object] | None = None) -> tuple[Stack, str]:
+               connector_extra: Mapping[str, object] | None = None,
+               die_with_parent: bool = False) -> tuple[Stack, str]:
     """Start master (unless given or no connector), prefill, decode and proxy; no waiting.
 
     Returns the stack and the proxy URL. On any start error everything started is stopped.
+    die_with_parent: children get SIGTERM if this process dies (call from the main thread only).
     """
     stack = Stack()
     try:
@@ -568,7 +574,8 @@ def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
         if connector:
             if master is None:
                 mproc, master = start_master(log_dir, extra_args=(
-                    ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else []))
+                    ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else []),
+                    die_with_parent=die_with_parent)
                 stack.add(Component("master", mproc, None, url=master))
             extra = dict(connector_extra or {})
             p_cfg = pdxfer_kv_config("kv_producer", master, transport, chunk_tokens, **extra)
@@ -577,10 +584,11 @@ def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
         for role, cfg, cpus in (("prefill", p_cfg, prefill_cpus), ("decode", d_cfg, decode_cpus)):
             port = free_port()
             proc = start_vllm(model_dir, port, cfg, cpus, log_dir, vllm_args, env_extra, name=role,
-                              die_with_parent=True)
+                              die_with_parent=die_with_parent)
             urls[role] = f"http://127.0.0.1:{port}"
             stack.add(Component(role, proc, urls[role] + "/health", url=urls[role]))
-        pproc, proxy_url = start_proxy([urls["prefill"]], [urls["decode"]], log_dir, proxy_port)
+        pproc, proxy_url = start_proxy([urls["prefill"]], [urls["decode"]], log_dir, proxy_port,
+                                       die_with_parent=die_with_parent)
         stack.add(Component("proxy", pproc, proxy_url + "/health", url=proxy_url))
         return stack, proxy_url
     except BaseException:
@@ -691,12 +699,13 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
             model_dir, log_dir, connector=not args.no_connector, transport=args.transport,
             master=args.master, chunk_tokens=args.chunk_tokens, prefill_cpus=args.prefill_cpus,
             decode_cpus=args.decode_cpus, proxy_port=args.port, kv_cache_gib=args.kv_cache_gib,
-            vllm_args=args.vllm_arg)
+            vllm_args=args.vllm_arg, die_with_parent=True)
         last = [""]
 
         def show(line: str) -> None:
             if tty:
-                print("\r" + line[:160].ljust(160), end="", flush=True)
+                width = shutil.get_terminal_size().columns - 1
+                print("\r" + line[:width].ljust(width), end="", flush=True)
             elif line.split("] ", 1)[1] != last[0]:
                 print(line, flush=True)
             last[0] = line.split("] ", 1)[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -82,6 +83,31 @@ def test_managed_process_stop_kills_whole_group_even_if_term_ignored(tmp_path: P
     while _pid_alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not _pid_alive(grandchild)
+
+
+def test_die_with_parent_child_goes_when_parent_is_killed(tmp_path: Path) -> None:
+    # A parent that is SIGKILLed cannot run cleanup: its managed child must still go.
+    code = ("import sys, time; from pathlib import Path; from pdxfer.vllm.launch import ManagedProcess;"
+            f"p = ManagedProcess(['sleep', '300'], Path({str(tmp_path / 'c.log')!r}), "
+            "die_with_parent=True); print(p.pid, flush=True); time.sleep(300)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              cwd=Path(__file__).resolve().parents[2])
+    try:
+        child = int(parent.stdout.readline())
+        assert _pid_alive(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while _pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _pid_alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        try:
+            os.kill(child, 9)
+        except (ProcessLookupError, NameError, UnboundLocalError):
+            pass
 
 
 def test_wait_http_ready_reports_dead_process_with_log(tmp_path: Path) -> None:

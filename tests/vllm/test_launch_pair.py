@@ -7,12 +7,14 @@ and a clean stop on SIGTERM that leaves no process behind.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,18 @@ def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
         # the ~8-chunk one loads 8 chunks.
         assert loaded[0] == 0 and loaded[2] >= 8 * 256 and loaded[2] % 256 == 0
         assert read_prom_counter(decode_url, TRANSFER_COUNTER) - before == sum(loaded)
+
+        # Streaming chat through the proxy to the real instances: SSE events, then [DONE].
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "the data block"}],
+                "max_tokens": 8, "temperature": 0, "stream": True}
+        req = urllib.request.Request(proxy_url + "/v1/chat/completions",
+                                     json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            events = [ln.decode().strip() for ln in r if ln.strip()]
+        assert events[-1] == "data: [DONE]"
+        deltas = [json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+                  for e in events[:-1] if json.loads(e[6:]).get("choices")]
+        assert "".join(deltas)
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 130
