@@ -23,11 +23,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 INF = math.inf
+_NBLOCKS = operator.attrgetter("nblocks")
+_BLOCKS = operator.attrgetter("blocks")
 
 
 class UnknownNodeError(KeyError):
@@ -303,8 +306,8 @@ class ChunkIndex:
             lock_id,
             hit,
             runs,
-            [e.nblocks for e in chosen],
-            b"".join([e.blocks for e in chosen]),
+            list(map(_NBLOCKS, chosen)),
+            b"".join(map(_BLOCKS, chosen)),
             nodes,
         )
 

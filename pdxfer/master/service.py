@@ -204,8 +204,9 @@ class MasterService:
             ttl = P.get_float(doc, "ttl", 0.001, _MAX_TTL_S)
             out = idx.lookup_and_lock(keys, reader, ttl, now)
             head: dict[str, Any] = {"lock": out.lock_id, "hit": out.hit, "ttl": ttl, "runs": out.runs}
-            if out.counts and all(c == out.counts[0] for c in out.counts):
-                head["per"] = out.counts[0]
+            counts = out.counts
+            if counts and counts.count(counts[0]) == len(counts):  # C-speed uniformity check
+                head["per"] = counts[0]
             else:
                 head["counts"] = out.counts
             # Node descriptions are pre-encoded at registration; splice them in, never re-encode.
