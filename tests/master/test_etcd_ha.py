@@ -169,3 +169,16 @@ def test_leader_key_stolen_exactly_one_leader_remains(etcd, masters):
     standby = b if leader == a.address else a
     st = masters.client(standby.address).stats()
     assert st["leader"] is False and st["nodes"] == 0  # a standby serves nothing it knew as leader
+
+
+def test_graceful_stop_hands_over_before_lease_expiry(etcd, masters):
+    """SIGTERM on the leader revokes its lease: the standby leads well before the TTL would end."""
+    args = ("--etcd", etcd.endpoint, "--etcd-prefix", PREFIX, "--leader-ttl", "30", "--etcd-timeout", "0.5")
+    a = masters.start(extra_args=args)
+    wait_until(lambda: role(a.address), 10, "first replica to lead")
+    b = masters.start(extra_args=args)
+    wait_until(lambda: role(b.address) is False, 10, "second replica to stand by")
+    t0 = time.monotonic()
+    assert a.stop() == 0
+    wait_until(lambda: role(b.address), 10, "standby to take over after a graceful stop")
+    assert time.monotonic() - t0 < 15  # without the revoke it would wait out the 30 s lease
