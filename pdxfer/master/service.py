@@ -404,6 +404,9 @@ def _read_token(path: str) -> str:
 
 async def _amain(args: argparse.Namespace) -> None:
     coordinator = None
+    if args.etcd and not args.advertise and args.host in ("0.0.0.0", "::", ""):
+        raise SystemExit("pdxfer-master: listening on a wildcard address; give --advertise HOST:PORT so "
+                         "clients that find the leader in etcd can reach it")
     if args.etcd:
         try:
             from pdxfer.master.etcd_store import EtcdCoordinator
