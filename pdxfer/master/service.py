@@ -320,6 +320,7 @@ class MasterService:
         s = self.index.snapshot()
         s["hit_tokens"] = s["hit_chunks"] * self.chunk_tokens
         s["lookups_per_s"] = round(self.lookups_per_s(), 2)
+        s["lookup_handler_s"] = round(self.lookup_seconds, 6)
         s["auth_failures"] = self.auth_failures
         s["bad_frames"] = self.bad_frames
         s["uptime_s"] = round(time.time() - self.started, 3)
