@@ -20,6 +20,7 @@ from pdxfer.transport.base import (
     ReadState,
     RegionUnknown,
     TransferCancelled,
+    TransferTimeout,
     TransportError,
 )
 
@@ -174,6 +175,11 @@ def test_cancel_is_bounded_and_transport_stays_usable(kind, holder_factory, read
     try:
         h = _big_pending_read(reader, peer)
         time.sleep(0.2)
+        if h.poll() is ReadState.PENDING:
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                h.wait(0.3)  # a bounded wait on a frozen holder times out, it does not hang
+            assert time.monotonic() - t0 < 3
         t0 = time.monotonic()
         h.cancel()
         assert time.monotonic() - t0 < 5

@@ -276,3 +276,19 @@ def test_deregistered_memory_is_no_longer_served(reader_factory):
             reader.t.read(peer, plan).wait(5)
     finally:
         holder.close()
+
+
+def test_payload_crc_mode_reads_exact_bytes_from_a_real_holder(tcp_holder):
+    dst = np.zeros(MiB, dtype=np.uint8)
+    t = TcpTransport(payload_crc=True)
+    try:
+        t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+        peer = t.connect(tcp_holder.meta, timeout=5)
+        runs = tuple(TransferRun(0, (i * 7919) % (MiB - 4096), 0, i * 4096, 4096) for i in range(100))
+        t.read(peer, TransferPlan(runs, len(runs))).wait(10)
+        want = pattern(0, MiB)
+        for r in runs:
+            assert np.array_equal(dst[r.local_offset:r.local_offset + r.nbytes],
+                                  want[r.remote_offset:r.remote_offset + r.nbytes])
+    finally:
+        t.close()
