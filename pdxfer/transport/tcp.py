@@ -282,6 +282,13 @@ class TcpTransport(Transport):
         self._local_views = self._table.views()
 
     def deregister(self) -> None:
+        """Forget the regions. In-flight reads are cancelled first (each stops before ``cancel``
+        returns), so no byte lands in memory the caller may free next; the holder side waits
+        for serves still sending from the old memory."""
+        with self._lock:
+            handles = list(self._inflight)
+        for h in handles:
+            h.cancel(timeout=2.0)
         self._local_views = ()
         if not self._table.clear(timeout=5.0) and self._server is not None:
             # A serve is stuck on a slow reader: cut it rather than keep reading freed memory.

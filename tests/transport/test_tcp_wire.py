@@ -4,6 +4,8 @@ corruption and truncation detection, instance checks after a restart, an idle ho
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -15,7 +17,14 @@ import pytest
 from pdxfer.layout import TransferPlan, TransferRun
 from pdxfer.probe.pattern import pattern
 from pdxfer.transport import wire
-from pdxfer.transport.base import MetadataError, PeerDied, RegionUnknown, RegisteredRegion, TransportError
+from pdxfer.transport.base import (
+    MetadataError,
+    PeerDied,
+    ReadState,
+    RegionUnknown,
+    RegisteredRegion,
+    TransportError,
+)
 from pdxfer.transport.tcp import TcpTransport, parse_metadata
 
 from .conftest import MiB, start_holder, stop
@@ -236,7 +245,6 @@ def test_holder_restarted_on_the_same_port_is_not_mistaken_for_the_old_one(reade
 
 
 def _cpu_seconds(pid: int) -> float:
-    import os
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -292,3 +300,19 @@ def test_payload_crc_mode_reads_exact_bytes_from_a_real_holder(tcp_holder):
                                   want[r.remote_offset:r.remote_offset + r.nbytes])
     finally:
         t.close()
+
+
+def test_reader_deregister_cancels_in_flight_reads(reader_factory):
+    holder = start_holder("tcp", sizes=(64 * MiB,))
+    try:
+        reader = reader_factory("tcp", 64 * MiB)
+        peer = reader.t.connect(holder.meta, timeout=5)
+        os.kill(holder.proc.pid, signal.SIGSTOP)
+        h = reader.t.read(peer, TransferPlan((TransferRun(0, 0, 0, 0, 64 * MiB),), 1))
+        reader.t.deregister()
+        assert h.poll() is ReadState.CANCELLED  # settled before deregister returned
+        with pytest.raises(RegionUnknown):
+            reader.t.read(peer, TransferPlan((TransferRun(0, 0, 0, 0, 16),), 1))
+    finally:
+        os.kill(holder.proc.pid, signal.SIGCONT)
+        stop(holder.proc)
