@@ -178,7 +178,13 @@ def test_graceful_stop_hands_over_before_lease_expiry(etcd, masters):
     wait_until(lambda: role(a.address), 10, "first replica to lead")
     b = masters.start(extra_args=args)
     wait_until(lambda: role(b.address) is False, 10, "second replica to stand by")
+    # a client whose first etcd endpoint is dead still finds the leader through the second
+    from .conftest import free_port
+
+    c = masters.client(f"etcd://127.0.0.1:{free_port()},{etcd.endpoint}{PREFIX}", timeout_s=2.0)
+    assert c.stats()["leader_address"] == a.address
     t0 = time.monotonic()
     assert a.stop() == 0
     wait_until(lambda: role(b.address), 10, "standby to take over after a graceful stop")
     assert time.monotonic() - t0 < 15  # without the revoke it would wait out the 30 s lease
+    assert wait_until(lambda: c.stats()["leader_address"] == b.address, 5, "client to follow the new leader")
