@@ -19,7 +19,6 @@ import itertools
 import json
 import operator
 import os
-import select
 import socket
 import threading
 import time
@@ -94,6 +93,18 @@ def parse_metadata(blob: bytes) -> TcpPeerInfo:
     return info
 
 
+def _is_stale(sock: socket.socket) -> bool:
+    """True if an idle connection has EOF, an error or unexpected bytes waiting (a non-blocking
+    peek: unlike select() it works for any fd number)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return True  # EOF (b"") or bytes nobody asked for
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 class _Conn:
     """One reader connection to a holder; requests on it are serialized by ``lock``."""
 
@@ -110,7 +121,7 @@ class _Conn:
         if self.sock is not None:
             # Between requests nothing may arrive: readable means the holder closed (or restarted),
             # so reconnect now instead of failing the read on a stale socket.
-            if not select.select([self.sock], [], [], 0)[0]:
+            if not _is_stale(self.sock):
                 return self.sock
             self.drop()
         info = self.info
@@ -161,7 +172,6 @@ class TcpReadHandle(ReadHandle):
         self._done = threading.Event()
         self._pending = nparts
         self._state = ReadState.PENDING
-        self._final: ReadState | None = None
         self._error: TransportError | None = None
         self._active: set[_Conn] = set()
         if nparts == 0:
@@ -397,7 +407,7 @@ class TcpTransport(Transport):
         if conn.sock is None or not conn.lock.acquire(blocking=False):
             return None
         try:
-            if conn.sock is None or select.select([conn.sock], [], [], 0)[0] or not handle._begin(conn):
+            if conn.sock is None or _is_stale(conn.sock) or not handle._begin(conn):
                 conn.lock.release()  # stale socket or read already over: leave it to the worker
                 return None
             return self._send_request(conn.sock, runs)
