@@ -48,7 +48,6 @@ from pdxfer.transport.base import (
 from pdxfer.transport.tcp_server import RegionTable, TcpServer, region_view
 
 METADATA_VERSION = 1
-_ANY_INSTANCE = bytes(16)
 _FIELD_GETTERS = tuple(operator.attrgetter(f) for f in
                        ("remote_region", "remote_offset", "local_region", "local_offset", "nbytes"))
 _SMALL_PLAN = 32  # up to this many runs, plain Python beats numpy's per-call overhead

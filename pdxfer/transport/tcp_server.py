@@ -83,7 +83,7 @@ def validate_runs(runs: np.ndarray, sizes: Sequence[int]) -> tuple[int, str] | N
         i = int(np.flatnonzero(~known)[0])
         have = f"0..{nregions - 1}" if nregions else "none"
         return wire.ERR_REGION_UNKNOWN, f"run {i}: region {region[i]} is not registered (registered: {have})"
-    # Python ints for the end so offsets near 2**64 cannot wrap around.
+    # Compare without computing offset + nbytes: that sum could wrap around 2**64 in uint64.
     size = np.array(list(sizes), dtype=np.uint64)[region] if nregions else np.zeros(0, np.uint64)
     off, n = runs["offset"], runs["nbytes"]
     bad = (off > size) | (n > size - np.minimum(off, size))
@@ -149,7 +149,7 @@ class TcpServer:
 
     def _handshake(self, conn: socket.socket) -> None:
         want = wire.unpack_hello(wire.recv_exact(conn, wire.HELLO_SIZE, "hello"))
-        if want != bytes(16) and want != self._instance:
+        if want != self._instance:
             conn.sendall(wire.pack_hello_ok(wire.ERR_WRONG_INSTANCE, self._instance))
             raise PeerDied("reader expects another holder instance")
         conn.sendall(wire.pack_hello_ok(wire.OK, self._instance))
