@@ -356,8 +356,14 @@ class SchedulerSide:
                 return
             if hasher is None:
                 hasher = IncrementalHasher(C, self.namespace(cache_salt).root())
+            t0 = time.perf_counter()
             keys = hasher.update(list(tokens[: n_chunks * C]))[:n_chunks]
+            t1 = time.perf_counter()
             self._publish(keys, [self._chunk_blocks(i, block_ids) for i in range(n_chunks)])
+            t2 = time.perf_counter()
+            if t2 - t0 > 0.02:
+                log.warning("pdxfer: publishing %d chunks of %s took %.1f ms (hash %.1f ms)", n_chunks,
+                            req_id, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
         except Exception as exc:  # publishing is best effort; never fail vLLM's request
             log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
 
@@ -409,18 +415,18 @@ class SchedulerSide:
         chunks first, then publish only the leading chunks that fit (a prefix is what readers use)."""
         assert self._pool is not None
         cap = int(self.cfg.max_held_fraction * self._pool.num_blocks)
-        with self._lock:
-            held = len(self._held_block_refs)
-        extra = len({x for _, b in new for x in b} - set(self._held_block_refs))
-        if held + extra > cap:
-            self._reclaim(held + extra - cap)
+        with self._lock:  # the reaper thread mutates the held set: work on a snapshot
+            held_now = set(self._held_block_refs)
+        extra = len({x for _, b in new for x in b} - held_now)
+        if len(held_now) + extra > cap:
+            self._reclaim(len(held_now) + extra - cap)
             with self._lock:
-                held = len(self._held_block_refs)
+                held_now = set(self._held_block_refs)
         out: list[tuple[bytes, tuple[int, ...]]] = []
         seen: set[int] = set()
         for k, b in new:
-            add = {x for x in b if x not in self._held_block_refs and x not in seen}
-            if held + len(seen) + len(add) > cap:
+            add = {x for x in b if x not in held_now and x not in seen}
+            if len(held_now) + len(seen) + len(add) > cap:
                 break
             seen |= add
             out.append((k, b))

@@ -106,7 +106,8 @@ class WorkerSide:
                 from pdxfer.master.client import MasterClient
 
                 factory = MasterClient
-            self._client = factory(self.cfg.master, token=self.cfg.token, timeout_s=self.cfg.master_timeout_s)
+            # Validation is on the step path: a slow master costs a recompute, not a stalled engine.
+            self._client = factory(self.cfg.master, token=self.cfg.token, timeout_s=self.cfg.lookup_timeout_s)
         return self._client
 
     # ------------------------------------------------------------------ loads
