@@ -1,0 +1,44 @@
+"""kv_connector_extra_config parsing: every bad input names what is wrong (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdxfer.vllm.config import MASTER_ENV, ConnectorConfigError, parse_extra_config
+from pdxfer.vllm.metadata import METADATA_VERSION, MetadataVersionError, PdxferConnectorMetadata
+
+
+def test_defaults_and_master_from_env():
+    cfg = parse_extra_config({}, env={MASTER_ENV: "127.0.0.1:7000"})
+    assert cfg.master == "127.0.0.1:7000" and cfg.transport == "tcp" and cfg.chunk_tokens == 256
+    assert parse_extra_config({"master": "h:1", "lock_ttl_s": 3}, env={}).lock_ttl_s == 3.0
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"master": "h:1", "chunk_tokns": 256}, "chunk_tokns"),
+    ({}, "master"),
+    ({"master": "h:1", "transport": "rdma"}, "transport"),
+    ({"master": "h:1", "chunk_tokens": 0}, "chunk_tokens"),
+    ({"master": "h:1", "chunk_tokens": True}, "chunk_tokens"),
+    ({"master": "h:1", "lock_ttl_s": "10"}, "lock_ttl_s"),
+    ({"master": "h:1", "max_held_fraction": 1.5}, "max_held_fraction"),
+    ({"master": "h:1", "lock_ttl_s": 0.2, "lookup_timeout_s": 0.5}, "lock_ttl_s"),
+    ({"master": ""}, "master"),
+])
+def test_bad_values_name_the_key(extra, needle):
+    with pytest.raises(ConnectorConfigError, match=needle):
+        parse_extra_config(extra, env={})
+
+
+def test_token_file_errors_name_the_file(tmp_path):
+    cfg = parse_extra_config({"master": "h:1", "master_token_file": str(tmp_path / "nope")}, env={})
+    with pytest.raises(ConnectorConfigError, match="nope"):
+        _ = cfg.token
+    (tmp_path / "tok").write_text("s3cret\n")
+    assert parse_extra_config({"master": "h:1", "master_token_file": str(tmp_path / "tok")}, env={}).token == "s3cret"
+
+
+def test_metadata_version_is_checked():
+    PdxferConnectorMetadata().check()
+    with pytest.raises(MetadataVersionError, match="version"):
+        PdxferConnectorMetadata(version=METADATA_VERSION + 1).check()
