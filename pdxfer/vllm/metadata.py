@@ -50,10 +50,13 @@ class LoadSpec:
     num_tokens: int  # tokens these reads provide (for stats and logs)
     reads: tuple[NodeRead, ...]
     lock_expires_at: float  # wall clock; the worker skips a read that cannot finish in time
+    # Every local block vLLM expects this load to fill: reported as load errors if anything
+    # fails, even when no read could be planned (else vLLM would compute on garbage KV).
+    blocks: tuple[int, ...] = ()
 
     @property
     def local_blocks(self) -> set[int]:
-        return {b for r in self.reads for b in r.local_blocks}
+        return set(self.blocks) | {b for r in self.reads for b in r.local_blocks}
 
 
 @dataclass

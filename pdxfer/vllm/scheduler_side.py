@@ -274,16 +274,26 @@ class SchedulerSide:
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         lk = self._lookups.pop(req_id, None)
         if lk is None:
+            if num_external_tokens > 0:
+                # vLLM waits for a load we never offered: fail it (all blocks) rather than hang.
+                log.error("pdxfer: %s: %d external tokens without a lookup; recomputing", req_id,
+                          num_external_tokens)
+                self._attempted.add(req_id)
+                self._pending_loads.append(LoadSpec(req_id, "", num_external_tokens, (), 0.0,
+                                                    tuple(int(b) for b in block_ids)))
             return
         if num_external_tokens <= 0:
             self._release_async(lk.lock_id)
             return
+        bs = self.block_size
+        start = lk.hit_end - num_external_tokens
+        covered = tuple(int(b) for b in block_ids[max(start, 0) // bs: -(-lk.hit_end // bs)])
         try:
             spec = self._plan(req_id, lk, block_ids, num_external_tokens)
         except Exception as exc:
             # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
             log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
-            spec = LoadSpec(req_id, lk.lock_id, num_external_tokens, (), lk.expires_at)
+            spec = LoadSpec(req_id, lk.lock_id, num_external_tokens, (), lk.expires_at, covered)
         self._attempted.add(req_id)
         self._pending_loads.append(spec)
 
@@ -310,7 +320,8 @@ class SchedulerSide:
             n = lk.nodes[node_id]
             self._pending_nodes[node_id] = HolderRef(node_id, n.transport, bytes(n.transport_metadata), dict(n.layout))
         reads = tuple(NodeRead(nid, tuple(r), tuple(l)) for nid, (r, l) in per_node.items())
-        return LoadSpec(req_id, lk.lock_id, n_ext, reads, lk.expires_at)
+        covered = tuple(int(block_ids[tb]) for tb in range(start // bs, lk.hit_end // bs))
+        return LoadSpec(req_id, lk.lock_id, n_ext, reads, lk.expires_at, covered)
 
     def build_connector_meta(self) -> PdxferConnectorMetadata:
         self.drain_frees()

@@ -212,3 +212,27 @@ def test_held_share_is_capped(pair):
     holder.sched.drain_frees()
     assert holder.pool.get_num_free_blocks() >= NUM_BLOCKS - 1 - cap
     assert holder.sched.stats.pressure_reclaims > 0
+
+
+def _finish_load(node: Node, rid: str, timeout: float = 5.0) -> set[int]:
+    node.worker.start_loads(node.sched.build_connector_meta())
+    deadline = time.monotonic() + timeout
+    while rid not in node.worker.get_finished():
+        assert time.monotonic() < deadline, "load never finished"
+        time.sleep(0.005)
+    return node.worker.take_load_errors()
+
+
+def test_unplannable_or_unknown_loads_fail_every_expected_block(pair):
+    holder, reader = pair()
+    toks = _tokens(2 * C + 5, 8)
+    holder.run_request("p", toks)
+    ext, _ = reader.sched.get_num_new_matched_tokens("d", toks, len(toks), 0, None)
+    assert ext == 2 * C
+    ids = [b.block_id for b in reader.pool.get_new_blocks(3)]
+    # vLLM hands over a range we cannot map onto whole blocks: nothing is read, all of it fails.
+    reader.sched.update_state_after_alloc("d", ids, ext - 1)
+    assert _finish_load(reader, "d") == set(ids)
+    # vLLM expecting a load the connector never offered must not hang: every block fails.
+    reader.sched.update_state_after_alloc("ghost", ids, C)
+    assert _finish_load(reader, "ghost") == set(ids)
