@@ -11,7 +11,10 @@ TTFT here is the latency of a max_tokens=1 request (the same measure for every c
 Transfer time per length comes from each connector's Prometheus histogram (mean over the reps).
 Then the idle CPU of every instance (its whole process group) over --idle-seconds with no traffic.
 
-Instances are pinned: plain and prefill on core 0, decode on core 1. Prints medians and ratios;
+Instances are pinned: plain and prefill on core 0, decode on core 1. The plain instance runs
+for the whole benchmark and is measured alternately with each pair (plain request and pair
+requests in random order per rep, never at the same time), so that on a shared box the baseline sees the same background load as
+the pair it is compared with. The pairs run one after the other. Prints medians and ratios;
 --json FILE writes one object per prompt length.
 
     .venv/bin/python bench/pd.py --json out/pd.json
@@ -201,58 +204,80 @@ def start_config(name: str, args: argparse.Namespace, model_dir: Path, log_dir: 
         raise
 
 
-def run_config(name: str, args: argparse.Namespace, model_dir: Path, model: str, log_dir: Path,
-               prompts: Prompts) -> dict[str, Any]:
-    """Start, warm up, measure every length, measure idle CPU, stop. Returns per-length samples."""
-    print(f"\n== {name}: starting", flush=True)
-    stack, urls = start_config(name, args, model_dir, log_dir)
+class Plain:
+    """The plain instance: started once, measured interleaved with every pair phase."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> None:
+        self.stack, urls = start_config("plain", args, model_dir, log_dir)
+        self.url = urls["plain"]
+
+
+def _progress_printer() -> Callable[[str], None]:
+    last = [0.0]
+
+    def progress(line: str) -> None:
+        t = time.monotonic()
+        if t - last[0] > 15:
+            print("  " + line[:150], flush=True)
+            last[0] = t
+
+    return progress
+
+
+def run_phase(name: str | None, plain: Plain | None, args: argparse.Namespace, model_dir: Path,
+              model: str, log_dir: Path, prompts: Prompts) -> dict[str, Any]:
+    """One pair configuration (or None: plain alone), measured interleaved with the plain
+    instance so that both see the same background load. Returns samples and idle CPU."""
+    label = name or "plain"
+    print(f"\n== {label}{' + plain' if name and plain else ''}: starting", flush=True)
+    stack, urls = start_config(name, args, model_dir, log_dir) if name else (Stack(), {})
     try:
-        last = [0.0]
-
-        def progress(line: str) -> None:
-            t = time.monotonic()
-            if t - last[0] > 15:
-                print("  " + line[:150], flush=True)
-                last[0] = t
-
-        took = stack.wait_ready(args.ready_timeout, progress)
+        waiting = Stack(stack.components + (plain.stack.components if plain else []))
+        took = waiting.wait_ready(args.ready_timeout, _progress_printer())
         print(f"  ready in {took:.0f} s", flush=True)
-        measure: Callable[[list[int]], dict[str, float]]
-        if name == "plain":
-            measure = lambda ids: measure_plain(urls["plain"], model, ids)  # noqa: E731
-        elif name == "pdxfer":
-            measure = lambda ids: measure_pdxfer(urls["prefill"], urls["decode"], model, ids)  # noqa: E731
-        else:
-            measure = lambda ids: measure_nixl(urls["prefill"], urls["decode"], model, ids)  # noqa: E731
+        measures: dict[str, Callable[[list[int]], dict[str, float]]] = {}
+        if plain is not None:
+            measures["plain"] = lambda ids: measure_plain(plain.url, model, ids)
+        if name == "pdxfer":
+            measures[name] = lambda ids: measure_pdxfer(urls["prefill"], urls["decode"], model, ids)
+        elif name == "nixl":
+            measures[name] = lambda ids: measure_nixl(urls["prefill"], urls["decode"], model, ids)
         for _ in range(args.warmup):
             for n in args.lengths:
-                measure(prompts.make(n))
-        hist_name = {"pdxfer": PDXFER_HIST, "nixl": NIXL_HIST}.get(name)
+                for m in measures.values():
+                    m(prompts.make(n))
+        hist_name = {"pdxfer": PDXFER_HIST, "nixl": NIXL_HIST}.get(name or "")
+        dec = urls.get("decode")
         per_len: dict[int, dict[str, Any]] = {}
         for n in args.lengths:
-            dec = urls.get("decode")
-            if dec:
-                h0 = hist(dec, hist_name) if hist_name else (0.0, 0.0)
+            if dec and hist_name:
+                h0 = hist(dec, hist_name)
                 hits0 = read_prom_counter(dec, TRANSFER_COUNTER)
-            samples: dict[str, list[float]] = {}
+            samples: dict[str, dict[str, list[float]]] = {k: {} for k in measures}
             for _ in range(args.reps):
-                for k, v in measure(prompts.make(n)).items():
-                    samples.setdefault(k, []).append(v)
+                # Alternate plain and pair, in a random order each rep so neither always goes first.
+                order = list(measures.items())
+                prompts.rng.shuffle(order)
+                for cfg, m in order:
+                    for k, v in m(prompts.make(n)).items():
+                        samples[cfg].setdefault(k, []).append(v)
             entry: dict[str, Any] = {"samples": samples}
-            if dec:
+            if dec and hist_name:
                 time.sleep(0.3)  # vLLM records stats once per engine step
-                h1 = hist(dec, hist_name) if hist_name else (0.0, 0.0)
+                h1 = hist(dec, hist_name)
                 entry["loaded_tokens_per_request"] = (
                     read_prom_counter(dec, TRANSFER_COUNTER) - hits0) / args.reps
                 entry["transfer_ms"] = (round(1000 * (h1[0] - h0[0]) / (h1[1] - h0[1]), 2)
                                         if h1[1] > h0[1] else None)
             per_len[n] = entry
-            meds = {k: median(v) for k, v in samples.items()}
-            print(f"  {n:5d} tokens: " + ", ".join(f"{k} {v} ms" for k, v in meds.items())
-                  + (f", loaded {entry['loaded_tokens_per_request']:.0f} tok/req, transfer "
-                     f"{entry['transfer_ms']} ms" if dec else ""), flush=True)
+            line = "; ".join(f"{cfg}: " + ", ".join(f"{k} {median(v)}" for k, v in d.items())
+                             for cfg, d in samples.items())
+            if "transfer_ms" in entry:
+                line += (f"; loaded {entry['loaded_tokens_per_request']:.0f} tok/req, "
+                         f"transfer {entry['transfer_ms']} ms")
+            print(f"  {n:5d} tokens (median ms): {line}", flush=True)
         time.sleep(args.settle)
-        pgids = {c.name: c.proc.pid for c in stack.components if c.name != "master"}
+        pgids = {c.name: c.proc.pid for c in waiting.components if c.name != "master"}
         idle = idle_cpu_percent(pgids, args.idle_seconds)
         print(f"  idle CPU over {args.idle_seconds:.0f} s (% of one core): {idle}", flush=True)
         return {"per_len": per_len, "idle": idle}
@@ -301,29 +326,48 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.transport} | load avg {os.getloadavg()[0]:.2f} | logs {log_dir}", flush=True)
 
     t_start = time.monotonic()
-    results: dict[str, dict[str, Any]] = {}
     prompts = Prompts(args.seed, cfg["vocab_size"])
-    for c in configs:
-        results[c] = run_config(c, args, model_dir, model, log_dir, prompts)
+    pairs = [c for c in configs if c != "plain"]
+    phases: dict[str, dict[str, Any]] = {}
+    plain = Plain(args, model_dir, log_dir) if "plain" in configs else None
+    try:
+        for name in pairs or [None]:
+            phases[name or "plain"] = run_phase(name, plain, args, model_dir, model, log_dir,
+                                                prompts)
+    finally:
+        if plain is not None:
+            plain.stack.stop()
 
     idle: dict[str, float] = {}
-    for c, r in results.items():
-        for comp, pct in r["idle"].items():
-            idle[f"idle_cpu_{comp.replace('-', '_')}_pct"] = pct
+    for ph in phases.values():
+        for comp, pct in ph["idle"].items():
+            idle.setdefault(f"idle_cpu_{comp.replace('-', '_')}_pct", pct)  # first window wins
+
+    def samples_of(phase: str, cfg_name: str, n: int, k: str) -> list[float]:
+        ph = phases.get(phase)
+        return ph["per_len"][n]["samples"].get(cfg_name, {}).get(k, []) if ph else []
 
     def med(c: str, n: int, k: str) -> float | None:
-        r = results.get(c)
-        return median(r["per_len"][n]["samples"].get(k, [])) if r else None
+        return median(samples_of(c, c, n, k))
 
     def field_of(c: str, n: int, k: str) -> Any:
-        r = results.get(c)
-        return r["per_len"][n].get(k) if r else None
+        ph = phases.get(c)
+        return ph["per_len"][n].get(k) if ph else None
+
+    def plain_med(phase: str, n: int) -> float | None:
+        return median(samples_of(phase, "plain", n, "ttft"))
 
     rows = []
     for n in args.lengths:
+        # The recompute reference is the plain instance measured alternately with the pdxfer
+        # pair (same background load); the one measured alongside the NixlConnector pair is
+        # kept too and used for NixlConnector's own prefill ratio.
+        rec = {ph: plain_med(ph, n) for ph in phases}
         row: dict[str, Any] = {
             "prompt_tokens": n,
-            "recompute_ttft_ms": med("plain", n, "ttft"),
+            "recompute_ttft_ms": next((v for v in (rec.get("pdxfer"), rec.get("nixl"),
+                                                   rec.get("plain")) if v is not None), None),
+            "recompute_ttft_ms_by_phase": rec,
             "pdxfer_ttft_ms": med("pdxfer", n, "ttft"),
             "nixl_ttft_ms": med("nixl", n, "ttft"),
             "pdxfer_prefill_ms": med("pdxfer", n, "prefill"),
@@ -337,9 +381,19 @@ def main(argv: list[str] | None = None) -> int:
         row["pdxfer_vs_nixl_ttft"] = ratio(row["pdxfer_ttft_ms"], row["nixl_ttft_ms"])
         row["pdxfer_vs_recompute_ttft"] = ratio(row["pdxfer_ttft_ms"], row["recompute_ttft_ms"])
         row["pdxfer_prefill_vs_plain"] = ratio(row["pdxfer_prefill_ms"], row["recompute_ttft_ms"])
-        row["nixl_prefill_vs_plain"] = ratio(row["nixl_prefill_ms"], row["recompute_ttft_ms"])
+        row["nixl_prefill_vs_plain"] = ratio(row["nixl_prefill_ms"],
+                                             rec.get("nixl") or row["recompute_ttft_ms"])
+        # Paired: median of per-rep ratios, each against the plain request of the same rep
+        # (more robust than a ratio of medians when background load drifts).
+        for c, k, out in (("pdxfer", "prefill", "pdxfer_prefill_vs_plain_paired"),
+                          ("pdxfer", "ttft", "pdxfer_vs_recompute_ttft_paired"),
+                          ("nixl", "prefill", "nixl_prefill_vs_plain_paired"),
+                          ("nixl", "ttft", "nixl_vs_recompute_ttft_paired")):
+            a, b = samples_of(c, c, n, k), samples_of(c, "plain", n, "ttft")
+            row[out] = (round(statistics.median(x / y for x, y in zip(a, b)), 3)
+                        if a and len(a) == len(b) else None)
         row.update(idle)
-        row["samples_ms"] = {c: results[c]["per_len"][n]["samples"] for c in results}
+        row["samples_ms"] = {ph: phases[ph]["per_len"][n]["samples"] for ph in phases}
         rows.append(row)
 
     print(f"\nmedians in ms over {args.reps} fresh prompts per cell (TTFT = max_tokens=1 latency)")
@@ -357,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{f(r['pdxfer_vs_recompute_ttft'], 7)} {f(r['pdxfer_prefill_ms'], 8)} "
               f"{f(r['nixl_prefill_ms'], 8)} {f(r['pdxfer_prefill_vs_plain'], 9)} "
               f"{f(r['pdxfer_transfer_ms'], 8)} {f(r['nixl_transfer_ms'], 9)}")
+    for r in rows:
+        print(f"{r['prompt_tokens']:>6} tokens, paired ratios (median of per-rep ratios to the "
+              f"plain request of the same rep): pdxfer prefill/plain {r['pdxfer_prefill_vs_plain_paired']}"
+              f", pdxfer decode/recompute {r['pdxfer_vs_recompute_ttft_paired']}, nixl prefill/plain "
+              f"{r['nixl_prefill_vs_plain_paired']}, nixl decode/recompute "
+              f"{r['nixl_vs_recompute_ttft_paired']}")
     print("idle CPU, % of one core over", args.idle_seconds, "s:",
           ", ".join(f"{k[9:-4]} {v}" for k, v in idle.items()))
     print(f"total {time.monotonic() - t_start:.0f} s")
