@@ -53,14 +53,26 @@ def _fill(buf: np.ndarray, seed: int) -> None:
     buf[:] = np.random.default_rng(seed).integers(0, 256, buf.nbytes, dtype=np.uint8)
 
 
-def hold(size: int, seed: int, poll_s: float) -> int:
-    """Holder: register, print the metadata, progress the target until stdin closes or SIGTERM."""
+def hold(size: int, seed: int, poll_s: float, pdxfer: bool = False) -> int:
+    """Holder: register, print the metadata, progress the target until stdin closes or SIGTERM.
+
+    With ``pdxfer`` the holder is a pdxfer NixlTransport instead (for ``compare_with_pdxfer``).
+    """
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the reader
     except (OSError, AttributeError):
         pass
     buf = np.empty(size, dtype=np.uint8)
     _fill(buf, seed)
+    if pdxfer:
+        from pdxfer.transport.base import RegisteredRegion
+        from pdxfer.transport.nixl import NixlTransport
+
+        with NixlTransport() as t:
+            t.register([RegisteredRegion(0, buf.ctypes.data, size)])
+            print("META", t.metadata().hex(), buf.ctypes.data, flush=True)
+            sys.stdin.read()  # its own progress thread serves; wait for the reader to close stdin
+        return 0
     agent = _agent(f"raw-holder-{os.getpid()}")
     reg = agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
     print("META", agent.get_agent_metadata().hex(), buf.ctypes.data, flush=True)
@@ -74,11 +86,12 @@ def hold(size: int, seed: int, poll_s: float) -> int:
     return 0
 
 
-def _start_holder(size: int, seed: int, poll_s: float, timeout: float) -> tuple[subprocess.Popen, bytes, int]:
+def _start_holder(size: int, seed: int, poll_s: float, timeout: float,
+                  pdxfer: bool = False) -> tuple[subprocess.Popen, bytes, int]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(_REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen([sys.executable, "-m", "pdxfer.probe.nixl_baseline", "hold", str(size),
-                             "--seed", str(seed), "--poll-s", str(poll_s)],
+                             "--seed", str(seed), "--poll-s", str(poll_s)] + (["--pdxfer"] if pdxfer else []),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
@@ -242,6 +255,52 @@ def raw_nixl_read_gbps(block_size: int, batch: int, iters: int, check: bool = Fa
     }
 
 
+def compare_with_pdxfer(block_size: int, batch: int, iters: int, seed: int = 0, timeout: float = 30.0) -> dict:
+    """pdxfer NIXL and raw NIXL READs of the same scattered blocks, interleaved one by one.
+
+    Each side has its own holder process. pdxfer's time per READ is ``read`` + ``wait`` for a
+    freshly built TransferPlan (building the plan objects is not timed, as in pdxfer-probe); raw
+    is ``RawNixlBaseline.once``. Returns medians and ``ratio`` = pdxfer / raw GB/s, bytes checked.
+    """
+    from pdxfer.layout import TransferPlan, TransferRun
+    from pdxfer.transport.base import RegisteredRegion
+    from pdxfer.transport.nixl import NixlTransport
+
+    if iters <= 0:
+        raise ValueError(f"iters must be positive (got {iters})")
+    with RawNixlBaseline(block_size, batch, seed, timeout=timeout) as raw:
+        proc, md, _ = _start_holder(raw.size, seed, 0.0005, timeout, pdxfer=True)
+        try:
+            dst = np.zeros(raw.size, dtype=np.uint8)
+            with NixlTransport() as t:
+                t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+                peer = t.connect(md, timeout=timeout)
+                pairs = [(int(r) * block_size, int(l) * block_size) for r, l in zip(raw.ridx, raw.lidx)]
+
+                def plan() -> TransferPlan:
+                    return TransferPlan(tuple(TransferRun(0, ro, 0, lo, block_size) for ro, lo in pairs), len(pairs))
+
+                t.read(peer, plan()).wait(timeout)  # warm-up, like the raw side's constructor
+                pdx, base = [], []
+                for _ in range(iters):
+                    p = plan()
+                    t0 = time.perf_counter()
+                    t.read(peer, p).wait(timeout)
+                    pdx.append(time.perf_counter() - t0)
+                    base.append(sum(raw.once()))
+                src = np.empty(raw.size, dtype=np.uint8)
+                _fill(src, seed)
+                ok = all(np.array_equal(dst[lo:lo + block_size], src[ro:ro + block_size]) for ro, lo in pairs)
+        finally:
+            _stop(proc)
+        ok = ok and raw.check()
+    nbytes = block_size * batch
+    pg, rg = nbytes / float(np.median(pdx)) / 1e9, nbytes / float(np.median(base)) / 1e9
+    return {"block_size": block_size, "batch": batch, "iters": iters, "pdxfer_gbps": pg, "raw_nixl_gbps": rg,
+            "ratio": pg / rg, "pdxfer_avg_lat_us": float(np.mean(pdx)) * 1e6,
+            "raw_avg_lat_us": float(np.mean(base)) * 1e6, "ok": bool(ok)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdxfer.probe.nixl_baseline", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="mode")
@@ -249,13 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("size", type=int)
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--poll-s", type=float, default=0.0005)
+    h.add_argument("--pdxfer", action="store_true", help="hold with a pdxfer NixlTransport")
     ap.add_argument("--block-size", type=int, default=32 << 10)
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--compare", action="store_true", help="interleave pdxfer NIXL reads with the raw ones")
     args = ap.parse_args(argv)
     if args.mode == "hold":
-        return hold(args.size, args.seed, args.poll_s)
+        return hold(args.size, args.seed, args.poll_s, args.pdxfer)
+    if args.compare:
+        print(json.dumps(compare_with_pdxfer(args.block_size, args.batch, args.iters)))
+        return 0
     print(json.dumps(raw_nixl_read_gbps(args.block_size, args.batch, args.iters, check=args.check)))
     return 0
 

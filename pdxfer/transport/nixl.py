@@ -402,6 +402,7 @@ class NixlTransport(Transport):
         landing = self._scratch_ptr + _COOKIE_BYTES
         with self._lock:
             self._scratch[_COOKIE_BYTES:] = 0
+            xfer = None
             try:
                 if not peer.loopback:
                     self._agent.send_notif(peer.name, _HELLO)
@@ -411,6 +412,8 @@ class NixlTransport(Transport):
                 xfer = self._agent.initialize_xfer("READ", local, remote, target)
                 state = self._agent.transfer(xfer)
             except Exception as exc:
+                if xfer is not None:
+                    self._release_xfer(xfer)
                 raise PeerUnreachable(f"cannot reach NIXL peer {peer.name} (host {peer.info.host}, "
                                       f"pid {peer.info.pid}): {exc!r}") from exc
         handle = NixlReadHandle(self, peer.name, xfer, _COOKIE_BYTES)
@@ -465,6 +468,7 @@ class NixlTransport(Transport):
         with self._lock:
             if self._closed or peer not in self._peers:
                 raise PeerUnreachable(f"NIXL peer {peer!r} was disconnected")
+            xfer = None
             try:
                 if time.monotonic() - p.last_wake > self._hot_window / 2:
                     # The holder may have gone idle (polling every idle_poll_s): wake it first, so a
@@ -474,11 +478,12 @@ class NixlTransport(Transport):
                 if xfer is None:
                     xfer = self._make_xfer(p, arr if not small else _plan_array(plan))
                 state = self._agent.transfer(xfer)
-            except self._bind.nixlRemoteDisconnectError as exc:
-                return NixlReadHandle(self, peer, None, nbytes, ReadState.FAILED,
-                                      PeerDied(f"NIXL peer {peer} disconnected: {exc}"))
             except Exception as exc:
+                if xfer is not None:
+                    self._release_xfer(xfer)  # now, not whenever the garbage collector gets to it
+                died = isinstance(exc, self._bind.nixlRemoteDisconnectError)
                 return NixlReadHandle(self, peer, None, nbytes, ReadState.FAILED,
+                                      PeerDied(f"NIXL peer {peer} disconnected: {exc}") if died else
                                       PeerDied(f"posting a NIXL READ from {peer} failed: {exc!r}"))
             p.reads += 1
             handle = NixlReadHandle(self, peer, xfer, nbytes)
@@ -664,6 +669,7 @@ class NixlTransport(Transport):
             return
         if self._progress is not None:
             self._progress.stop()
+            self._progress = None
         with self._lock:
             # 1. in-flight transfers  2. prepared lists  3. remote agents  4. registered memory  5. agent
             for h in list(self._inflight):

@@ -52,9 +52,12 @@ class TargetProgress:
     def _run(self) -> None:
         interval = self.busy_interval
         while not self._stop.is_set():
+            agent = self._agent
+            if agent is None:
+                return
             try:
                 with self._lock:
-                    new = self._agent.get_new_notifs()
+                    new = agent.get_new_notifs()
                 self.polls += 1
             except Exception as exc:  # a dead reader's endpoint must not stop serving the others
                 log.debug("NIXL progress poll failed: %r", exc)
@@ -73,3 +76,7 @@ class TargetProgress:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            # This object and its thread reference each other; dropping the agent here keeps the
+            # NIXL agent from being destroyed later inside a garbage-collector run (seen: abort).
+            self._agent = None
