@@ -247,7 +247,9 @@ class ManagedProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole group now and reap the leader (bounded)."""
-        self._signal_group(signal.SIGKILL)
+        # Only while something of ours is left: once the group is empty its number may be reused.
+        if self.alive() or self._group_alive():
+            self._signal_group(signal.SIGKILL)
         try:
             self._popen.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - a SIGKILLed child always exits
