@@ -14,6 +14,8 @@ Headline checks (from the transports issue):
                           and faster than nixl-ucx-tcp
   nixl 4096 x 32 KiB      >= 0.9 of raw NIXL with the same descriptors
 ``--repeats`` re-measures the headline points that many times and reports the median ratio.
+Those repeats also measure CPU seconds per GB on reader and holder (``--cpu``), a cost that
+hardly depends on how busy the machine is: printed as informational ratios.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ def available(kind: str) -> bool:
 
 
 def probe(kind: str, blocks: str, batches: str, label: str | None = None, env_extra: dict | None = None,
-          baseline: bool = True, timeout: float = 1800) -> list[dict]:
+          baseline: bool = True, cpu: bool = False, timeout: float = 1800) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, "-m", "pdxfer.probe.cli", "--loopback", "--transport", kind,
            "--block-sizes", blocks, "--batches", batches, "--json", out]
     if baseline:
         cmd.append("--baseline")
+    if cpu:
+        cmd.append("--cpu")
     if label:
         cmd += ["--label", label]
     env = dict(os.environ, **(env_extra or {}))
@@ -91,6 +95,18 @@ def headline(rows: list[dict]) -> dict:
     elif tcp_sc and ucx_tcp:
         out["tcp_4096x32KiB_vs_nixl_ucx_tcp"] = med([r["gbps"] for r in tcp_sc]) / med([r["gbps"] for r in ucx_tcp])
     out["nixl_4096x32KiB_vs_raw_nixl"] = med([r.get("ratio") for r in nixl_sc])
+
+    # CPU seconds per GB (reader + holder) hardly depend on machine load: informational ratios.
+    def cpu(rs: list[dict], prefix: str = "") -> float | None:
+        return med([r[f"{prefix}reader_cpu_s_per_gb"] + r[f"{prefix}holder_cpu_s_per_gb"]
+                    for r in rs if f"{prefix}reader_cpu_s_per_gb" in r])
+
+    for name, rs in (("tcp_16MiB", tcp_big), ("tcp_4096x32KiB", tcp_sc)):
+        mine, base = cpu(rs), cpu(rs, "baseline_")
+        if mine and base:
+            out[f"cpu_raw_socket_over_{name}"] = base / mine  # >= 1: pdxfer needs no more CPU per byte
+    if cpu(tcp_sc) and cpu(ucx_tcp):
+        out["cpu_nixl_ucx_tcp_over_tcp_4096x32KiB"] = cpu(ucx_tcp) / cpu(tcp_sc)
     out["targets"] = {"tcp_16MiB_vs_raw_socket": 0.8, "tcp_4096x32KiB_vs_raw_socket": 0.8,
                       "tcp_4096x32KiB_vs_nixl_ucx_tcp": 1.0, "nixl_4096x32KiB_vs_raw_nixl": 0.9}
     return out
@@ -118,11 +134,11 @@ def main() -> int:
         print(f"== headline points, repeat {i + 1}/{args.repeats}", flush=True)
         batch: list[dict] = []
         for kind in kinds:
-            batch += probe(kind, "32KiB,16MiB", "1,4096")
+            batch += probe(kind, "32KiB,16MiB", "1,4096", cpu=True)
         if "nixl" in kinds:
             # Right after the tcp run of this repeat, so the pair sees about the same machine load.
             batch += probe("nixl", "32KiB", "4096", label="nixl-ucx-tcp", env_extra={"UCX_TLS": "tcp"},
-                           baseline=False)
+                           baseline=False, cpu=True)
         for r in batch:
             r["repeat"] = i
         rows += batch
@@ -139,6 +155,9 @@ def main() -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1)
+    for name, val in head.items():
+        if name.startswith("cpu_") and val is not None:
+            print(f"  {name:<40} {val:.2f}  (CPU s/GB reader+holder; > 1 favours pdxfer tcp)")
     print(f"wrote {args.json} ({len(rows)} rows, {doc['seconds']}s)")
     if args.plot:
         sys.path.insert(0, str(REPO))

@@ -67,6 +67,8 @@ def _add_sweep_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tcp-connections", type=int, default=2, help="parallel TCP connections per peer")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound on any single read")
     ap.add_argument("--quiet", action="store_true", help="no live lines, only the final table")
+    ap.add_argument("--cpu", action="store_true",
+                    help="also measure CPU seconds per GB on reader and holder (and raw socket baseline)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +125,7 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
             print(f"pdxfer-probe: skipping {k}: holder does not serve it ({why})", file=sys.stderr)
     kinds = [k for k in kinds if k in hello["kinds"]]
     dst = np.zeros(region, dtype=np.uint8)
-    scratch = np.ones(region, dtype=np.uint8) if args.baseline else None
+    scratch = np.ones(region, dtype=np.uint8) if args.baseline or args.cpu else None
     points = [sweep.Point(b, n) for b in args.block_sizes for n in args.batches]
     fits = [p for p in points if p.total <= region]
     for p in points:
@@ -131,7 +133,8 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
             print(f"pdxfer-probe: skipping {report.fmt_size(p.block_size)} x {p.batch}: "
                   f"{report.fmt_size(p.total)} exceeds the holder region ({report.fmt_size(region)})", file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    raw = sweep.RawSocketBaseline(host, int(hello["raw_port"])) if args.baseline and "tcp" in kinds else None
+    raw = (sweep.RawSocketBaseline(host, int(hello["raw_port"]))
+           if (args.baseline or args.cpu) and "tcp" in kinds else None)
     nixl_base = sweep.nixl_baseline() if args.baseline and "nixl" in kinds else None
     if args.baseline and "nixl" in kinds and nixl_base is None:
         print("pdxfer-probe: raw NIXL baseline unavailable (pdxfer.probe.nixl_baseline missing)", file=sys.stderr)
@@ -162,6 +165,10 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
                         failed |= row["check"] != "ok"
                     if args.baseline:
                         _baselines(row, kind, p, raw, nixl_base, dst, scratch, iters)
+                    if args.cpu:
+                        _cpu(row, addr, iters, p.total,
+                             lambda: t.read(peer, plan).wait(args.timeout),  # noqa: B023 - used at once
+                             raw if kind == "tcp" else None, scratch)
                     rows.append(row)
                     live.row(row)
             finally:
@@ -189,6 +196,20 @@ def _baselines(row: dict, kind: str, p: "sweep.Point", raw, nixl_base, dst: np.n
             row["baseline_error"] = repr(exc)
     if row.get("baseline_gbps"):
         row["ratio"] = row["gbps"] / row["baseline_gbps"]
+
+
+def _cpu(row: dict, addr: tuple[str, int], iters: int, nbytes: int, read_once, raw, scratch) -> None:
+    """Separate, non-interleaved passes so each CPU figure belongs to one thing only."""
+    def holder_cpu() -> float:
+        return float(server.control_request(addr, {"op": "cpu"})["cpu"])
+
+    n = max(3, iters // 2)
+    row.update(sweep.cpu_pass(read_once, n, nbytes, holder_cpu))
+    if raw is not None and scratch is not None:
+        view = memoryview(scratch).cast("B")[:nbytes]
+        base = sweep.cpu_pass(lambda: raw.once(view), n, nbytes, holder_cpu)
+        row["baseline_reader_cpu_s_per_gb"] = base["reader_cpu_s_per_gb"]
+        row["baseline_holder_cpu_s_per_gb"] = base["holder_cpu_s_per_gb"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

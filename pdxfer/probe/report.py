@@ -31,6 +31,14 @@ def line(r: dict[str, Any]) -> str:
             f"{base:>22}{ratio:>7}{r.get('check', ''):>7}")
 
 
+def cpu_line(r: dict[str, Any]) -> str:
+    out = f"CPU s/GB: reader {r['reader_cpu_s_per_gb']:.3f} holder {r['holder_cpu_s_per_gb']:.3f}"
+    if "baseline_reader_cpu_s_per_gb" in r:
+        out += (f" | raw socket: reader {r['baseline_reader_cpu_s_per_gb']:.3f}"
+                f" holder {r['baseline_holder_cpu_s_per_gb']:.3f}")
+    return out
+
+
 class LiveTable:
     """Prints each row as it is measured, with a [done/total] counter and elapsed time."""
 
@@ -44,6 +52,8 @@ class LiveTable:
         self.n += 1
         if self.enabled:
             print(f"{line(r)}   [{self.n}/{self.total} {time.monotonic() - self.t0:.0f}s]", flush=True)
+            if "reader_cpu_s_per_gb" in r:
+                print("    " + cpu_line(r), flush=True)
 
     def done(self, rows: Sequence[dict[str, Any]]) -> None:
         if not self.enabled:

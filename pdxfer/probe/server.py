@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -113,6 +114,11 @@ class ProbeServer:
                     if op == "hello":
                         resp = {"kinds": sorted(self.transports), "unavailable": self.unavailable,
                                 "region_size": self.buf.nbytes, "seed": SEED, "raw_port": self.raw_port}
+                    elif op == "cpu":
+                        # Process CPU seconds (all threads): lets a reader put a load-independent
+                        # cost per byte next to the wall-clock bandwidth.
+                        ru = resource.getrusage(resource.RUSAGE_SELF)
+                        resp = {"cpu": ru.ru_utime + ru.ru_stime}
                     elif op == "meta":
                         kind = req.get("kind")
                         if kind not in self.meta:

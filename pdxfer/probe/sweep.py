@@ -10,6 +10,7 @@ NIXL with the same descriptors (nixl, when ``pdxfer.probe.nixl_baseline`` exists
 from __future__ import annotations
 
 import importlib
+import resource
 import socket
 import statistics
 import struct
@@ -159,3 +160,21 @@ def nixl_baseline() -> Callable[[int, int, int], dict] | None:
         return getattr(mod, "raw_nixl_read_gbps")
     except Exception:  # noqa: BLE001 - missing or broken: the probe just skips this baseline
         return None
+
+
+def cpu_pass(once: Callable[[], object], n: int, nbytes: int, holder_cpu: Callable[[], float]) -> dict[str, float]:
+    """CPU seconds per GB moved, on this (reader) process and on the holder, over ``n`` calls.
+
+    Unlike GB/s this barely depends on how busy the machine is, so it compares transports
+    fairly on a shared box. Run it with nothing else going on in either process.
+    """
+    def mine() -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    h0, c0 = holder_cpu(), mine()
+    for _ in range(n):
+        once()
+    c1, h1 = mine(), holder_cpu()
+    gb = n * nbytes / 1e9
+    return {"reader_cpu_s_per_gb": (c1 - c0) / gb, "holder_cpu_s_per_gb": (h1 - h0) / gb}

@@ -34,7 +34,7 @@ def test_sizes_and_lists_parse_or_fail_clearly():
 def test_loopback_sweep_checks_bytes_and_writes_json(tmp_path):
     out, png = tmp_path / "rows.json", tmp_path / "bw.png"
     r = run_probe("--loopback", "--transport", "tcp", "--region-size", "8MiB", "--block-sizes", "4KiB,64KiB,16MiB",
-                  "--batches", "1,16", "--iters", "3", "--check", "--baseline", "--json", str(out),
+                  "--batches", "1,16", "--iters", "3", "--check", "--baseline", "--cpu", "--json", str(out),
                   "--plot", str(png))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -44,6 +44,8 @@ def test_loopback_sweep_checks_bytes_and_writes_json(tmp_path):
     for x in rows:
         assert x["transport"] == "tcp" and x["gbps"] > 0 and x["check"] == "ok"
         assert x["baseline"] == "raw_socket" and x["baseline_gbps"] > 0 and x["memcpy_gbps"] > 0
+        assert x["reader_cpu_s_per_gb"] > 0 and x["holder_cpu_s_per_gb"] >= 0
+        assert x["baseline_reader_cpu_s_per_gb"] > 0
     assert "B/W (GB/s)" in r.stdout and "[4/4" in r.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
 
