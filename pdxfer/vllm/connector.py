@@ -104,12 +104,16 @@ class PdxferConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> PdxferHandshake | None:
         return getattr(self, "_handshake", None)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Post reads as soon as the step's metadata arrives: vLLM calls start_load_kv for async
+        # loads only after the step's forward, which would delay every load by one forward.
+        # Posting is non-blocking, so nothing on the forward path waits for it.
+        if self.worker_side is not None and isinstance(connector_metadata, PdxferConnectorMetadata):
+            self.worker_side.start_loads(connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        if self.worker_side is None or not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        if isinstance(meta, PdxferConnectorMetadata):
-            self.worker_side.start_loads(meta)
+        return  # reads were posted in bind_connector_metadata
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous, whole-request: nothing to wait for per layer

@@ -117,7 +117,8 @@ class WorkerSide:
             return
         meta.check()
         for spec in meta.loads:
-            self._post(spec, meta.nodes)
+            if spec.req_id not in self._inflight:  # the same metadata bound twice posts once
+                self._post(spec, meta.nodes)
 
     def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> None:
         now = time.time()
