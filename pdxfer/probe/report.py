@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from typing import Any, Sequence
@@ -79,13 +80,18 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     for r in rows:
         groups.setdefault((r["transport"], r["batch"]), []).append(r)
     for (kind, batch), rs in sorted(groups.items()):
-        rs = sorted(rs, key=lambda r: r["block_size"])
-        xs = [r["block_size"] for r in rs]
-        (ln,) = ax.plot(xs, [r["gbps"] for r in rs], marker="o", label=f"{kind} batch {batch}")
-        if any(r.get("baseline_gbps") for r in rs):
-            bx = [r["block_size"] for r in rs if r.get("baseline_gbps")]
-            ax.plot(bx, [r["baseline_gbps"] for r in rs if r.get("baseline_gbps")], ls="--",
-                    color=ln.get_color(), alpha=0.6, label=f"{rs[0]['baseline']} (batch {batch})")
+        # Repeated points (bench repeats) are drawn as their median.
+        by_block: dict[int, list[dict[str, Any]]] = {}
+        for r in rs:
+            by_block.setdefault(r["block_size"], []).append(r)
+        xs = sorted(by_block)
+        ys = [statistics.median(r["gbps"] for r in by_block[x]) for x in xs]
+        (ln,) = ax.plot(xs, ys, marker="o", label=f"{kind} batch {batch}")
+        bx = [x for x in xs if any(r.get("baseline_gbps") for r in by_block[x])]
+        if bx:
+            by = [statistics.median(r["baseline_gbps"] for r in by_block[x] if r.get("baseline_gbps")) for x in bx]
+            name = next(r["baseline"] for r in rs if r.get("baseline_gbps"))
+            ax.plot(bx, by, ls="--", color=ln.get_color(), alpha=0.6, label=f"{name} (batch {batch})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("block size (bytes)")
     ax.set_ylabel("GB/s (median)")
