@@ -65,8 +65,8 @@ class _Lookup:
 @dataclass
 class _Held:
     blocks: tuple[int, ...]
-    retain_until: float  # monotonic
-    published: bool = True
+    retain_until: float  # monotonic; pushed forward while unpublish is refused
+    retention_end: float = 0.0  # when retention first ran out (the master stops serving then)
 
 
 @dataclass
@@ -154,6 +154,7 @@ class SchedulerSide:
         self._reaper: threading.Thread | None = None
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-release")
         self._master_unreachable_since: float | None = None
+        self._stale_after_s = max(10 * cfg.lock_ttl_s, 60.0)
 
     # ------------------------------------------------------------------ setup
 
@@ -385,7 +386,7 @@ class SchedulerSide:
         return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
 
     def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> None:
-        from pdxfer.master.client import MasterError
+        from pdxfer.master.client import MasterError, MasterUnavailable
 
         assert self._pool is not None and self.node_id is not None
         now = time.monotonic()
@@ -405,12 +406,18 @@ class SchedulerSide:
             self._pool.hold(b)
         try:
             accepted = self._hot.publish(self.node_id, [(k, list(b)) for k, b in new], retention_s=retain)
-        except MasterError as exc:
+        except MasterUnavailable as exc:
+            # A timeout may hide an applied publish: keep the blocks as if published, so the
+            # reaper unpublishes (or, failing that, frees) them through the normal path.
+            self._publish_log.fail(exc)
+            accepted = 0
+        except MasterError as exc:  # refused (unknown node, auth, protocol): nothing was stored
             self._publish_log.fail(exc)
             for _, b in new:
                 self._pool.unhold(b)
             return
-        self._publish_log.ok()
+        else:
+            self._publish_log.ok()
         # Entries the master did not accept are still held until retention: freeing them early
         # would be unsafe if the master accepted a different subset than we think.
         with self._lock:
@@ -519,6 +526,19 @@ class SchedulerSide:
             try:
                 done = self._bg.unpublish_if_unlocked(self.node_id, due)
                 self._master_unreachable_since = None
+                # The master answers "not removed" both for a locked key and for a key it does not
+                # know (a publish that timed out unapplied, a restarted master whose re-publish
+                # failed). Past its retention an entry is never served, so no lock on it can be
+                # newer than its retention end: after a generous multiple of the lock TTL the
+                # key is freed anyway (readers are assumed to use lock TTLs below that bound).
+                gone = set(done)
+                with self._lock:
+                    stale = [k for k in due if k not in gone and k in self._held
+                             and now - (self._held[k].retention_end or now) > self._stale_after_s]
+                if stale:
+                    log.warning("pdxfer: %d held chunks were never confirmed unpublished; freeing them",
+                                len(stale))
+                    done = list(done) + stale
             except MasterError as exc:
                 done = []
                 t0 = self._master_unreachable_since = self._master_unreachable_since or now
@@ -533,24 +553,37 @@ class SchedulerSide:
                 # Locked (or not yet unpublishable) chunks: try again shortly, not in a tight loop.
                 retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)
                 for k in due:
-                    if k in self._held:
-                        self._held[k].retain_until = retry
+                    h = self._held.get(k)
+                    if h is not None:
+                        h.retention_end = h.retention_end or now
+                        h.retain_until = retry
                 if self._closing:
                     return
                 self._wake.wait(0.05 if done else 0.0)
 
     def _republish(self) -> None:
-        """The master forgot us (restart, failover, lost lease): publish again what we hold."""
+        """The master forgot us (restart, failover, lost lease): publish again what we hold, each
+        chunk with the retention it has left (never longer: the master must stop serving an
+        entry no later than this holder's deadline for it)."""
         from pdxfer.master.client import MasterError
 
+        now = time.monotonic()
+        groups: dict[int, list[tuple[bytes, list[int]]]] = {}
         with self._lock:
-            entries = [(k, list(h.blocks)) for k, h in self._held.items()]
-            left = max((h.retain_until for h in self._held.values()), default=0.0) - time.monotonic()
-        if not entries or self.node_id is None:
+            for k, h in self._held.items():
+                if h.retention_end:  # already past retention: must not be served again
+                    continue
+                left = int(h.retain_until - now)  # rounded down to whole seconds: few calls
+                if left >= 1:
+                    groups.setdefault(left, []).append((k, list(h.blocks)))
+        if not groups or self.node_id is None:
             return
+        n = total = 0
         try:
-            n = self._bg.publish(self.node_id, entries, retention_s=max(left, 1.0))
-            log.info("pdxfer: re-published %d/%d held chunks after re-registration", n, len(entries))
+            for left, entries in sorted(groups.items()):
+                total += len(entries)
+                n += self._bg.publish(self.node_id, entries, retention_s=float(left))
+            log.info("pdxfer: re-published %d/%d held chunks after re-registration", n, total)
         except MasterError as exc:
             log.warning("pdxfer: re-publish after re-registration failed: %s", exc)
 

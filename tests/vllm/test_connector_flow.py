@@ -236,3 +236,24 @@ def test_unplannable_or_unknown_loads_fail_every_expected_block(pair):
     # vLLM expecting a load the connector never offered must not hang: every block fails.
     reader.sched.update_state_after_alloc("ghost", ids, C)
     assert _finish_load(reader, "ghost") == set(ids)
+
+
+def test_chunks_the_master_lost_are_freed_after_the_stale_bound(pair, master):
+    from pdxfer.master.client import MasterClient
+
+    holder, _ = pair(retention_s=0.3)
+    holder.sched._stale_after_s = 1.0  # normally max(10 x lock TTL, 60 s)
+    toks = _tokens(2 * C + 1, 9)
+    free_before = holder.pool.get_num_free_blocks()
+    holder.run_request("p", toks)
+    assert holder.pool.get_num_free_blocks() == free_before - 4
+    # The master forgets the entries behind the holder's back: unpublish now says "not removed".
+    with MasterClient(master.address) as c:
+        keys = holder.sched.namespace(None).chunk_hashes(toks)
+        assert len(c.unpublish_if_unlocked(holder.worker.node_id, keys)) == 2
+    deadline = time.monotonic() + 10
+    while holder.sched.held_chunks:
+        assert time.monotonic() < deadline, "chunks unknown to the master were never freed"
+        time.sleep(0.1)
+    holder.sched.drain_frees()
+    assert holder.pool.get_num_free_blocks() == free_before
