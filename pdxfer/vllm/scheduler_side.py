@@ -393,19 +393,26 @@ class SchedulerSide:
         retain = test_hook_float("retention_s") or self.cfg.retention_s
         with self._lock:
             new = [(k, b) for k, b in zip(keys, blocks) if k not in self._held]
-            for k in keys:  # still useful: a reader of this prompt keeps it around longer
-                if k in self._held:
-                    self._held[k].retain_until = now + retain
+        if new:
+            new = self._fit_under_cap(new)  # may reclaim (free) old chunks: before the refresh
+        # Chunks already held are wanted again: extend their retention here and at the master,
+        # with the blocks already held for them. The reaper frees only chunks still past their
+        # retention when its unpublish returns, so a refreshed chunk is never freed under it.
+        refresh: list[tuple[bytes, tuple[int, ...]]] = []
+        with self._lock:
+            for k in keys:
+                h = self._held.get(k)
+                if h is not None:
+                    h.retain_until, h.retention_end = now + retain, 0.0
                     self._held.move_to_end(k)
-        if not new:
-            return
-        new = self._fit_under_cap(new)
-        if not new:
+                    refresh.append((k, h.blocks))
+        if not new and not refresh:
             return
         for _, b in new:
             self._pool.hold(b)
         try:
-            accepted = self._hot.publish(self.node_id, [(k, list(b)) for k, b in new], retention_s=retain)
+            accepted = self._hot.publish(self.node_id, [(k, list(b)) for k, b in refresh + new],
+                                         retention_s=retain)
         except MasterUnavailable as exc:
             # A timeout may hide an applied publish: keep the blocks as if published, so the
             # reaper unpublishes (or, failing that, frees) them through the normal path.
@@ -426,7 +433,7 @@ class SchedulerSide:
                 for x in b:
                     self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
             self._wake.notify()
-        self.stats.published_chunks += int(accepted)
+        self.stats.published_chunks += max(int(accepted) - len(refresh), 0)
 
     def _fit_under_cap(self, new: list[tuple[bytes, tuple[int, ...]]]) -> list[tuple[bytes, tuple[int, ...]]]:
         """Keep held blocks under ``max_held_fraction`` of the pool: reclaim the oldest unlocked
@@ -468,13 +475,16 @@ class SchedulerSide:
         self._forget(done)
         self.drain_frees()
 
-    def _forget(self, keys: Iterable[bytes]) -> None:
-        """Keys no reader can lock any more: queue their blocks for release on the scheduler thread."""
+    def _forget(self, keys: Iterable[bytes], only_if_due: bool = False) -> None:
+        """Keys no reader can lock any more: queue their blocks for release on the scheduler thread.
+        ``only_if_due``: skip keys whose retention was extended meanwhile (re-published)."""
         with self._lock:
+            now = time.monotonic()
             for k in keys:
-                h = self._held.pop(bytes(k), None)
-                if h is None:
+                h = self._held.get(bytes(k))
+                if h is None or (only_if_due and h.retain_until > now):
                     continue
+                del self._held[bytes(k)]
                 for x in h.blocks:
                     n = self._held_block_refs.get(x, 0) - 1
                     if n <= 0:
@@ -548,13 +558,13 @@ class SchedulerSide:
                     log.warning("pdxfer: master unreachable for %.0f s (%s): freeing %d held chunks",
                                 now - t0, exc, len(due))
                     done = due
-            self._forget(done)
+            self._forget(done, only_if_due=True)
             with self._lock:
                 # Locked (or not yet unpublishable) chunks: try again shortly, not in a tight loop.
                 retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)
                 for k in due:
                     h = self._held.get(k)
-                    if h is not None:
+                    if h is not None and h.retain_until <= now:  # not re-published meanwhile
                         h.retention_end = h.retention_end or now
                         h.retain_until = retry
                 if self._closing:
