@@ -242,10 +242,26 @@ def run_phase(name: str | None, plain: Plain | None, args: argparse.Namespace, m
             measures[name] = lambda ids: measure_pdxfer(urls["prefill"], urls["decode"], model, ids)
         elif name == "nixl":
             measures[name] = lambda ids: measure_nixl(urls["prefill"], urls["decode"], model, ids)
+        errors: dict[str, list[str]] = {k: [] for k in measures}
+
+        def attempt(cfg: str, n: int, tries: int = 3) -> dict[str, float]:
+            """One measurement on a fresh prompt; a failed one (e.g. NixlConnector's 5 s
+            handshake timing out on a loaded box) is logged and retried on a new prompt."""
+            for i in range(tries):
+                try:
+                    return measures[cfg](prompts.make(n))
+                except (RuntimeError, OSError) as e:
+                    errors[cfg].append(str(e)[:300])
+                    print(f"  {cfg} {n} tokens failed (try {i + 1}/{tries}): {str(e)[:200]}",
+                          flush=True)
+                    time.sleep(1)
+            raise RuntimeError(f"{cfg}: {tries} failures in a row at {n} tokens; see logs in "
+                               f"{log_dir}")
+
         for _ in range(args.warmup):
             for n in args.lengths:
-                for m in measures.values():
-                    m(prompts.make(n))
+                for cfg in measures:
+                    attempt(cfg, n)
         hist_name = {"pdxfer": PDXFER_HIST, "nixl": NIXL_HIST}.get(name or "")
         dec = urls.get("decode")
         per_len: dict[int, dict[str, Any]] = {}
@@ -258,8 +274,8 @@ def run_phase(name: str | None, plain: Plain | None, args: argparse.Namespace, m
                 # Alternate plain and pair, in a random order each rep so neither always goes first.
                 order = list(measures.items())
                 prompts.rng.shuffle(order)
-                for cfg, m in order:
-                    for k, v in m(prompts.make(n)).items():
+                for cfg, _ in order:
+                    for k, v in attempt(cfg, n).items():
                         samples[cfg].setdefault(k, []).append(v)
             entry: dict[str, Any] = {"samples": samples}
             if dec and hist_name:
@@ -280,7 +296,7 @@ def run_phase(name: str | None, plain: Plain | None, args: argparse.Namespace, m
         pgids = {c.name: c.proc.pid for c in waiting.components if c.name != "master"}
         idle = idle_cpu_percent(pgids, args.idle_seconds)
         print(f"  idle CPU over {args.idle_seconds:.0f} s (% of one core): {idle}", flush=True)
-        return {"per_len": per_len, "idle": idle}
+        return {"per_len": per_len, "idle": idle, "errors": errors}
     finally:
         stack.stop()
 
@@ -393,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             row[out] = (round(statistics.median(x / y for x, y in zip(a, b)), 3)
                         if a and len(a) == len(b) else None)
         row.update(idle)
+        row["failed_requests"] = {ph: {c: len(e) for c, e in phases[ph]["errors"].items()}
+                                  for ph in phases}
         row["samples_ms"] = {ph: phases[ph]["per_len"][n]["samples"] for ph in phases}
         rows.append(row)
 
