@@ -37,10 +37,12 @@ POLICIES = ("round_robin", "least_loaded")
 HANDOFFS = ("none", "nixl")
 PREFILL_FAILURE = ("error", "decode")
 # Sampling fields that conflict with max_tokens=1 or would make the prefill step do extra work.
+# Nothing that shapes the prompt may be dropped (messages, tools, chat_template_kwargs, ...):
+# prefill and decode must see the same prompt tokens, or decode finds no chunks.
 _PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
                  "best_of", "n", "echo", "stop", "stop_token_ids", "response_format",
                  "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar", "tools", "tool_choice")
+                 "guided_grammar")
 
 
 @dataclass

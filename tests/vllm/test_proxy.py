@@ -134,8 +134,10 @@ def test_completion_goes_prefill_then_decode(instances) -> None:
 
 def test_chat_streaming_passthrough(instances) -> None:
     p, d = instances("P"), instances("D")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-            "max_completion_tokens": 9, "stream": True, "stream_options": {"include_usage": True}}
+            "max_completion_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
+            "tools": tools, "chat_template_kwargs": {"x": 1}, "response_format": {"type": "json"}}
     with RunningProxy(PDProxy([p.url], [d.url])) as px:
         req = urllib.request.Request(px.url + "/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -147,6 +149,9 @@ def test_chat_streaming_passthrough(instances) -> None:
     pb = p.received[0][1]
     assert pb["stream"] is False and "stream_options" not in pb
     assert pb["max_tokens"] == 1 and pb["max_completion_tokens"] == 1
+    # What shapes the prompt must reach prefill unchanged (else decode finds no chunks).
+    assert pb["tools"] == tools and pb["chat_template_kwargs"] == {"x": 1}
+    assert pb["messages"] == body["messages"] and "response_format" not in pb
     assert d.received[0] == ("/v1/chat/completions", body)
 
 
