@@ -42,6 +42,7 @@ from pdxfer.vllm.launch import (  # noqa: E402
     Stack,
     TRANSFER_COUNTER,
     default_run_dir,
+    default_tiny_model_dir,
     free_port,
     make_tiny_model,
     pdxfer_kv_config,
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         if c not in ("plain", "pdxfer", "nixl"):
             ap.error(f"unknown config {c!r} (plain, pdxfer, nixl)")
 
-    model_dir = args.model or make_tiny_model(default_run_dir() / "tiny-seed0")
+    model_dir = args.model or make_tiny_model(default_tiny_model_dir())
     cfg = json.loads((model_dir / "config.json").read_text())
     model = "tiny" if (model_dir / ".pdxfer-tiny-model").exists() else model_dir.name
     if max(args.lengths) + 2 > cfg.get("max_position_embeddings", 1 << 30):

@@ -334,6 +334,11 @@ def default_run_dir() -> Path:
     return Path(__file__).resolve().parents[2] / ".pdxfer-run"
 
 
+def default_tiny_model_dir() -> Path:
+    """Where tests and benchmarks keep the shared tiny model (seed 0)."""
+    return default_run_dir() / "tiny-model"
+
+
 def start_vllm(model_dir: str | Path, port: int, kv_transfer_config: dict | None = None,
                cpu_bind: str | None = None, log_dir: str | Path | None = None,
                extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,

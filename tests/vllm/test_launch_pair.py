@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.vllm.launch import TRANSFER_COUNTER, make_tiny_model, read_prom_counter, run_demo
+from pdxfer.vllm.launch import (
+    TRANSFER_COUNTER,
+    default_tiny_model_dir,
+    make_tiny_model,
+    read_prom_counter,
+    run_demo,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +63,7 @@ def test_launch_rejects_bad_model_dir(tmp_path: Path) -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
-    model = make_tiny_model(ROOT / ".pdxfer-run" / "tiny-seed0")
+    model = make_tiny_model(default_tiny_model_dir())
     log = tmp_path / "launch.out"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
