@@ -257,3 +257,15 @@ def test_chunks_the_master_lost_are_freed_after_the_stale_bound(pair, master):
         time.sleep(0.1)
     holder.sched.drain_frees()
     assert holder.pool.get_num_free_blocks() == free_before
+
+
+def test_kv_both_never_reads_from_itself(master):
+    both = Node("both", master.address, True, True, seed=3)
+    try:
+        toks = _tokens(2 * C + 1, 12)
+        both.run_request("p", toks)
+        assert both.sched.held_chunks == 2
+        # Its own chunks are in its local prefix cache already; a read from itself is refused.
+        assert both.sched.get_num_new_matched_tokens("q", toks, len(toks), 0, None) == (0, False)
+    finally:
+        both.close()
