@@ -10,7 +10,9 @@ the request's blocks as load errors, and vLLM recomputes them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -35,6 +37,7 @@ class _Inflight:
     started: float
     nbytes: int
     error: str | None = None
+    pending: list[tuple[HolderRef, Any]] = field(default_factory=list)  # reads awaiting a connection
 
 
 @dataclass
@@ -72,6 +75,9 @@ class WorkerSide:
         self.transport: Any = None
         self._kv_caches: Mapping[str, Any] | None = None  # keeps registered memory alive
         self._peers: dict[str, tuple[bytes, str, KVLayout]] = {}  # node -> (metadata, peer id, layout)
+        self._peers_lock = threading.Lock()
+        self._connecting: dict[str, Future] = {}
+        self._connect_pool = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-connect")
         self._inflight: dict[str, _Inflight] = {}
         self._done_ok: set[str] = set()
         self._load_errors: set[int] = set()
@@ -130,22 +136,46 @@ class WorkerSide:
         if now >= spec.lock_expires_at:
             inf.error = "lock expired before the read was posted"
             return
+        for r in spec.reads:
+            ref = nodes[r.node_id]
+            if self._connected(ref):
+                self._post_read(inf, ref, r)
+            else:
+                # Connecting to a new holder (a NIXL agent takes ~0.2 s here) happens off the
+                # step path; the read is posted from get_finished once the connection is up.
+                self._start_connect(ref)
+                inf.pending.append((ref, r))
+            if inf.error is not None:
+                return
+
+    def _post_read(self, inf: _Inflight, ref: HolderRef, r: Any) -> None:
         assert self.layout is not None and self.transport is not None
         try:
-            for r in spec.reads:
-                peer, remote = self._peer(nodes[r.node_id])
-                plan = build_plan(remote, list(r.remote_blocks), self.layout, list(r.local_blocks))
-                inf.nbytes += plan.total_bytes
-                inf.handles.append(self.transport.read(peer, plan))
+            _, peer, remote = self._peers[ref.node_id]
+            plan = build_plan(remote, list(r.remote_blocks), self.layout, list(r.local_blocks))
+            inf.nbytes += plan.total_bytes
+            inf.handles.append(self.transport.read(peer, plan))
         except Exception as exc:
             inf.error = f"{type(exc).__name__}: {exc}"
 
-    def _peer(self, ref: HolderRef) -> tuple[str, KVLayout]:
-        cached = self._peers.get(ref.node_id)
-        if cached is not None and cached[0] == ref.transport_metadata:
-            return cached[1], cached[2]
+    def _connected(self, ref: HolderRef) -> bool:
+        with self._peers_lock:
+            cached = self._peers.get(ref.node_id)
+        return cached is not None and cached[0] == ref.transport_metadata
+
+    def _start_connect(self, ref: HolderRef) -> None:
+        fut = self._connecting.get(ref.node_id)
+        if fut is not None and not fut.done():
+            return  # under way (perhaps to older metadata: _post_pending checks and retries)
+        self._connecting[ref.node_id] = self._connect_pool.submit(self._connect, ref)
+
+    def _connect(self, ref: HolderRef) -> None:
         if ref.transport != self.cfg.transport:
             raise RuntimeError(f"holder {ref.node_id} uses transport {ref.transport}, this node {self.cfg.transport}")
+        with self._peers_lock:
+            cached = self._peers.get(ref.node_id)
+        if cached is not None and cached[0] == ref.transport_metadata:
+            return
         if cached is not None:  # the node restarted with new metadata
             try:
                 self.transport.disconnect(cached[1])
@@ -153,8 +183,36 @@ class WorkerSide:
                 pass
         peer = self.transport.connect(ref.transport_metadata, timeout=min(2.0, self.cfg.load_timeout_s))
         layout = KVLayout.from_wire(ref.layout)
-        self._peers[ref.node_id] = (ref.transport_metadata, peer, layout)
-        return peer, layout
+        with self._peers_lock:
+            self._peers[ref.node_id] = (ref.transport_metadata, peer, layout)
+
+    def _post_pending(self, inf: _Inflight) -> bool:
+        """Post reads whose connection came up; False while some connection is still pending."""
+        still = []
+        for ref, r in inf.pending:
+            fut = self._connecting.get(ref.node_id)
+            if fut is None or not fut.done():
+                if fut is None:
+                    self._start_connect(ref)
+                still.append((ref, r))
+                continue
+            exc = fut.exception()
+            if exc is not None:
+                inf.error = f"cannot connect to holder {ref.node_id}: {type(exc).__name__}: {exc}"
+                self._connecting.pop(ref.node_id, None)  # a later load may try again
+                inf.pending = []
+                return True
+            if not self._connected(ref):  # that connect was for older metadata of this node
+                self._connecting.pop(ref.node_id, None)
+                self._start_connect(ref)
+                still.append((ref, r))
+                continue
+            self._post_read(inf, ref, r)
+            if inf.error is not None:
+                inf.pending = []
+                return True
+        inf.pending = still
+        return not still
 
     def get_finished(self) -> set[str]:
         """Requests whose load ended (loaded or failed) since the last call; never blocks on reads."""
@@ -172,7 +230,14 @@ class WorkerSide:
         return out
 
     def _state(self, inf: _Inflight, delay: float | None) -> str | None:
+        if inf.error is None and inf.pending and not self._post_pending(inf):
+            if time.monotonic() - inf.started > self.cfg.load_timeout_s:
+                inf.error = f"no connection to the holder after {self.cfg.load_timeout_s} s"
+                self._cancel(inf)
+                return "failed"
+            return None
         if inf.error is not None:
+            self._cancel(inf)
             return "failed"
         elapsed = time.monotonic() - inf.started
         if delay is not None and elapsed < delay:
@@ -237,6 +302,7 @@ class WorkerSide:
         for inf in self._inflight.values():
             self._cancel(inf)
         self._inflight.clear()
+        self._connect_pool.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             try:
                 self.transport.close()
