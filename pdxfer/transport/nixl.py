@@ -23,6 +23,7 @@ Design decisions (measured on a 2-core host, see docs/nixl.md):
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import math
@@ -30,6 +31,7 @@ import operator
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -239,6 +241,20 @@ class NixlReadHandle(ReadHandle):
             self._finish(ReadState.CANCELLED, TransferCancelled(f"READ from {self.peer} was cancelled"))
 
 
+_live: "weakref.WeakSet[NixlTransport]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # atexit runs before the interpreter freezes daemon threads; a progress thread frozen while
+    # holding the agent lock would make a later close (from __del__) wait forever (seen: exit hang).
+    for t in list(_live):
+        try:
+            t.close()
+        except Exception:  # noqa: BLE001 - exiting anyway; close the others
+            pass
+
+
 class NixlTransport(Transport):
     """pdxfer transport over a NIXL agent (UCX backend by default)."""
 
@@ -293,6 +309,7 @@ class NixlTransport(Transport):
             self._progress = TargetProgress(self._agent, self._lock, busy_poll_s, idle_poll_s, hot_window_s,
                                             name=f"nixl-progress-{self.name[-8:]}")
             self._progress.start()
+        _live.add(self)
 
     # ------------------------------------------------------------------ memory
 
@@ -697,6 +714,8 @@ class NixlTransport(Transport):
         self._agent = None
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # too late for NIXL calls; _close_all already ran at exit
         try:
             self.close()
         except Exception:
