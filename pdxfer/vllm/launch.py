@@ -330,8 +330,12 @@ def _is_tiny(model_dir: str | Path) -> bool:
 
 
 def default_run_dir() -> Path:
-    """Where logs and caches go when the caller does not say: `.pdxfer-run/` in the checkout."""
-    return Path(__file__).resolve().parents[2] / ".pdxfer-run"
+    """Where logs and caches go when the caller does not say: `.pdxfer-run/` in the checkout,
+    or in the current directory when pdxfer is installed from a wheel (no checkout around it)."""
+    root = Path(_ROOT)
+    if (root / "pyproject.toml").exists():
+        return root / ".pdxfer-run"
+    return Path.cwd() / ".pdxfer-run"
 
 
 def default_tiny_model_dir() -> Path:
