@@ -11,7 +11,8 @@ TTFT here is the latency of a max_tokens=1 request (the same measure for every c
 Transfer time per length comes from each connector's Prometheus histogram (mean over the reps).
 Then the idle CPU of every instance (its whole process group) over --idle-seconds with no traffic.
 
-Instances are pinned: plain and prefill on core 0, decode on core 1. The plain instance runs
+Instances are pinned: plain and prefill on core 0, decode on core 1 (on bigger boxes: the first
+and the second half of the allowed cores). The plain instance runs
 for the whole benchmark and is measured alternately with each pair (plain request and pair
 requests in random order per rep, never at the same time), so that on a shared box the baseline sees the same background load as
 the pair it is compared with. The pairs run one after the other. Prints medians and ratios;
@@ -48,6 +49,7 @@ from pdxfer.vllm.launch import (  # noqa: E402
     pdxfer_kv_config,
     read_prom_counter,
     start_master,
+    split_cores,
     start_vllm,
 )
 
@@ -317,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", choices=("tcp", "nixl"), default="tcp", help="pdxfer transport")
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=2.0, help="pause before the idle window")
-    ap.add_argument("--prefill-cpus", default="0")
-    ap.add_argument("--decode-cpus", default="1")
+    ap.add_argument("--prefill-cpus", default=None, help="plain + prefill cores (default: first half)")
+    ap.add_argument("--decode-cpus", default=None, help="decode cores (default: the other half)")
     ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--ready-timeout", type=float, default=400)
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="ARG")
@@ -327,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     args = ap.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.prefill_cpus = args.prefill_cpus or split_cores()[0]
+    args.decode_cpus = args.decode_cpus or split_cores()[1]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         if c not in ("plain", "pdxfer", "nixl"):

@@ -44,8 +44,11 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", metavar="HOST:PORT",
                    help="use a running master instead of starting an in-memory one")
     p.add_argument("--chunk-tokens", type=int, default=None, help="chunk size in tokens")
-    p.add_argument("--prefill-cpus", default="0", help="cores for the prefill instance (default 0)")
-    p.add_argument("--decode-cpus", default="1", help="cores for the decode instance (default 1)")
+    p.add_argument("--prefill-cpus", default=None,
+                   help="cores for the prefill instance, e.g. 0 or 0-3 (default: first half of "
+                        "the cores this process may use)")
+    p.add_argument("--decode-cpus", default=None,
+                   help="cores for the decode instance (default: the other half)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
     p.add_argument("--log-dir", type=Path, default=None, help="where the logs go")
     p.add_argument("--ready-timeout", type=float, default=300, help="seconds to wait for readiness")

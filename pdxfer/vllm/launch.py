@@ -566,6 +566,21 @@ def start_proxy(prefill: Sequence[str], decode: Sequence[str], log_dir: Path, po
     return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
 
 
+def split_cores(cores: Sequence[int] | None = None) -> tuple[str, str]:
+    """Disjoint core lists (VLLM_CPU_OMP_THREADS_BIND syntax) for prefill and decode.
+
+    Halves of the cores this process may run on (its affinity mask, so containers work); with a
+    single core both share it.
+    """
+    allowed = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if not allowed:
+        raise ValueError("no CPU cores available")
+    if len(allowed) == 1:
+        return str(allowed[0]), str(allowed[0])
+    half = len(allowed) // 2
+    return (",".join(map(str, allowed[:half])), ",".join(map(str, allowed[half:])))
+
+
 def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
                transport: str = "tcp", master: str | None = None,
                chunk_tokens: int | None = None, prefill_cpus: str | None = "0",
@@ -708,8 +723,10 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
     try:
         stack, proxy_url = start_pair(
             model_dir, log_dir, connector=not args.no_connector, transport=args.transport,
-            master=args.master, chunk_tokens=args.chunk_tokens, prefill_cpus=args.prefill_cpus,
-            decode_cpus=args.decode_cpus, proxy_port=args.port, kv_cache_gib=args.kv_cache_gib,
+            master=args.master, chunk_tokens=args.chunk_tokens,
+            prefill_cpus=args.prefill_cpus or split_cores()[0],
+            decode_cpus=args.decode_cpus or split_cores()[1], proxy_port=args.port,
+            kv_cache_gib=args.kv_cache_gib,
             vllm_args=args.vllm_arg, die_with_parent=True)
         last = [""]
 

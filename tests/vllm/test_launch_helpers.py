@@ -16,6 +16,7 @@ from pdxfer.vllm.launch import (
     ManagedProcess,
     free_port,
     make_tiny_model,
+    split_cores,
     vllm_serve_argv,
     vllm_serve_env,
     wait_http_ready,
@@ -159,3 +160,13 @@ def test_vllm_argv_and_env(tmp_path: Path) -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["X_EXTRA"] == "y"
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
+
+
+def test_split_cores_gives_disjoint_halves() -> None:
+    assert split_cores([0, 1]) == ("0", "1")
+    assert split_cores([3]) == ("3", "3")
+    assert split_cores([4, 5, 6, 7, 8]) == ("4,5", "6,7,8")
+    with pytest.raises(ValueError, match="no CPU"):
+        split_cores([])
+    p, d = split_cores()
+    assert set(map(int, p.split(","))) | set(map(int, d.split(","))) == os.sched_getaffinity(0)
