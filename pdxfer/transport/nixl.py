@@ -263,7 +263,7 @@ class NixlTransport(Transport):
     def __init__(self, name: str | None = None, backends: Sequence[str] = ("UCX",),
                  nixl_progress_thread: bool = False, min_granule: int = 512,
                  prep_granules: Sequence[int] = (4096,), busy_poll_s: float = 0.0005,
-                 idle_poll_s: float = 0.05, hot_window_s: float = 2.0):
+                 idle_poll_s: float = 0.02, hot_window_s: float = 2.0):
         # Options may arrive as strings from command lines (peer_proc --opt k=v).
         min_granule, busy_poll_s, idle_poll_s, hot_window_s = (int(min_granule), float(busy_poll_s),
                                                                float(idle_poll_s), float(hot_window_s))
