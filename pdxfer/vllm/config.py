@@ -30,7 +30,8 @@ class ConnectorConfig:
     transport: str = "tcp"
     chunk_tokens: int = 256
     lookup_timeout_s: float = 0.5  # bounded master wait on the scheduler's hot path
-    master_timeout_s: float = 2.0  # publish / release / unpublish calls
+    master_timeout_s: float = 2.0  # background master calls (unpublish, re-publish, lease)
+    publish_wait_s: float = 0.005  # how long a finishing request waits for its publish to land
     lock_ttl_s: float = 10.0
     retention_s: float = 60.0  # how long a holder keeps published chunks after the request ends
     max_held_fraction: float = 0.5  # cap on the share of KV blocks held for readers
@@ -51,7 +52,7 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"master_token_file {self.master_token_file!r}: {exc}") from exc
 
 
-_FLOATS = {"lookup_timeout_s", "master_timeout_s", "lock_ttl_s", "retention_s", "load_timeout_s",
+_FLOATS = {"lookup_timeout_s", "master_timeout_s", "publish_wait_s", "lock_ttl_s", "retention_s", "load_timeout_s",
            "lease_ttl_s"}
 # Keys vLLM's own connectors read from the same dict; harmless to carry, so not an error.
 _IGNORED = {"backends"}

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -153,6 +154,7 @@ class SchedulerSide:
         self._session: Any = None
         self._reaper: threading.Thread | None = None
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-release")
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-publish")  # keeps order
         self._master_unreachable_since: float | None = None
         self._stale_after_s = max(10 * cfg.lock_ttl_s, 60.0)
 
@@ -386,8 +388,6 @@ class SchedulerSide:
         return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
 
     def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> None:
-        from pdxfer.master.client import MasterError, MasterUnavailable
-
         assert self._pool is not None and self.node_id is not None
         now = time.monotonic()
         retain = test_hook_float("retention_s") or self.cfg.retention_s
@@ -410,30 +410,42 @@ class SchedulerSide:
             return
         for _, b in new:
             self._pool.hold(b)
-        try:
-            accepted = self._hot.publish(self.node_id, [(k, list(b)) for k, b in refresh + new],
-                                         retention_s=retain)
-        except MasterUnavailable as exc:
-            # A timeout may hide an applied publish: keep the blocks as if published, so the
-            # reaper unpublishes (or, failing that, frees) them through the normal path.
-            self._publish_log.fail(exc)
-            accepted = 0
-        except MasterError as exc:  # refused (unknown node, auth, protocol): nothing was stored
-            self._publish_log.fail(exc)
-            for _, b in new:
-                self._pool.unhold(b)
-            return
-        else:
-            self._publish_log.ok()
-        # Entries the master did not accept are still held until retention: freeing them early
-        # would be unsafe if the master accepted a different subset than we think.
+        # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
         with self._lock:
             for k, b in new:
                 self._held[k] = _Held(b, now + retain)
                 for x in b:
                     self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
             self._wake.notify()
-        self.stats.published_chunks += max(int(accepted) - len(refresh), 0)
+        entries = [(k, list(b)) for k, b in refresh + new]
+        fut = self._publisher.submit(self._send_publish, entries, [k for k, _ in new], len(refresh), retain)
+        # Wait briefly so the chunks are at the master before the response reaches the proxy
+        # (and the decode's lookup); a slow master only delays the publish, never the prefill.
+        try:
+            fut.result(timeout=self.cfg.publish_wait_s)
+        except FutureTimeout:
+            pass
+
+    def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
+                      retain: float) -> None:
+        from pdxfer.master.client import MasterError, MasterUnavailable
+
+        assert self.node_id is not None
+        try:
+            accepted = self._hot.publish(self.node_id, entries, retention_s=retain)
+        except MasterUnavailable as exc:
+            # A timeout may hide an applied publish: keep the blocks as if published, so the
+            # reaper unpublishes (or, failing that, frees) them through the normal path.
+            self._publish_log.fail(exc)
+            return
+        except MasterError as exc:  # refused (unknown node, auth, protocol): nothing was stored
+            self._publish_log.fail(exc)
+            self._forget(new_keys)
+            return
+        self._publish_log.ok()
+        # Entries the master did not accept stay held until retention: freeing them early would
+        # be unsafe if the master accepted a different subset than we think.
+        self.stats.published_chunks += max(int(accepted) - n_refresh, 0)
 
     def _fit_under_cap(self, new: list[tuple[bytes, tuple[int, ...]]]) -> list[tuple[bytes, tuple[int, ...]]]:
         """Keep held blocks under ``max_held_fraction`` of the pool: reclaim the oldest unlocked
@@ -466,9 +478,12 @@ class SchedulerSide:
             candidates = list(self._held)[: max(8, want_blocks)]
         if not candidates:
             return
+        # Through the publisher thread: an unpublish must not overtake a queued publish of the
+        # same key (that publish would land after we freed the blocks).
+        fut = self._publisher.submit(self._hot.unpublish_if_unlocked, self.node_id, candidates)
         try:
-            done = self._hot.unpublish_if_unlocked(self.node_id, candidates)
-        except MasterError as exc:
+            done = fut.result(timeout=self.cfg.master_timeout_s + self.cfg.lookup_timeout_s + 1.0)
+        except (MasterError, FutureTimeout) as exc:
             log.debug("pdxfer: pressure unpublish failed: %s", exc)
             return
         self.stats.pressure_reclaims += len(done)
@@ -584,7 +599,8 @@ class SchedulerSide:
                 if h.retention_end:  # already past retention: must not be served again
                     continue
                 left = int(h.retain_until - now)  # rounded down to whole seconds: few calls
-                if left >= 1:
+                # Only chunks the reaper cannot pick up while this publish may still be in flight.
+                if left >= self.cfg.master_timeout_s + 1:
                     groups.setdefault(left, []).append((k, list(h.blocks)))
         if not groups or self.node_id is None:
             return
@@ -611,6 +627,7 @@ class SchedulerSide:
             except Exception as exc:
                 log.debug("pdxfer: node session stop: %s", exc)
         self._releaser.shutdown(wait=False, cancel_futures=True)
+        self._publisher.shutdown(wait=False, cancel_futures=True)
         for c in (self._hot, self._bg):
             try:
                 c.close()

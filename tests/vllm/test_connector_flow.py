@@ -52,7 +52,8 @@ class Node:
     def __init__(self, name: str, master_addr: str, producer: bool, consumer: bool, seed: int | None, **extra):
         self.kv = _kv(seed)
         self.fp = describe_kv_caches(self.kv, block_size=BS).fingerprint()
-        self.cfg = parse_extra_config({"master": master_addr, "transport": "tcp", **extra})
+        # A generous publish wait: these tests look up right after a request finished.
+        self.cfg = parse_extra_config({"master": master_addr, "transport": "tcp", "publish_wait_s": 2.0, **extra})
         self.pool = BlockPool(NUM_BLOCKS, True, BS)
         self.sched = SchedulerSide(self.cfg, engine_id=name, model_id="tiny", layout_fingerprint=self.fp,
                                    block_size=BS, producer=producer, consumer=consumer)
