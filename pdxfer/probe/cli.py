@@ -157,7 +157,14 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
                         if kind == "tcp" and raw is not None:
                             view = memoryview(scratch).cast("B")[:p.total]
                             inter["raw_socket"] = lambda v=view: raw.once(v)
-                    row = sweep.measure_transport(t, peer, p, region, dst.nbytes, iters, args.timeout, inter)
+                    raw_nixl = _raw_nixl(p) if args.baseline and kind == "nixl" and nixl_base else None
+                    if raw_nixl is not None:
+                        inter["raw_nixl"] = lambda b=raw_nixl: sum(b.once())
+                    try:
+                        row = sweep.measure_transport(t, peer, p, region, dst.nbytes, iters, args.timeout, inter)
+                    finally:
+                        if raw_nixl is not None:
+                            raw_nixl.close()
                     plan = row.pop("_plan")
                     row["transport"] = args.label or kind
                     if args.check:
@@ -186,6 +193,9 @@ def _baselines(row: dict, kind: str, p: "sweep.Point", raw, nixl_base, dst: np.n
     if kind == "tcp" and raw is not None:
         row["baseline"] = "raw_socket"
         row["baseline_gbps"] = row.pop("raw_socket_gbps")
+    elif kind == "nixl" and "raw_nixl_gbps" in row:
+        row["baseline"] = "raw_nixl"
+        row["baseline_gbps"] = row.pop("raw_nixl_gbps")
     elif kind == "nixl" and nixl_base is not None:
         try:
             res = nixl_base(p.block_size, p.batch, iters)
@@ -196,6 +206,18 @@ def _baselines(row: dict, kind: str, p: "sweep.Point", raw, nixl_base, dst: np.n
             row["baseline_error"] = repr(exc)
     if row.get("baseline_gbps"):
         row["ratio"] = row["gbps"] / row["baseline_gbps"]
+
+
+def _raw_nixl(p: "sweep.Point") -> Any:
+    """A raw NIXL reader to interleave with pdxfer's reads (load swings hit both alike), or None."""
+    try:
+        from pdxfer.probe.nixl_baseline import RawNixlBaseline
+
+        return RawNixlBaseline(p.block_size, p.batch)
+    except Exception as exc:  # noqa: BLE001 - fall back to the separate baseline run
+        print(f"pdxfer-probe: interleaved raw NIXL baseline unavailable ({exc!r}); measuring it apart",
+              file=sys.stderr)
+        return None
 
 
 def _cpu(row: dict, addr: tuple[str, int], iters: int, nbytes: int, read_once, raw, scratch) -> None:
