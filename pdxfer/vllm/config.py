@@ -31,7 +31,7 @@ class ConnectorConfig:
     chunk_tokens: int = 256
     lookup_timeout_s: float = 0.5  # bounded master wait on the scheduler's hot path
     master_timeout_s: float = 2.0  # background master calls (unpublish, re-publish, lease)
-    publish_wait_s: float = 0.005  # how long a finishing request waits for its publish to land
+    publish_wait_s: float = 0.05  # how long a finishing request waits, at most, for its publish to land
     lock_ttl_s: float = 10.0
     retention_s: float = 60.0  # how long a holder keeps published chunks after the request ends
     max_held_fraction: float = 0.5  # cap on the share of KV blocks held for readers

@@ -10,7 +10,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 # Counters summed across workers and the scheduler; lists concatenated.
 _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
-             "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims")
+             "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes")
 _LISTS = ("transfer_s",)
 
 
@@ -50,6 +50,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Published chunks": d["published_chunks"],
             "Freed chunks": d["freed_chunks"],
             "Master errors": d["master_errors"],
+            "Late publishes": d["late_publishes"],
         }
 
 

@@ -78,6 +78,7 @@ class SchedulerStats:
     published_chunks: int = 0
     freed_chunks: int = 0
     pressure_reclaims: int = 0
+    late_publishes: int = 0  # publishes still in flight when the request's wait ran out
 
 
 class _EpisodeLog:
@@ -424,7 +425,7 @@ class SchedulerSide:
         try:
             fut.result(timeout=self.cfg.publish_wait_s)
         except FutureTimeout:
-            pass
+            self.stats.late_publishes += 1
 
     def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
                       retain: float) -> None:
