@@ -406,6 +406,8 @@ class MasterClient:
         return bool(doc["ok"])
 
     def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Keys this node no longer publishes (removed now or absent): their blocks may be reused.
+        Keys pinned by a valid reader lock stay published and are left out."""
         keys = list(keys)
         if not keys:
             return []

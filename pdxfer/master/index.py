@@ -15,7 +15,9 @@ Rules:
   deterministic, and the first pick is the node holding the longest prefix) and pins the chosen
   entries under one lock with a deadline.
 - ``release`` is True only if the lock was still valid when the release arrived.
-- ``unpublish_if_unlocked`` removes an entry only when no valid lock pins it.
+- ``unpublish_if_unlocked`` removes an entry only when no valid lock pins it, and reports every
+  key the node no longer publishes (removed now, or never/no longer there): those blocks are free
+  to reuse, since a lock can only pin an entry that exists.
 """
 
 from __future__ import annotations
@@ -223,12 +225,17 @@ class ChunkIndex:
         return entry.pins > 0
 
     def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], now: float) -> list[int]:
-        """Indices (into ``keys``) of the entries removed; locked ones are kept, unknown ones ignored."""
+        """Indices (into ``keys``) the node no longer publishes: removed now, or already absent.
+
+        Locked entries are kept and left out. Absent keys are reported so the holder can tell "locked"
+        from "never arrived" (a publish that timed out unapplied) and free those blocks at once.
+        """
         node = self._live_node(node_id, now)
         removed: list[int] = []
         for i, key in enumerate(keys):
             entry = node.entries.get(key)
             if entry is None:
+                removed.append(i)
                 continue
             if self._has_valid_lock(entry, now):
                 self.counters.unpublish_refused += 1
@@ -240,7 +247,7 @@ class ChunkIndex:
                 del self.entries[key]
             self.n_entries -= 1
             removed.append(i)
-        self.counters.unpublished += len(removed)
+            self.counters.unpublished += 1
         return removed
 
     # ---- lookups and locks --------------------------------------------------------------------

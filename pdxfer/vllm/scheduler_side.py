@@ -552,11 +552,10 @@ class SchedulerSide:
             try:
                 done = self._bg.unpublish_if_unlocked(self.node_id, due)
                 self._master_unreachable_since = None
-                # The master answers "not removed" both for a locked key and for a key it does not
-                # know (a publish that timed out unapplied, a restarted master whose re-publish
-                # failed). Past its retention an entry is never served, so no lock on it can be
-                # newer than its retention end: after a generous multiple of the lock TTL the
-                # key is freed anyway (readers are assumed to use lock TTLs below that bound).
+                # The master reports keys it never had as gone, so "not removed" means locked.
+                # Past its retention an entry is never served, so no lock on it can be newer than
+                # its retention end: after a generous multiple of the lock TTL the key is freed
+                # anyway, a last resort should a master misbehave.
                 gone = set(done)
                 with self._lock:
                     stale = [k for k in due if k not in gone and k in self._held

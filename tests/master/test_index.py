@@ -57,6 +57,9 @@ def test_unpublish_refused_while_locked_then_allowed():
     # the lock expired (never released): unpublish goes through
     assert ix.unpublish_if_unlocked("a", keys[:1], now=6.5) == [0]
     assert ix.release(lock, now=6.6) is False
+    # keys that are gone (or never came) are reported as no longer published
+    assert ix.unpublish_if_unlocked("a", keys[:2] + [b"\x07" * 32], now=7.0) == [0, 1, 2]
+    assert ix.counters.unpublished == 2
     assert ix.n_entries == 0 and not ix.entries
 
 

@@ -78,9 +78,10 @@ def test_unpublish_refused_while_locked_and_allowed_after(master, masters):
     c.publish("p", [(k, [i]) for i, k in enumerate(keys)])
     r = c.lookup_and_lock(keys[:2], reader="d", lock_ttl_s=5)
     assert c.unpublish_if_unlocked("p", keys) == [keys[2]]
-    assert c.unpublish_if_unlocked("p", keys) == []  # locked ones kept; the gone one ignored
+    # Locked ones kept; the gone one is reported again (absent: free to reuse).
+    assert c.unpublish_if_unlocked("p", keys) == [keys[2]]
     assert c.release(r.lock_id) is True
-    assert c.unpublish_if_unlocked("p", keys) == keys[:2]
+    assert c.unpublish_if_unlocked("p", keys) == keys  # the locked two removed, the third still absent
     assert c.lookup_and_lock(keys, reader="d").hit_chunks == 0
     with pytest.raises(UnknownNode):
         c.unpublish_if_unlocked("nobody", keys)
