@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/pdxfer launch --make-tiny-model .work/tiny-llama --demo "$@"
+exec .venv/bin/pdxfer launch --make-tiny-model .pdxfer-run/tiny-model --demo "$@"
