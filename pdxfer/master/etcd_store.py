@@ -187,11 +187,8 @@ class EtcdCoordinator:
                 await self._reset_client()
             await asyncio.sleep(_POLL_S if not self._leader else min(_POLL_S, self._lease_ttl / 6))
 
-    async def _campaign(self, client: aetcd.Client) -> None:
-        got = await self._call(client.get(self.leader_key))
-        if got is not None:
-            self._leader_addr = self._addr_of(got.value)
-            return
+    async def _take_leader_key(self, client: aetcd.Client) -> bool:
+        """Create the leader key under a fresh lease if nobody holds it; on success adopt the lease."""
         lease = await self._call(client.lease(self.leader_ttl))
         sent = time.monotonic()
         value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
@@ -203,8 +200,17 @@ class EtcdCoordinator:
         ))
         if not ok:
             await self._call(lease.revoke())
-            return
+            return False
         self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(lease.ttl or self.leader_ttl)
+        return True
+
+    async def _campaign(self, client: aetcd.Client) -> None:
+        got = await self._call(client.get(self.leader_key))
+        if got is not None:
+            self._leader_addr = self._addr_of(got.value)
+            return
+        if not await self._take_leader_key(client):
+            return
         self._leader = True
         self._leader_addr = self.advertise
         self.failovers += 1
@@ -247,20 +253,11 @@ class EtcdCoordinator:
         # back; if somebody else has it, step down.
         got = await self._call(client.get(self.leader_key))
         if got is None:
-            lease = await self._call(client.lease(self.leader_ttl))
-            sent = time.monotonic()
-            value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
-            tx = client.transactions
-            ok, _ = await self._call(client.transaction(
-                compare=[tx.version(self.leader_key) == 0],
-                success=[tx.put(self.leader_key, value, lease)], failure=[]))
-            if ok:
+            if await self._take_leader_key(client):
                 log.warning("leader lease had expired; re-acquired leadership, re-mirroring nodes")
-                self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(lease.ttl or self.leader_ttl)
                 self._node_leases.clear()
                 self._remirror_all()
                 return
-            await self._call(lease.revoke())
             got = await self._call(client.get(self.leader_key))
         self._step_down("leader lease lost", self._addr_of(got.value) if got is not None else None)
 

@@ -184,6 +184,20 @@ def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
     return bytes(buf)
 
 
+def _advance(views: list[memoryview], i: int, k: int) -> int:
+    """Consume ``k`` bytes from ``views[i:]``: skip fully used buffers, keep the tail of a partly
+    used one (in place); returns the index of the first buffer with bytes left."""
+    while k > 0:
+        ln = len(views[i])
+        if k >= ln:
+            k -= ln
+            i += 1
+        else:
+            views[i] = views[i][k:]
+            k = 0
+    return i
+
+
 def recv_into_views(sock: socket.socket, views: list[memoryview], total: int, what: str) -> None:
     """Fill ``views`` (byte memoryviews) in order straight from the socket, ``IOV_MAX`` at a time.
 
@@ -208,15 +222,7 @@ def recv_into_views(sock: socket.socket, views: list[memoryview], total: int, wh
         if k == 0:
             raise PeerDied(f"connection closed during {what} after {got} of {total} bytes")
         got += k
-        # Advance past fully filled buffers; keep the tail of a partly filled one.
-        while k > 0:
-            ln = len(views[i])
-            if k >= ln:
-                k -= ln
-                i += 1
-            else:
-                views[i] = views[i][k:]
-                k = 0
+        i = _advance(views, i, k)
 
 
 def send_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -227,15 +233,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
         sock.sendall(views[0])
         return
     while i < n:
-        k = sock.sendmsg(views[i:i + IOV_MAX])
-        while k > 0:
-            ln = len(views[i])
-            if k >= ln:
-                k -= ln
-                i += 1
-            else:
-                views[i] = views[i][k:]
-                k = 0
+        i = _advance(views, i, sock.sendmsg(views[i:i + IOV_MAX]))
         # Skip zero-length buffers so the loop always terminates.
         while i < n and len(views[i]) == 0:
             i += 1
