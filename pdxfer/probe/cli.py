@@ -124,7 +124,10 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
             why = hello.get("unavailable", {}).get(k, "not served")
             print(f"pdxfer-probe: skipping {k}: holder does not serve it ({why})", file=sys.stderr)
     kinds = [k for k in kinds if k in hello["kinds"]]
-    dst = np.zeros(region, dtype=np.uint8)
+    # Touch every page now: np.zeros only maps them, and a first write into fresh memory costs
+    # ~0.35 s per 128 MiB in this VM (10x a warm READ), which must never land in a timed read.
+    dst = np.empty(region, dtype=np.uint8)
+    dst.fill(0)
     scratch = np.ones(region, dtype=np.uint8) if args.baseline or args.cpu else None
     points = [sweep.Point(b, n) for b in args.block_sizes for n in args.batches]
     fits = [p for p in points if p.total <= region]
@@ -157,7 +160,8 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
                         if kind == "tcp" and raw is not None:
                             view = memoryview(scratch).cast("B")[:p.total]
                             inter["raw_socket"] = lambda v=view: raw.once(v)
-                    raw_nixl = _raw_nixl(p) if args.baseline and kind == "nixl" and nixl_base else None
+                    raw_nixl = (_raw_nixl(p, max(120.0, args.timeout))
+                                if args.baseline and kind == "nixl" and nixl_base else None)
                     if raw_nixl is not None:
                         inter["raw_nixl"] = lambda b=raw_nixl: sum(b.once())
                     try:
@@ -208,12 +212,16 @@ def _baselines(row: dict, kind: str, p: "sweep.Point", raw, nixl_base, dst: np.n
         row["ratio"] = row["gbps"] / row["baseline_gbps"]
 
 
-def _raw_nixl(p: "sweep.Point") -> Any:
-    """A raw NIXL reader to interleave with pdxfer's reads (load swings hit both alike), or None."""
+def _raw_nixl(p: "sweep.Point", timeout: float = 120.0) -> Any:
+    """A raw NIXL reader to interleave with pdxfer's reads (load swings hit both alike), or None.
+
+    Its holder fills 2 x block x batch random bytes before it answers: 512 MiB took over 30 s
+    under a load average of ~15, so the start bound is generous.
+    """
     try:
         from pdxfer.probe.nixl_baseline import RawNixlBaseline
 
-        return RawNixlBaseline(p.block_size, p.batch)
+        return RawNixlBaseline(p.block_size, p.batch, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - fall back to the separate baseline run
         print(f"pdxfer-probe: interleaved raw NIXL baseline unavailable ({exc!r}); measuring it apart",
               file=sys.stderr)
