@@ -197,12 +197,17 @@ def _baselines(row: dict, kind: str, p: "sweep.Point", raw, nixl_base, dst: np.n
     if kind == "tcp" and raw is not None:
         row["baseline"] = "raw_socket"
         row["baseline_gbps"] = row.pop("raw_socket_gbps")
+        row["baseline_interleaved"] = True
     elif kind == "nixl" and "raw_nixl_gbps" in row:
         row["baseline"] = "raw_nixl"
         row["baseline_gbps"] = row.pop("raw_nixl_gbps")
+        row["baseline_interleaved"] = True
     elif kind == "nixl" and nixl_base is not None:
+        # Measured after the point, not interleaved: on a shared box the load may have changed
+        # 5x in between (seen: ratio 0.25 while interleaved runs gave 0.9). Rows say so.
+        row["baseline_interleaved"] = False
         try:
-            res = nixl_base(p.block_size, p.batch, iters)
+            res = nixl_base(p.block_size, p.batch, iters, timeout=120.0)
             row["baseline"] = "raw_nixl"
             row["baseline_gbps"] = float(res["gbps"])
         except Exception as exc:  # noqa: BLE001 - a broken baseline must not lose the measured row

@@ -22,7 +22,8 @@ def fmt_size(n: int) -> str:
 def line(r: dict[str, Any]) -> str:
     base = ""
     if r.get("baseline_gbps"):
-        base = f"{r['baseline']} {r['baseline_gbps']:.3f}"
+        apart = "(apart)" if r.get("baseline_interleaved") is False else ""  # not interleaved: see cli
+        base = f"{r['baseline']}{apart} {r['baseline_gbps']:.3f}"
     elif r.get("baseline_error"):
         base = f"{r['baseline']} error"
     ratio = f"{r['ratio']:.2f}" if r.get("ratio") else ""
