@@ -101,6 +101,23 @@ class Holder:
     extra: list = field(default_factory=list)
 
 
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP a holder and return once it is really stopped: the stop lands asynchronously, and on
+    a loaded box the holder may otherwise still serve a read posted right after the signal."""
+    os.kill(pid, signal.SIGSTOP)
+    _wait_stopped(pid, timeout)
+
+
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s")
+
+
 def spawn(args: list[str], prefix_cmd: list[str] | None = None) -> subprocess.Popen:
     cmd = (prefix_cmd or []) + [sys.executable, "-m", "tests.transport.peer_proc", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,

@@ -24,7 +24,7 @@ from pdxfer.transport.base import (
     TransportError,
 )
 
-from .conftest import HOLDER_SIZES, MiB, read_line, spawn_reader, stop
+from .conftest import HOLDER_SIZES, MiB, freeze, read_line, spawn_reader, stop
 
 WAIT = 20.0  # generous bound for one read on a loaded 2-core box; still a bound
 
@@ -146,7 +146,7 @@ def test_holder_killed_mid_read_gives_typed_error_in_time(kind, holder_factory, 
     reader = reader_factory(kind)
     peer = reader.t.connect(holder.meta, timeout=10)
     read_and_check(reader, peer, scattered_plan(32 << 10, 64, HOLDER_SIZES[0], reader.dst.nbytes))
-    os.kill(holder.proc.pid, signal.SIGSTOP)  # freeze it so the read is surely in flight
+    freeze(holder.proc.pid)  # freeze it so the read is surely in flight
     try:
         h = _big_pending_read(reader, peer)
         time.sleep(0.3)
@@ -171,7 +171,7 @@ def test_cancel_is_bounded_and_transport_stays_usable(kind, holder_factory, read
     holder = holder_factory(kind)
     reader = reader_factory(kind)
     peer = reader.t.connect(holder.meta, timeout=10)
-    os.kill(holder.proc.pid, signal.SIGSTOP)
+    freeze(holder.proc.pid)
     try:
         h = _big_pending_read(reader, peer)
         time.sleep(0.2)
@@ -230,7 +230,7 @@ def test_close_fails_in_flight_reads_with_cancelled(kind, holder_factory, reader
     holder = holder_factory(kind)
     reader = reader_factory(kind)
     peer = reader.t.connect(holder.meta, timeout=10)
-    os.kill(holder.proc.pid, signal.SIGSTOP)
+    freeze(holder.proc.pid)
     try:
         h = _big_pending_read(reader, peer)
         time.sleep(0.2)

@@ -29,7 +29,7 @@ from pdxfer.transport.base import (
     TransportError,
 )
 
-from .conftest import REPO, child_env, kind_available, read_line, spawn_reader, start_holder, stop
+from .conftest import REPO, child_env, freeze, kind_available, read_line, spawn_reader, start_holder, stop
 
 pytestmark = [pytest.mark.nixl,
               pytest.mark.skipif(kind_available("nixl") is not None, reason=str(kind_available("nixl")))]
@@ -272,7 +272,7 @@ def test_connect_to_frozen_holder_fails_in_time_then_succeeds(nixl_reader):
     holder = start_holder("nixl", sizes=(4 * MiB,), opts={})
     try:
         t, _ = nixl_reader(4 * MiB)
-        os.kill(holder.proc.pid, signal.SIGSTOP)  # accepts TCP connections in the kernel, answers nothing
+        freeze(holder.proc.pid)  # accepts TCP connections in the kernel, answers nothing
         t0 = time.monotonic()
         with pytest.raises(PeerUnreachable, match="did not answer"):
             t.connect(holder.meta, timeout=2)
@@ -294,7 +294,7 @@ def test_ucx_tcp_frozen_holder_times_out_cancel_then_peer_death(monkeypatch, nix
         peer = t.connect(holder.meta, timeout=10)
         plan = scattered_plan(256 << 10, 32, size, dst.nbytes, seed=1)
         assert t.read(peer, plan).wait(WAIT) is ReadState.DONE
-        os.kill(holder.proc.pid, signal.SIGSTOP)
+        freeze(holder.proc.pid)
         try:
             h = t.read(peer, plan)
             t0 = time.monotonic()

@@ -27,7 +27,7 @@ from pdxfer.transport.base import (
 )
 from pdxfer.transport.tcp import TcpTransport, parse_metadata
 
-from .conftest import MiB, start_holder, stop
+from .conftest import MiB, freeze, start_holder, stop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -307,7 +307,7 @@ def test_reader_deregister_cancels_in_flight_reads(reader_factory):
     try:
         reader = reader_factory("tcp", 64 * MiB)
         peer = reader.t.connect(holder.meta, timeout=5)
-        os.kill(holder.proc.pid, signal.SIGSTOP)
+        freeze(holder.proc.pid)
         h = reader.t.read(peer, TransferPlan((TransferRun(0, 0, 0, 0, 64 * MiB),), 1))
         reader.t.deregister()
         assert h.poll() is ReadState.CANCELLED  # settled before deregister returned
