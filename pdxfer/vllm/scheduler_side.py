@@ -23,11 +23,12 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from pdxfer.keys import IncrementalHasher, Namespace
 from pdxfer.layout import LayoutError, chunk_span
+from pdxfer.master.client import MasterClient, MasterError, MasterUnavailable, NodeInfo, NodeSession
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata, PdxferHandshake
@@ -127,8 +128,6 @@ class SchedulerSide:
         self.node_id: str | None = None  # set when the worker's handshake arrives
         self.stats = SchedulerStats()
         if client_factory is None:
-            from pdxfer.master.client import MasterClient
-
             client_factory = MasterClient
         token = cfg.token
         # Hot path client (lookup, publish) with the short bound; background client for the rest.
@@ -166,7 +165,6 @@ class SchedulerSide:
 
     def on_handshake(self, handshakes: Iterable[PdxferHandshake]) -> None:
         """Workers registered their KV with the transport: register the node, start holding."""
-        from pdxfer.master.client import NodeInfo, NodeSession
 
         for hs in handshakes:
             hs.check()
@@ -235,7 +233,6 @@ class SchedulerSide:
             return 0, False
         keys = self._hasher(req_id, cache_salt).update(list(tokens[: max_chunks * C]))
         ttl = test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s
-        from pdxfer.master.client import MasterError
 
         self.stats.lookups += 1
         try:
@@ -364,9 +361,13 @@ class SchedulerSide:
             if not self.producer or tokens is None or self._pool is None or self.node_id is None:
                 return
             C, bs = self.cfg.chunk_tokens, self.block_size
-            n_chunks = min(len(tokens), len(block_ids) * bs) // C
-            while n_chunks and (blocks := self._chunk_blocks(n_chunks - 1, block_ids)) is None:
-                n_chunks -= 1
+            chunk_blocks: list[tuple[int, ...]] = []
+            for i in range(min(len(tokens), len(block_ids) * bs) // C):
+                blocks = self._chunk_blocks(i, block_ids)
+                if blocks is None:
+                    break
+                chunk_blocks.append(blocks)
+            n_chunks = len(chunk_blocks)
             if n_chunks == 0:
                 return
             if hasher is None:
@@ -374,7 +375,7 @@ class SchedulerSide:
             t0 = time.perf_counter()
             keys = hasher.update(list(tokens[: n_chunks * C]))[:n_chunks]
             t1 = time.perf_counter()
-            self._publish(keys, [self._chunk_blocks(i, block_ids) for i in range(n_chunks)])
+            self._publish(keys, chunk_blocks)
             t2 = time.perf_counter()
             if t2 - t0 > 0.02:
                 log.warning("pdxfer: publishing %d chunks of %s took %.1f ms (hash %.1f ms)", n_chunks,
@@ -429,8 +430,6 @@ class SchedulerSide:
 
     def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
                       retain: float) -> None:
-        from pdxfer.master.client import MasterError, MasterUnavailable
-
         assert self.node_id is not None
         try:
             accepted = self._hot.publish(self.node_id, entries, retention_s=retain)
@@ -472,7 +471,6 @@ class SchedulerSide:
 
     def _reclaim(self, want_blocks: int) -> None:
         """Unpublish the oldest held chunks (synchronously; pressure path) until enough blocks free."""
-        from pdxfer.master.client import MasterError
 
         assert self._pool is not None and self.node_id is not None
         with self._lock:
@@ -536,7 +534,6 @@ class SchedulerSide:
 
     def _reap_loop(self) -> None:
         """Unpublish chunks whose retention is over; sleeps until the next deadline (no polling)."""
-        from pdxfer.master.client import MasterError
 
         while True:
             with self._lock:
@@ -590,7 +587,6 @@ class SchedulerSide:
         """The master forgot us (restart, failover, lost lease): publish again what we hold, each
         chunk with the retention it has left (never longer: the master must stop serving an
         entry no later than this holder's deadline for it)."""
-        from pdxfer.master.client import MasterError
 
         now = time.monotonic()
         groups: dict[int, list[tuple[bytes, list[int]]]] = {}
