@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from pdxfer.master.client import LocalMaster, MasterClient, NodeInfo, start_local_master
+from pdxfer.master import LocalMaster, MasterClient, NodeInfo, start_local_master
 from pdxfer.master.local_etcd import LocalEtcd, etcd_binary
 
 

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from pdxfer.master.client import MasterClient, MasterUnavailable, NodeSession
+from pdxfer.master import MasterClient, MasterUnavailable, NodeSession
 
 from .conftest import keys_for, node_info, wait_until
 

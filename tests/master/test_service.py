@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from pdxfer.master.client import (
+from pdxfer.master import (
     MasterAuthError,
     MasterClient,
     MasterUnavailable,
@@ -257,7 +257,7 @@ def test_silent_master_times_out(tmp_path):
 
 def test_node_descriptions_cached_per_epoch(master, masters):
     """The client tells the master which node descriptions it has; a new incarnation is re-sent."""
-    from pdxfer.master.client import NodeInfo
+    from pdxfer.master import NodeInfo
 
     c = masters.client(master.address)
     keys = keys_for("epoch", 2)
