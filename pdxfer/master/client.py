@@ -45,6 +45,11 @@ class _StaleNodeCache(Exception):
     pass
 
 
+def _backoff(attempt: int, deadline: float) -> None:
+    """Pause before the next try at finding the leader: longer each time, never past the deadline."""
+    time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
+
+
 class _Conn:
     def __init__(self, addr: tuple[str, int], timeout: float) -> None:
         self.addr = addr
@@ -165,7 +170,7 @@ class MasterClient:
                     raise
                 if addr is not None:
                     self._forget_leader(addr)  # refused: the leader we knew is gone; ask etcd again
-                time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
+                _backoff(attempt, deadline)
                 continue
             reused = conn.used
             try:
@@ -178,7 +183,7 @@ class MasterClient:
                 self._forget_leader(addr)
                 if not self._follows or isinstance(exc, socket.timeout):
                     raise MasterUnavailable(f"{P.OP_NAMES.get(op, op)}: {last}") from None
-                time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
+                _backoff(attempt, deadline)
                 continue
             except P.ProtocolError as exc:
                 conn.close()
@@ -195,7 +200,7 @@ class MasterClient:
                     self._forget_leader(addr)
                     if not self._follows:
                         raise MasterUnavailable(msg)
-                    time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
+                    _backoff(attempt, deadline)
                     continue
                 if code == P.ERR_UNKNOWN_NODE:
                     raise UnknownNode(msg)
