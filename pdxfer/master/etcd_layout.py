@@ -51,11 +51,7 @@ def parse_etcd_url(url: str) -> EtcdTarget:
     if not url.startswith(SCHEME):
         raise ValueError(f"{url!r} is not an {SCHEME}... URL")
     hosts, _, prefix = url[len(SCHEME) :].partition("/")
-    try:
-        endpoints = parse_endpoints(hosts)
-    except ValueError as exc:
-        raise ValueError(f"{url!r}: {exc}") from None
-    return EtcdTarget(endpoints, "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX)
+    return EtcdTarget(parse_endpoints(hosts), "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX)
 
 
 def leader_key(prefix: str) -> bytes:

@@ -16,8 +16,9 @@ from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.coordinator import Standalone, coordinator_for
 from pdxfer.master.locator import EtcdLocator, StaticLocator, locator_for
+from pdxfer.procs import free_port
 
-from .conftest import free_port, keys_for
+from .conftest import keys_for
 
 
 def _over_the_wire(req: ops.Request) -> tuple[dict, memoryview]:
