@@ -21,7 +21,7 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, overload
 
 from pdxfer.keys import KEY_BYTES
 
@@ -138,6 +138,12 @@ def decode_json(data: bytes) -> dict[str, Any]:
 # ---- field helpers: every bad field gets an error naming the field -------------------------------
 
 
+@overload
+def get_str(doc: dict[str, Any], name: str, optional: Literal[False] = False) -> str: ...
+@overload
+def get_str(doc: dict[str, Any], name: str, optional: bool) -> str | None: ...
+
+
 def get_str(doc: dict[str, Any], name: str, optional: bool = False) -> str | None:
     value = doc.get(name)
     if value is None and optional:
@@ -152,6 +158,12 @@ def get_int(doc: dict[str, Any], name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ProtocolError(ERR_MALFORMED, f"field {name!r} must be an integer in [{lo}, {hi}], got {value!r:.40}")
     return value
+
+
+@overload
+def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: Literal[False] = False) -> float: ...
+@overload
+def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: bool) -> float | None: ...
 
 
 def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: bool = False) -> float | None:

@@ -114,7 +114,7 @@ def decode_register(doc: dict[str, Any], blob: bytes | memoryview) -> RegisterRe
     ttl = P.get_float(doc, "ttl", MIN_LEASE_TTL_S, MAX_TTL_S)
     if len(blob) > P.MAX_METADATA_BYTES:
         raise P.ProtocolError(P.ERR_OVERSIZED, f"transport metadata of {len(blob)} bytes exceeds {P.MAX_METADATA_BYTES}")
-    return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob))  # type: ignore[arg-type]
+    return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob))
 
 
 def encode_register_reply(epoch: int, ttl: float) -> dict[str, Any]:
@@ -222,7 +222,7 @@ def decode_publish(doc: dict[str, Any], blob: bytes | memoryview) -> PublishRequ
         items.append((key, blocks[start:end]))
         start = end
     retention = P.get_float(doc, "ret", 0.0, MAX_RETENTION_S, optional=True)
-    return PublishRequest(node_id, items, retention)  # type: ignore[arg-type]
+    return PublishRequest(node_id, items, retention)
 
 
 def encode_publish_reply(accepted: int) -> dict[str, Any]:
@@ -256,7 +256,7 @@ def decode_lookup(doc: dict[str, Any], blob: bytes | memoryview) -> LookupReques
     ttl = P.get_float(doc, "ttl", MIN_LOCK_TTL_S, MAX_TTL_S)
     have = doc.get("have")
     # "have" only saves bytes: anything unusable means "send every description".
-    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {})  # type: ignore[arg-type]
+    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {})
 
 
 def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tuple[str, int]],
@@ -287,7 +287,7 @@ def decode_lookup_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: in
     hit = P.get_int(doc, "hit", 0, asked)
     ttl = P.get_float(doc, "ttl", 0.0, MAX_TTL_S)
     if hit == 0:
-        return LookupReply(None, 0, ttl, [], [], {})  # type: ignore[arg-type]
+        return LookupReply(None, 0, ttl, [], [], {})
     lock_id = P.get_str(doc, "lock")
     runs = doc.get("runs")
     if not isinstance(runs, list):
@@ -308,7 +308,7 @@ def decode_lookup_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: in
     nodes = {nid: decode_node_description(nid, d) for nid, d in raw_nodes.items()}
     offs = list(itertools.accumulate(counts, initial=0))
     block_lists = [blocks[offs[j] : offs[j + 1]] for j in range(hit)]
-    return LookupReply(lock_id, hit, ttl, holders, block_lists, nodes)  # type: ignore[arg-type]
+    return LookupReply(lock_id, hit, ttl, holders, block_lists, nodes)
 
 
 # ---- release --------------------------------------------------------------------------------------
@@ -319,7 +319,7 @@ def encode_release(lock_id: str) -> Request:
 
 
 def decode_release(doc: dict[str, Any], blob: bytes | memoryview) -> str:
-    return P.get_str(doc, "lock")  # type: ignore[return-value]
+    return P.get_str(doc, "lock")
 
 
 def encode_release_reply(valid: bool) -> dict[str, Any]:
@@ -337,7 +337,7 @@ def encode_unpublish(node_id: str, keys: Sequence[bytes]) -> Request:
 
 
 def decode_unpublish(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[str, list[bytes]]:
-    return P.get_str(doc, "node_id"), _keys_of(doc, blob)  # type: ignore[return-value]
+    return P.get_str(doc, "node_id"), _keys_of(doc, blob)
 
 
 def encode_unpublish_reply(removed: list[int]) -> dict[str, Any]:
