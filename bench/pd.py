@@ -38,17 +38,17 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdxfer.master import start_local_master  # noqa: E402
+from pdxfer.procs import free_port  # noqa: E402
 from pdxfer.vllm.launch import (  # noqa: E402
     Component,
     Stack,
     TRANSFER_COUNTER,
     default_run_dir,
     default_tiny_model_dir,
-    free_port,
     make_tiny_model,
     pdxfer_kv_config,
     read_prom_counter,
-    start_master,
     split_cores,
     start_vllm,
 )
@@ -180,8 +180,9 @@ def start_config(name: str, args: argparse.Namespace, model_dir: Path, log_dir: 
             return stack, urls
         roles: list[tuple[str, dict, str, dict[str, str]]] = []
         if name == "pdxfer":
-            mproc, master = start_master(log_dir)
-            stack.add(Component("master", mproc, None, url=master))
+            local = start_local_master(workdir=log_dir, log_name="master.log")
+            master = local.address
+            stack.add(Component("master", local.proc, None, url=master))
             roles = [("prefill", pdxfer_kv_config("kv_producer", master, args.transport),
                       args.prefill_cpus, {}),
                      ("decode", pdxfer_kv_config("kv_consumer", master, args.transport),

@@ -1,6 +1,8 @@
 """pdxfer-master: the chunk index (key -> holder node, block ids) and its lifetime rules.
 
-Client API: :mod:`pdxfer.master.client` (``MasterClient``, ``NodeSession``, ``start_local_master``).
+Client API, imported from this package: ``MasterClient`` (client.py), ``NodeSession`` (node_session.py),
+``start_local_master`` / ``LocalMaster`` (local.py), the records and errors it returns and raises.
+Module map: docs/master.md.
 
 CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
 
@@ -30,20 +32,11 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
 Without ``--etcd`` it is one process with everything in memory.
 """
 
-from pdxfer.master.client import (
-    ChunkLocation,
-    LocalMaster,
-    LookupResult,
-    MasterAuthError,
-    MasterClient,
-    MasterError,
-    MasterProtocolError,
-    MasterUnavailable,
-    NodeInfo,
-    NodeSession,
-    UnknownNode,
-    start_local_master,
-)
+from pdxfer.master.client import MasterClient
+from pdxfer.master.errors import MasterAuthError, MasterError, MasterProtocolError, MasterUnavailable, UnknownNode
+from pdxfer.master.local import LocalMaster, start_local_master
+from pdxfer.master.node_session import NodeSession
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo
 
 __all__ = [
     "ChunkLocation",

@@ -27,83 +27,15 @@ import itertools
 import math
 import operator
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
+
+from pdxfer.master.index_records import Counters, Entry, Lock, LookupOutcome, Node, UnknownNodeError
 
 INF = math.inf
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 
-
-class UnknownNodeError(KeyError):
-    """The node id is not registered (never was, deregistered, or its lease ran out)."""
-
-    def __init__(self, node_id: str) -> None:
-        super().__init__(node_id)
-        self.node_id = node_id
-
-    def __str__(self) -> str:
-        return f"node {self.node_id!r} is not registered (unknown, deregistered, or its lease expired)"
-
-
-class Node:
-    __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks")
-
-    def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int) -> None:
-        self.node_id = node_id
-        self.info_json = info_json  # pre-encoded JSON object sent with every lookup that hits it
-        self.ttl = ttl
-        self.expires_at = expires_at
-        self.epoch = epoch
-        self.entries: dict[bytes, Entry] = {}
-        self.locks: set[str] = set()
-
-
-class Entry:
-    __slots__ = ("node", "blocks", "nblocks", "hold_until", "pins", "pin_until")
-
-    def __init__(self, node: Node, blocks: bytes, hold_until: float) -> None:
-        self.node = node
-        self.blocks = blocks  # little-endian uint32 block ids, in token order
-        self.nblocks = len(blocks) // 4
-        self.hold_until = hold_until
-        # Locks pinning this entry (not yet released or reaped) and the latest of their deadlines.
-        self.pins = 0
-        self.pin_until = 0.0
-
-
-@dataclass
-class Lock:
-    lock_id: str
-    reader: str
-    deadline: float
-    pins: list[Entry]
-    nodes: set[str]
-
-
-@dataclass
-class LookupOutcome:
-    lock_id: str | None
-    hit: int
-    runs: list[tuple[str, int]]  # (node id, number of consecutive chunks taken from it)
-    counts: list[int]  # blocks per hit chunk
-    blocks: bytes  # concatenated uint32 block ids of all hit chunks
-    nodes: dict[str, Node]
-
-
-@dataclass
-class Counters:
-    lookups: int = 0
-    lookup_chunks: int = 0
-    hit_chunks: int = 0
-    releases_ok: int = 0
-    releases_expired: int = 0
-    published: int = 0
-    publish_refused: int = 0
-    unpublished: int = 0
-    unpublish_refused: int = 0
-    nodes_expired: int = 0
-    locks_invalidated: int = 0
+__all__ = ["ChunkIndex", "LookupOutcome", "UnknownNodeError"]
 
 
 class ChunkIndex:

@@ -21,11 +21,21 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, overload
 
 from pdxfer.keys import KEY_BYTES
 
 MAGIC = b"PX"
+# Wire versions. Peers of different versions refuse each other (ERR_VERSION), so bump this when a
+# frame's layout or a field's meaning changes, and add a row saying what changed:
+#
+#   version  what changed
+#   -------  ------------------------------------------------------------------------------------
+#   1        First format: 16-byte header, JSON part + blob; ops register .. ping (1-9); keys as
+#            32-byte blobs, block ids as little-endian uint32 with "per" (uniform) or "counts".
+#            Also in 1, before any release: lookups carry "have" {node id: epoch} and replies send
+#            a node's description only when the client lacks that epoch; unpublish replies list
+#            keys the node never published as removed (the holder may reuse their blocks).
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
@@ -128,6 +138,12 @@ def decode_json(data: bytes) -> dict[str, Any]:
 # ---- field helpers: every bad field gets an error naming the field -------------------------------
 
 
+@overload
+def get_str(doc: dict[str, Any], name: str, optional: Literal[False] = False) -> str: ...
+@overload
+def get_str(doc: dict[str, Any], name: str, optional: bool) -> str | None: ...
+
+
 def get_str(doc: dict[str, Any], name: str, optional: bool = False) -> str | None:
     value = doc.get(name)
     if value is None and optional:
@@ -142,6 +158,12 @@ def get_int(doc: dict[str, Any], name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ProtocolError(ERR_MALFORMED, f"field {name!r} must be an integer in [{lo}, {hi}], got {value!r:.40}")
     return value
+
+
+@overload
+def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: Literal[False] = False) -> float: ...
+@overload
+def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: bool) -> float | None: ...
 
 
 def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: bool = False) -> float | None:
@@ -200,3 +222,11 @@ def unpack_u32(data: bytes | memoryview) -> list[int]:
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
     return arr.tolist()
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port); ValueError naming the text otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {text!r} is not host:port")
+    return host.strip("[]"), int(port)

@@ -23,15 +23,16 @@ import random
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+from pdxfer.master import start_local_master
+from pdxfer.procs import ManagedProcess, free_port, http_ok, wait_port_file
 
 if TYPE_CHECKING:
     import argparse
@@ -171,105 +172,6 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS just reported free (bind to port 0, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux).
-
-    The kernel sends it when the *thread* that forked exits, so use it only from a main thread.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class ManagedProcess:
-    """A child process in its own process group, with its output in a log file.
-
-    stop() sends SIGTERM to the whole group, waits up to `timeout`, then SIGKILLs the group, so
-    grandchildren (vLLM's engine core, its workers) never outlive it.
-    """
-
-    def __init__(self, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
-                 name: str | None = None, cwd: str | Path | None = None,
-                 die_with_parent: bool = False) -> None:
-        self.argv = list(argv)
-        self.log_path = Path(log_path)
-        self.name = name or Path(self.argv[0]).name
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] = open(self.log_path, "ab")
-        self._popen = subprocess.Popen(
-            self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
-        )
-        self.pid = self._popen.pid
-
-    def alive(self) -> bool:
-        return self._popen.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.poll()
-
-    def _signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.pid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-
-    def stop(self, timeout: float = 15) -> None:
-        """SIGTERM the group, wait up to `timeout` s for the leader and its group, then SIGKILL."""
-        if self.alive() or self._group_alive():
-            self._signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                self._popen.poll()
-                if not self.alive() and not self._group_alive():
-                    break
-                time.sleep(0.05)
-        self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL the whole group now and reap the leader (bounded)."""
-        # Only while something of ours is left: once the group is empty its number may be reused.
-        if self.alive() or self._group_alive():
-            self._signal_group(signal.SIGKILL)
-        try:
-            self._popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - a SIGKILLed child always exits
-            pass
-        if not self._log.closed:
-            self._log.close()
-
-    def log_tail(self, n_bytes: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - n_bytes))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    def __repr__(self) -> str:
-        return f"ManagedProcess({self.name!r}, pid={self.pid}, log={str(self.log_path)!r})"
-
-
 def _has_infiniband() -> bool:
     try:
         return any(Path("/sys/class/infiniband").iterdir())
@@ -359,72 +261,6 @@ def start_vllm(model_dir: str | Path, port: int, kv_transfer_config: dict | None
                           die_with_parent=die_with_parent)
 
 
-def wait_http_ready(url: str, timeout: float, proc: ManagedProcess | None = None,
-                    interval: float = 0.5) -> None:
-    """Poll `url` until it answers 200; raise RuntimeError with the log tail if `proc` dies or
-    TimeoutError after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last_err = "no answer yet"
-    while True:
-        if proc is not None and not proc.alive():
-            raise RuntimeError(
-                f"{proc.name} (pid {proc.pid}) exited with {proc.returncode} before {url} was "
-                f"ready; log {proc.log_path} ends with:\n{proc.log_tail()}"
-            )
-        try:
-            with urllib.request.urlopen(url, timeout=min(5.0, max(0.1, interval * 4))) as r:
-                if r.status == 200:
-                    return
-                last_err = f"HTTP {r.status}"
-        except urllib.error.HTTPError as e:
-            last_err = f"HTTP {e.code}"
-        except (urllib.error.URLError, OSError) as e:
-            last_err = str(getattr(e, "reason", e))
-        if time.monotonic() >= deadline:
-            tail = f"; log {proc.log_path} ends with:\n{proc.log_tail()}" if proc else ""
-            raise TimeoutError(f"{url} not ready after {timeout:.0f} s ({last_err}){tail}")
-        time.sleep(interval)
-
-
-def start_master(log_dir: str | Path, token_file: str | Path | None = None,
-                 extra_args: Sequence[str] = (), timeout: float = 30,
-                 die_with_parent: bool = False) -> tuple[ManagedProcess, str]:
-    """Start `pdxfer-master` (in-memory store) on 127.0.0.1 with an OS-chosen port.
-
-    Returns (process, "host:port") once the master has written its port file.
-    """
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    port_file = log_dir / f"master-{os.getpid()}-{time.monotonic_ns()}.port"
-    argv = [sys.executable, "-m", "pdxfer.master.service", "--host", "127.0.0.1", "--port", "0",
-            "--port-file", str(port_file)]
-    if token_file is not None:
-        argv += ["--token-file", str(token_file)]
-    argv += list(extra_args)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = ManagedProcess(argv, log_dir / "master.log", env=env, name="pdxfer-master",
-                          die_with_parent=die_with_parent)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            # The master writes "<port>\n<http port>\n" atomically (os.replace).
-            text = port_file.read_text().split() if port_file.exists() else []
-            if text:
-                return proc, f"127.0.0.1:{int(text[0])}"
-            if not proc.alive():
-                raise RuntimeError(f"pdxfer-master exited with {proc.returncode}; log:\n"
-                                   f"{proc.log_tail()}")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"pdxfer-master wrote no port file in {timeout:.0f} s; log:\n"
-                                   f"{proc.log_tail()}")
-            time.sleep(0.05)
-    except BaseException:
-        proc.stop(5)
-        raise
-
-
 # ---------------------------------------------------------------------------------------------
 # The paired launch: master + prefill + decode + proxy, readiness with progress, clean stop.
 # ---------------------------------------------------------------------------------------------
@@ -499,7 +335,7 @@ class Stack:
                         f"{c.name} (pid {c.proc.pid}) exited with {c.proc.returncode} during "
                         f"startup; log {c.proc.log_path} ends with:\n{c.proc.log_tail()}")
                 if not c.ready:
-                    c.ready = c.ready_url is None or _probe(c.ready_url)
+                    c.ready = c.ready_url is None or http_ok(c.ready_url)
             elapsed = time.monotonic() - t0
             if progress is not None:
                 progress(self.progress_line(elapsed))
@@ -520,14 +356,6 @@ class Stack:
             else:
                 parts.append(f"{c.name}: {last_log_message(c.proc.log_path, 40) or 'starting'}")
         return f"[{elapsed:5.0f}s] " + " | ".join(parts)
-
-
-def _probe(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def pdxfer_kv_config(role: str, master: str, transport: str = "tcp",
@@ -557,13 +385,12 @@ def start_proxy(prefill: Sequence[str], decode: Sequence[str], log_dir: Path, po
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = ManagedProcess(argv + list(extra_args), log_dir / "proxy.log", env=env, name="proxy",
                           die_with_parent=die_with_parent)
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        if not proc.alive() or time.monotonic() > deadline:
-            proc.stop(5)
-            raise RuntimeError(f"proxy did not start; log:\n{proc.log_tail()}")
-        time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
+    try:
+        port = wait_port_file(port_file, 30, proc)[0]
+    except BaseException:
+        proc.stop(5)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def split_cores(cores: Sequence[int] | None = None) -> tuple[str, str]:
@@ -599,10 +426,11 @@ def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
         p_cfg = d_cfg = None
         if connector:
             if master is None:
-                mproc, master = start_master(log_dir, extra_args=(
+                local = start_local_master(workdir=log_dir, log_name="master.log", extra_args=(
                     ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else []),
                     die_with_parent=die_with_parent)
-                stack.add(Component("master", mproc, None, url=master))
+                master = local.address
+                stack.add(Component("master", local.proc, None, url=master))
             extra = dict(connector_extra or {})
             p_cfg = pdxfer_kv_config("kv_producer", master, transport, chunk_tokens, **extra)
             d_cfg = pdxfer_kv_config("kv_consumer", master, transport, chunk_tokens, **extra)

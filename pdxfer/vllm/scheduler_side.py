@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from pdxfer.keys import IncrementalHasher, Namespace
 from pdxfer.layout import LayoutError, chunk_span
-from pdxfer.master.client import MasterClient, MasterError, MasterUnavailable, NodeInfo, NodeSession
+from pdxfer.master import MasterClient, MasterError, MasterUnavailable, NodeInfo, NodeSession
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata, PdxferHandshake

@@ -109,7 +109,7 @@ class WorkerSide:
         if self._client is None:
             factory = self._client_factory
             if factory is None:
-                from pdxfer.master.client import MasterClient
+                from pdxfer.master import MasterClient
 
                 factory = MasterClient
             # Validation is on the step path: a slow master costs a recompute, not a stalled engine.

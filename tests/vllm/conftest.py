@@ -15,15 +15,9 @@ from typing import Any
 
 import pytest
 
-from pdxfer.vllm.launch import (
-    ManagedProcess,
-    default_run_dir,
-    free_port,
-    make_tiny_model,
-    start_master,
-    start_vllm,
-    wait_http_ready,
-)
+from pdxfer.master import LocalMaster, start_local_master
+from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
+from pdxfer.vllm.launch import default_run_dir, make_tiny_model, start_vllm
 
 READY_TIMEOUT_S = 420  # cold start of two instances on two busy cores
 REQUEST_TIMEOUT_S = 120
@@ -87,7 +81,7 @@ class PDPair:
     model: Path
     transport: str
     master_port: int = 0
-    master: ManagedProcess | None = None
+    master: LocalMaster | None = None
     master_addr: str = ""
     prefill: ManagedProcess | None = None
     decode: ManagedProcess | None = None
@@ -97,7 +91,9 @@ class PDPair:
 
     def start_master(self) -> None:
         # A fixed port (chosen free once) lets a restarted master be found at the same address.
-        self.master, self.master_addr = start_master(self.run_dir, extra_args=["--port", str(self.master_port)])
+        self.master = start_local_master(workdir=self.run_dir, log_name="master.log",
+                                         extra_args=["--port", str(self.master_port)])
+        self.master_addr = self.master.address
 
     def start(self) -> None:
         self.master_port = free_port()

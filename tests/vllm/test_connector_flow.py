@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 from pdxfer.layout import describe_kv_caches  # noqa: E402
-from pdxfer.master.client import start_local_master  # noqa: E402
+from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.vllm.config import TEST_HOOKS_ENV, parse_extra_config  # noqa: E402
 from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
@@ -240,7 +240,7 @@ def test_unplannable_or_unknown_loads_fail_every_expected_block(pair):
 
 
 def test_chunks_the_master_lost_are_freed_after_the_stale_bound(pair, master):
-    from pdxfer.master.client import MasterClient
+    from pdxfer.master import MasterClient
 
     holder, _ = pair(retention_s=0.3)
     holder.sched._stale_after_s = 1.0  # normally max(10 x lock TTL, 60 s)

@@ -1,7 +1,8 @@
 """HA coordination through etcd (``aetcd``): leader election, leader address, node membership.
 
 - Election: ``<prefix>/leader`` is created only if absent (txn on version == 0) under this
-  replica's lease; its value is ``{"addr": ADVERTISE, "id": REPLICA_ID}``. Standbys poll for the
+  replica's lease; its value is ``{"addr": ADVERTISE, "id": REPLICA_ID}`` (key names and value
+  encoding: ``etcd_layout.py``, shared with the clients that read it). Standbys poll for the
   key to disappear (the leader's lease ran out or it stepped down) and then race to create it.
 - Renewal: the leader refreshes its lease whenever a third of the TTL has passed since the last
   *successful* refresh was sent (i.e. on the remaining time, with two more chances before expiry),
@@ -19,7 +20,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import aetcd
 
+from pdxfer.master import etcd_layout
+from pdxfer.master.coordinator import Members
 log = logging.getLogger("pdxfer.master.etcd")
 
 _POLL_S = 0.2  # standby poll and membership sync cadence
@@ -36,15 +38,9 @@ _POLL_S = 0.2  # standby poll and membership sync cadence
 class EtcdCoordinator:
     kind = "etcd"
 
-    def __init__(self, endpoints: str, prefix: str = "/pdxfer/master", leader_ttl: float = 5.0,
-                 timeout_s: float = 1.0) -> None:
-        self.endpoints: list[tuple[str, int]] = []
-        for ep in endpoints.split(","):
-            host, _, port = ep.strip().rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"etcd endpoint {ep!r} is not host:port")
-            self.endpoints.append((host, int(port)))
-        self.prefix = prefix.rstrip("/")
+    def __init__(self, target: etcd_layout.EtcdTarget, leader_ttl: float = 5.0, timeout_s: float = 1.0) -> None:
+        self.endpoints = list(target.endpoints)
+        self.prefix = target.prefix
         # etcd leases have whole-second TTLs.
         self.leader_ttl = max(1, math.ceil(leader_ttl))
         self.timeout_s = timeout_s
@@ -66,14 +62,8 @@ class EtcdCoordinator:
         self._touched: set[str] = set()
         self._node_leases: dict[str, tuple[Any, float, float]] = {}  # id -> (lease, ttl, last refresh)
         self.failovers = 0
-        self.members: Callable[[], list[tuple[str, float, str]]] | None = None
-
-    @property
-    def leader_key(self) -> bytes:
-        return f"{self.prefix}/leader".encode()
-
-    def node_key(self, node_id: str) -> bytes:
-        return f"{self.prefix}/nodes/{node_id}".encode()
+        self.members: Members | None = None
+        self.leader_key = etcd_layout.leader_key(self.prefix)
 
     # ---- what the service reads -----------------------------------------------------------------
 
@@ -187,18 +177,21 @@ class EtcdCoordinator:
                 await self._reset_client()
             await asyncio.sleep(_POLL_S if not self._leader else min(_POLL_S, self._lease_ttl / 6))
 
+    async def _create_leader_key(self, client: aetcd.Client, lease: Any) -> bool:
+        """Create the leader key under ``lease`` only if nobody holds it (one txn)."""
+        tx = client.transactions
+        ok, _ = await self._call(client.transaction(
+            compare=[tx.version(self.leader_key) == 0],
+            success=[tx.put(self.leader_key, etcd_layout.encode_leader(self.advertise, self.replica_id), lease)],
+            failure=[],
+        ))
+        return bool(ok)
+
     async def _take_leader_key(self, client: aetcd.Client) -> bool:
         """Create the leader key under a fresh lease if nobody holds it; on success adopt the lease."""
         lease = await self._call(client.lease(self.leader_ttl))
         sent = time.monotonic()
-        value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
-        tx = client.transactions
-        ok, _ = await self._call(client.transaction(
-            compare=[tx.version(self.leader_key) == 0],
-            success=[tx.put(self.leader_key, value, lease)],
-            failure=[],
-        ))
-        if not ok:
+        if not await self._create_leader_key(client, lease):
             await self._call(lease.revoke())
             return False
         self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(lease.ttl or self.leader_ttl)
@@ -207,7 +200,7 @@ class EtcdCoordinator:
     async def _campaign(self, client: aetcd.Client) -> None:
         got = await self._call(client.get(self.leader_key))
         if got is not None:
-            self._leader_addr = self._addr_of(got.value)
+            self._leader_addr = _addr_of(got)
             return
         if not await self._take_leader_key(client):
             return
@@ -226,7 +219,7 @@ class EtcdCoordinator:
             # Not due for renewal: still check (one cheap get per round) that the key is ours,
             # so a replica that lost the key stops serving within a poll interval.
             got = await self._call(client.get(self.leader_key))
-            if got is not None and self._id_of(got.value) == self.replica_id:
+            if self._holds_key(got):
                 return
         sent = time.monotonic()
         reply = await self._call(self._lease.refresh())
@@ -234,20 +227,14 @@ class EtcdCoordinator:
         if ttl > 0:
             self._lease_sent, self._lease_ttl = sent, float(ttl)
             got = await self._call(client.get(self.leader_key))
-            if got is not None and self._id_of(got.value) == self.replica_id:
+            if self._holds_key(got):
                 return
             if got is None:
                 # Our lease lives but the key is gone (deleted by hand): re-create it under the lease.
-                value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
-                tx = client.transactions
-                ok, _ = await self._call(client.transaction(
-                    compare=[tx.version(self.leader_key) == 0],
-                    success=[tx.put(self.leader_key, value, self._lease)], failure=[]))
-                if ok:
+                if await self._create_leader_key(client, self._lease):
                     return
                 got = await self._call(client.get(self.leader_key))
-            self._step_down("another replica holds the leader key",
-                            self._addr_of(got.value) if got is not None else None)
+            self._step_down("another replica holds the leader key", _addr_of(got))
             return
         # Our lease is gone (expired while etcd was unreachable, or revoked). Try to take the key
         # back; if somebody else has it, step down.
@@ -259,7 +246,7 @@ class EtcdCoordinator:
                 self._remirror_all()
                 return
             got = await self._call(client.get(self.leader_key))
-        self._step_down("leader lease lost", self._addr_of(got.value) if got is not None else None)
+        self._step_down("leader lease lost", _addr_of(got))
 
     def _remirror_all(self) -> None:
         # Set by the service: current members to write again after losing our etcd state.
@@ -291,10 +278,10 @@ class EtcdCoordinator:
                     await self._call(old[0].revoke())
                 if op == "put":
                     lease = await self._call(client.lease(max(1, math.ceil(ttl))))
-                    await self._call(client.put(self.node_key(node_id), info_json.encode(), lease))
+                    await self._call(client.put(etcd_layout.node_key(self.prefix, node_id), info_json.encode(), lease))
                     self._node_leases[node_id] = (lease, ttl, time.monotonic())
                 else:
-                    await self._call(client.delete(self.node_key(node_id)))
+                    await self._call(client.delete(etcd_layout.node_key(self.prefix, node_id)))
                 del pending[node_id]
             now = time.monotonic()
             for node_id in list(touched):
@@ -308,16 +295,22 @@ class EtcdCoordinator:
                 self._pending.setdefault(node_id, v)
             self._touched |= touched
 
-    @staticmethod
-    def _addr_of(value: bytes) -> str | None:
-        try:
-            return str(json.loads(value)["addr"])
-        except (ValueError, KeyError, TypeError):
-            return None
+    def _holds_key(self, got: Any) -> bool:
+        """Whether a get of the leader key found this replica's record."""
+        record = _record_of(got)
+        return record is not None and record.replica_id == self.replica_id
 
-    @staticmethod
-    def _id_of(value: bytes) -> str | None:
-        try:
-            return str(json.loads(value)["id"])
-        except (ValueError, KeyError, TypeError):
-            return None
+
+def _record_of(got: Any) -> etcd_layout.LeaderRecord | None:
+    """The leader record of a get result (None: no key, or a value that is no leader record)."""
+    if got is None:
+        return None
+    try:
+        return etcd_layout.decode_leader(got.value)
+    except ValueError:
+        return None
+
+
+def _addr_of(got: Any) -> str | None:
+    record = _record_of(got)
+    return record.addr if record is not None else None

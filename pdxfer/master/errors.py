@@ -1,0 +1,23 @@
+"""Errors the master client raises (all are MasterError)."""
+
+from __future__ import annotations
+
+
+class MasterError(RuntimeError):
+    """Base of every error the client raises."""
+
+
+class MasterUnavailable(MasterError):
+    """No master answered within the time budget (refused, reset, timed out, no leader)."""
+
+
+class MasterProtocolError(MasterError):
+    """The master refused a message as malformed, oversized or of another version (or vice versa)."""
+
+
+class MasterAuthError(MasterError):
+    """The master refused the token."""
+
+
+class UnknownNode(MasterError):
+    """The master does not know this node (never registered, deregistered, or its lease expired)."""

@@ -1,0 +1,90 @@
+"""NodeSession: keeps one node registered with the master (lease heartbeats, re-registration)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Callable
+
+from pdxfer.master.client import MasterClient
+from pdxfer.master.errors import MasterError
+from pdxfer.master.records import NodeInfo
+
+log = logging.getLogger("pdxfer.master.client")
+
+
+class NodeSession:
+    """Keeps one node registered from a background thread.
+
+    Heartbeats when a third of the lease has been used (i.e. on the *remaining* lease time, measured
+    from when the last successful heartbeat was sent), retries quickly while the master is
+    unreachable, and when the master says it forgot the node (failover, restart, lease lost)
+    re-registers and calls ``on_reregistered()`` so the owner re-publishes what it holds.
+    """
+
+    def __init__(
+        self,
+        client: MasterClient,
+        info: NodeInfo,
+        lease_ttl_s: float = 10.0,
+        on_reregistered: Callable[[], None] | None = None,
+    ) -> None:
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
+        self.client = client
+        self.info = info
+        self.lease_ttl_s = lease_ttl_s
+        self.on_reregistered = on_reregistered
+        self.registered = False
+        self.reregistrations = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        try:
+            self.client.register_node(self.info, self.lease_ttl_s)
+            self.registered = True
+            self._sent_at = time.monotonic()
+        except MasterError as exc:
+            log.warning("node %s: first registration failed (%s); retrying in the background", self.info.node_id, exc)
+        self._thread = threading.Thread(target=self._run, name=f"pdxfer-node-{self.info.node_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ttl = self.lease_ttl_s
+        next_at = time.monotonic() + ttl / 3 if self.registered else time.monotonic()
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+            sent = time.monotonic()
+            try:
+                if self.registered:
+                    if self.client.heartbeat(self.info.node_id):
+                        next_at = sent + ttl / 3
+                        continue
+                    log.warning("node %s: master forgot this node; re-registering", self.info.node_id)
+                    self.registered = False
+                self.client.register_node(self.info, ttl)
+                self.registered = True
+                self.reregistrations += 1
+                next_at = sent + ttl / 3
+                if self.on_reregistered is not None:
+                    try:
+                        self.on_reregistered()
+                    except Exception:  # the owner's bug must not stop the lease keeper
+                        log.exception("node %s: on_reregistered failed", self.info.node_id)
+            except MasterError as exc:
+                log.debug("node %s: master unreachable: %s", self.info.node_id, exc)
+                next_at = time.monotonic() + min(0.2, ttl / 10) * (0.5 + random.random())
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.client.timeout_s * 3 + 1)
+        if deregister and self.registered:
+            try:
+                self.client.deregister_node(self.info.node_id)
+            except MasterError as exc:
+                log.warning("node %s: deregister failed: %s", self.info.node_id, exc)
+        self.registered = False
+
