@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from pdxfer.transport import wire
+from pdxfer.transport.tcp import wire
 from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
 
 log = logging.getLogger(__name__)

@@ -11,12 +11,7 @@ Design decisions (measured on a 2-core host, see docs/nixl.md):
   (which makes the holder's progress thread hot) and READs a random cookie the holder exported.
   A dead or stale peer therefore fails at connect with PeerUnreachable, and the first real READ
   does not pay for the UCX wire-up.
-* Descriptor lists are prepared once per (peer, granule): one strided NIXL list per side covering
-  every registered region in ``granule``-byte descriptors. A plan is mapped onto indices of those
-  lists (a run of n granules is n consecutive indices, which NIXL merges again), so a READ costs
-  one ``make_prepped_xfer``. The granule is the largest power of two dividing every offset and
-  length of the plan; plans that align to less than ``min_granule`` bytes fall back to
-  ``initialize_xfer`` with one descriptor per run (both cost ~0.2-0.5 ms for 4096 runs here).
+* Descriptor lists are prepared once per (peer, granule), see ``descriptors.py``.
 * Release order on close: in-flight transfer handles, prepared descriptor lists, remote agents,
   registered memory, then the agent.
 """
@@ -24,10 +19,7 @@ Design decisions (measured on a 2-core host, see docs/nixl.md):
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
-import math
-import operator
 import os
 import secrets
 import socket
@@ -42,120 +34,32 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdxfer.layout import TransferPlan
-from pdxfer.transport import nixl_meta
 from pdxfer.transport.base import (
     MetadataError,
     OutOfRange,
     PeerDied,
     PeerUnreachable,
-    ReadHandle,
     ReadState,
     RegionUnknown,
     RegisteredRegion,
     Transport,
-    TransferCancelled,
     TransferTimeout,
     TransportError,
 )
-from pdxfer.transport.nixl_env import load_bindings, load_nixl
-from pdxfer.transport.nixl_progress import TargetProgress
+from pdxfer.transport.nixl import descriptors as D
+from pdxfer.transport.nixl import metadata as nixl_meta
+from pdxfer.transport.nixl.descriptors import Prepped, RegionTable, mem_of
+from pdxfer.transport.nixl.env import load_bindings, load_nixl
+from pdxfer.transport.nixl.handle import NixlReadHandle
+from pdxfer.transport.nixl.progress import TargetProgress
+from pdxfer.transport.runs import Run, check_array, check_small_runs, plan_array
 
 log = logging.getLogger(__name__)
 
 _COOKIE_BYTES = 32
 _HELLO = b"pdxfer:hello"
 _WAKE = b"pdxfer:wake"
-_MAX_GRANULE = 64 << 20  # bigger granules: fewer indices per READ; lists are strided, so cheap
 _SMALL_PLAN = 8  # plans with at most this many runs skip numpy
-_SMALL_INDICES = 4096  # ... as long as they map to at most this many prepared descriptors
-_MAX_INDICES = 1 << 21  # above this many prepared descriptors per READ, one descriptor per run is cheaper
-
-
-def _mem_of(device: str) -> tuple[str, int]:
-    """NIXL memory type and device id for a torch device string."""
-    dev = str(device)
-    if dev == "cpu":
-        return "DRAM", 0
-    if dev.startswith("cuda"):
-        # UNTESTED: no GPU here. NIXL's UCX plugin lists VRAM; GPUDirect needs a CUDA-enabled UCX.
-        return "VRAM", int(dev.split(":", 1)[1]) if ":" in dev else 0
-    raise TransportError(f"NIXL transport cannot register memory on device {device!r} (cpu or cuda only)")
-
-
-_RUN_FIELDS = operator.attrgetter("remote_region", "remote_offset", "local_region", "local_offset", "nbytes")
-_last_plan: tuple[Any, np.ndarray] | None = None  # (weakref to plan, its array): re-read plans skip the walk
-
-
-def _plan_array(plan: TransferPlan) -> np.ndarray:
-    """(n, 5) int64: remote_region, remote_offset, local_region, local_offset, nbytes.
-
-    Walking 4096 run objects costs ~1 ms (fromiter is 2x faster than a list of tuples); the array of
-    the most recent plan is kept, keyed by the plan's identity, for callers that re-read one plan.
-    """
-    global _last_plan
-    cached = _last_plan
-    if cached is not None and cached[0]() is plan:
-        return cached[1]
-    runs = plan.runs
-    arr = np.fromiter(itertools.chain.from_iterable(map(_RUN_FIELDS, runs)), dtype=np.int64,
-                      count=5 * len(runs)).reshape(len(runs), 5)
-    arr.flags.writeable = False
-    try:
-        _last_plan = (weakref.ref(plan), arr)
-    except TypeError:  # a plan type without weakref support: just do not cache
-        pass
-    return arr
-
-
-@dataclass
-class _RegionTable:
-    """Registered regions of one side, as arrays for vectorised range checks."""
-
-    ptr: np.ndarray
-    nbytes: np.ndarray
-    dev: np.ndarray
-    mem_type: str
-
-    @classmethod
-    def build(cls, regions: Sequence[tuple[int, int, int, str, int]], side: str) -> "_RegionTable":
-        # regions: (index, ptr, nbytes, mem_type, dev); index i must be at position i
-        for pos, r in enumerate(regions):
-            if r[0] != pos:
-                raise RegionUnknown(f"{side} region table is not 0..n-1: position {pos} holds index {r[0]}")
-        mems = {r[3] for r in regions}
-        if len(mems) > 1:
-            raise TransportError(f"{side} regions mix memory types {sorted(mems)}; one transport serves one kind")
-        return cls(np.array([r[1] for r in regions], dtype=np.uint64),
-                   np.array([r[2] for r in regions], dtype=np.int64),
-                   np.array([r[4] for r in regions], dtype=np.uint64),
-                   mems.pop() if mems else "DRAM")
-
-    def __post_init__(self) -> None:
-        self.sizes: list[int] = self.nbytes.tolist()  # Python ints for the few-runs fast path
-
-    def __len__(self) -> int:
-        return len(self.nbytes)
-
-    def strided_rows(self, granule: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows (addr, len, dev, stride, count) for one strided NIXL list, and each region's first index."""
-        counts = self.nbytes // granule
-        rows = np.stack([self.ptr, np.full(len(self), granule, np.uint64), self.dev,
-                         np.full(len(self), granule, np.uint64), counts.astype(np.uint64)], axis=1)
-        base = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        keep = counts > 0  # NIXL rejects zero-count rows; those regions cannot use this granule anyway
-        return rows[keep], base
-
-
-@dataclass
-class _Prepped:
-    local: Any
-    remote: Any
-    local_base: np.ndarray
-    remote_base: np.ndarray
-
-    def __post_init__(self) -> None:
-        self.local_base_list = self.local_base.tolist()
-        self.remote_base_list = self.remote_base.tolist()
 
 
 @dataclass
@@ -163,82 +67,11 @@ class _Peer:
     name: str
     blob: bytes
     info: nixl_meta.NixlPeerInfo
-    table: _RegionTable
+    table: RegionTable
     loopback: bool
-    prepped: dict[int, _Prepped] = field(default_factory=dict)
+    prepped: dict[int, Prepped] = field(default_factory=dict)
     reads: int = 0
     last_wake: float = 0.0  # monotonic time of the last wake-up notification sent to this peer
-
-
-class NixlReadHandle(ReadHandle):
-    def __init__(self, transport: "NixlTransport", peer: str, xfer: Any, nbytes: int,
-                 state: ReadState = ReadState.PENDING, error: TransportError | None = None):
-        self._t = transport
-        self.peer = peer
-        self._xfer = xfer
-        self.nbytes = nbytes
-        self._state = state
-        self._error = error
-
-    @property
-    def error(self) -> TransportError | None:
-        return self._error
-
-    def _finish(self, state: ReadState, error: TransportError | None = None) -> None:
-        self._state, self._error = state, error
-        xfer, self._xfer = self._xfer, None
-        self._t._forget(self)
-        if xfer is not None:
-            self._t._release_xfer(xfer)
-
-    def poll(self) -> ReadState:
-        if self._state is not ReadState.PENDING:
-            return self._state
-        t = self._t
-        try:
-            with t._lock:
-                if self._xfer is None:  # closed under us
-                    return self._state
-                st = t._agent.check_xfer_state(self._xfer)
-        except t._bind.nixlRemoteDisconnectError as exc:
-            self._finish(ReadState.FAILED, PeerDied(f"NIXL peer {self.peer} disconnected during READ: {exc}"))
-            return self._state
-        except Exception as exc:
-            self._finish(ReadState.FAILED, PeerDied(f"NIXL READ from {self.peer} failed: {exc!r}"))
-            return self._state
-        if st == "DONE":
-            self._finish(ReadState.DONE)
-        elif st == "ERR":
-            self._finish(ReadState.FAILED,
-                         PeerDied(f"NIXL READ from {self.peer} failed (ERR): peer died or connection lost"))
-        return self._state
-
-    def wait(self, timeout: float) -> ReadState:
-        deadline = time.monotonic() + max(0.0, timeout)
-        # Spin briefly (CMA and small READs finish within microseconds), then back off so a waiting
-        # reader does not burn a core for a long transfer. Polling is what progresses the READ.
-        spins, sleep = 0, 0.0
-        while self.poll() is ReadState.PENDING:
-            now = time.monotonic()
-            if now - self._t._last_wake(self.peer) > self._t._hot_window / 2:
-                self._t._wake(self.peer)  # a long READ must keep the holder's progress hot
-            if now >= deadline:
-                raise TransferTimeout(f"NIXL READ of {self.nbytes} bytes from {self.peer} still pending "
-                                      f"after {timeout:.3f} s")
-            spins += 1
-            if spins > 200:
-                sleep = min(0.001, max(5e-5, sleep * 2))
-                time.sleep(sleep)
-        if self._state is ReadState.FAILED:
-            assert self._error is not None
-            raise self._error
-        if self._state is ReadState.CANCELLED:
-            raise self._error or TransferCancelled(f"READ from {self.peer} was cancelled")
-        return self._state
-
-    def cancel(self) -> None:
-        if self._state is ReadState.PENDING:
-            self._finish(ReadState.CANCELLED, TransferCancelled(f"READ from {self.peer} was cancelled"))
 
 
 _live: "weakref.WeakSet[NixlTransport]" = weakref.WeakSet()
@@ -296,7 +129,7 @@ class NixlTransport(Transport):
         self._scratch_reg = self._agent.register_memory(
             [(self._scratch_ptr, self._scratch.nbytes, 0, "")], "DRAM")
         self._regions: list[RegisteredRegion] = []
-        self._table = _RegionTable.build([], "local")
+        self._table = RegionTable.build([], "local")
         self._reg_dlist: Any = None
         self._local_prepped: dict[int, tuple[Any, np.ndarray]] = {}
         self._peers: dict[str, _Peer] = {}
@@ -323,9 +156,9 @@ class NixlTransport(Transport):
                 raise RegionUnknown(f"region at position {pos} has index {r.index}; indices must be 0..n-1")
             if r.nbytes <= 0 or r.ptr <= 0:
                 raise OutOfRange(f"region {r.index} has ptr {r.ptr:#x} and size {r.nbytes}: nothing to register")
-            mem, dev = _mem_of(r.device)
+            mem, dev = mem_of(r.device)
             rows.append((r.index, r.ptr, r.nbytes, mem, dev))
-        table = _RegionTable.build(rows, "local")
+        table = RegionTable.build(rows, "local")
         if not rows:
             return
         with self._lock:
@@ -350,7 +183,7 @@ class NixlTransport(Transport):
                 self._safe(lambda: self._agent.deregister_memory(self._reg_dlist))
             self._reg_dlist = None
             self._regions = []
-            self._table = _RegionTable.build([], "local")
+            self._table = RegionTable.build([], "local")
 
     # ------------------------------------------------------------------ metadata / peers
 
@@ -384,7 +217,7 @@ class NixlTransport(Transport):
                 if old.blob == blob:
                     return old.name
                 self.disconnect(old.name)  # same agent name, new metadata (re-registered memory)
-            table = _RegionTable.build([(r.index, r.ptr, r.nbytes, r.mem_type, r.dev_id) for r in info.regions],
+            table = RegionTable.build([(r.index, r.ptr, r.nbytes, r.mem_type, r.dev_id) for r in info.regions],
                                        f"peer {info.agent}")
             loopback = info.agent == self.name
             if not loopback:
@@ -470,18 +303,16 @@ class NixlTransport(Transport):
         p = self._peers.get(peer)
         if p is None:
             raise PeerUnreachable(f"not connected to NIXL peer {peer!r}; call connect() with its metadata first")
-        if not plan.runs:
-            return NixlReadHandle(self, peer, None, 0, ReadState.DONE)
-        runs = plan.runs
-        small = len(runs) <= _SMALL_PLAN
-        if small:
+        rows: list[Run] | None = None
+        if len(plan.runs) <= _SMALL_PLAN:
             # A few runs: plain Python is ~5x cheaper than a dozen numpy calls (latency of 1-run reads).
-            g = self._validate_small(p, runs)
-            nbytes = sum(r.nbytes for r in runs)
+            rows = check_small_runs(plan.runs, p.table.sizes, self._table.sizes, p.name)
+            nbytes = sum(r[4] for r in rows)
         else:
-            arr = _plan_array(plan)
-            self._validate(p, arr)
+            arr = check_array(plan_array(plan), p.table.sizes, self._table.sizes, p.name)
             nbytes = int(arr[:, 4].sum())
+        if nbytes == 0:  # an empty plan, or only zero-length runs: nothing to post
+            return NixlReadHandle(self, peer, None, 0, ReadState.DONE)
         with self._lock:
             if self._closed or peer not in self._peers:
                 raise PeerUnreachable(f"NIXL peer {peer!r} was disconnected")
@@ -491,9 +322,9 @@ class NixlTransport(Transport):
                     # The holder may have gone idle (polling every idle_poll_s): wake it first, so a
                     # READ that needs target progress (UCX over TCP) is not served at the idle rate.
                     self._wake(peer)
-                xfer = self._make_xfer_small(p, runs, g) if small else None
+                xfer = self._make_xfer_small(p, rows) if rows is not None else None
                 if xfer is None:
-                    xfer = self._make_xfer(p, arr if not small else _plan_array(plan))
+                    xfer = self._make_xfer(p, arr if rows is None else np.array(rows, dtype=np.int64))
                 state = self._agent.transfer(xfer)
             except Exception as exc:
                 if xfer is not None:
@@ -511,99 +342,36 @@ class NixlTransport(Transport):
             handle._finish(ReadState.DONE)
         return handle
 
-    def _validate(self, p: _Peer, arr: np.ndarray) -> None:
-        """Every run inside registered memory on both sides, else a typed error naming the run."""
-        for side, reg_col, off_col, table, who in ((
-                "remote", 0, 1, p.table, f"peer {p.name}"), ("local", 2, 3, self._table, "this side")):
-            reg = arr[:, reg_col]
-            bad = np.flatnonzero((reg < 0) | (reg >= len(table)))
-            if bad.size:
-                i = int(bad[0])
-                raise RegionUnknown(f"run {i}: {side} region {int(reg[i])} is not registered on {who} "
-                                    f"({len(table)} regions)")
-            off, n = arr[:, off_col], arr[:, 4]
-            size = table.nbytes[reg]
-            bad = np.flatnonzero((off < 0) | (n <= 0) | (off + n > size))
-            if bad.size:
-                i = int(bad[0])
-                raise OutOfRange(f"run {i}: {side} region {int(reg[i])} bytes [{int(off[i])}, "
-                                 f"{int(off[i] + n[i])}) outside its {int(size[i])} registered bytes on {who}")
-
-    def _validate_small(self, p: _Peer, runs: Sequence[Any]) -> int:
-        """Same checks and messages as ``_validate`` for a few runs; returns the gcd of offsets and sizes."""
-        g = 0
-        for i, r in enumerate(runs):
-            for side, reg, off, table, who in (("remote", r.remote_region, r.remote_offset, p.table, f"peer {p.name}"),
-                                               ("local", r.local_region, r.local_offset, self._table, "this side")):
-                if not 0 <= reg < len(table.sizes):
-                    raise RegionUnknown(f"run {i}: {side} region {reg} is not registered on {who} "
-                                        f"({len(table.sizes)} regions)")
-                size = table.sizes[reg]
-                if off < 0 or r.nbytes <= 0 or off + r.nbytes > size:
-                    raise OutOfRange(f"run {i}: {side} region {reg} bytes [{off}, {off + r.nbytes}) outside "
-                                     f"its {size} registered bytes on {who}")
-            g = math.gcd(g, r.remote_offset, r.local_offset, r.nbytes)
-        return g
-
-    def _make_xfer_small(self, p: _Peer, runs: Sequence[Any], g: int) -> Any:
+    def _make_xfer_small(self, p: _Peer, rows: list[Run]) -> Any:
         """Prepared-list READ for a few runs built with Python lists; None when the numpy path must decide."""
-        granule = min(g & -g, _MAX_GRANULE)
-        if granule < self._min_granule:
+        granule = D.granule_of(rows)
+        pr = self._prepped_for(p, granule) if granule >= self._min_granule else None
+        idx = D.small_indices(rows, granule, pr, p.table, self._table) if pr is not None else None
+        if idx is None:
             return None
-        pr = self._prepped_for(p, granule)
-        if pr is None:
-            return None
-        lidx: list[int] = []
-        ridx: list[int] = []
-        for r in runs:
-            n = r.nbytes // granule
-            rs, ls = p.table.sizes[r.remote_region], self._table.sizes[r.local_region]
-            if (r.remote_offset + r.nbytes > rs // granule * granule
-                    or r.local_offset + r.nbytes > ls // granule * granule or len(lidx) + n > _SMALL_INDICES):
-                return None
-            r0 = pr.remote_base_list[r.remote_region] + r.remote_offset // granule
-            l0 = pr.local_base_list[r.local_region] + r.local_offset // granule
-            ridx.extend(range(r0, r0 + n))
-            lidx.extend(range(l0, l0 + n))
-        xfer = self._agent.make_prepped_xfer("READ", pr.local, lidx, pr.remote, ridx)
+        xfer = self._agent.make_prepped_xfer("READ", pr.local, idx[0], pr.remote, idx[1])
         self._counts["prepped_reads"] += 1
         return xfer
 
     def _make_xfer(self, p: _Peer, arr: np.ndarray) -> Any:
-        offs_and_lens = np.concatenate([arr[:, 1], arr[:, 3], arr[:, 4]])
-        g = int(np.gcd.reduce(offs_and_lens))
-        granule = min(g & -g, _MAX_GRANULE) if g else _MAX_GRANULE
+        granule = D.granule_of_array(arr)
         if granule >= self._min_granule:
-            n = arr[:, 4] // granule
-            total = int(n.sum())
-            pr = self._prepped_for(p, granule) if total <= _MAX_INDICES else None
-            if pr is not None and self._fits(arr, granule, p.table, self._table):
-                # run i covers n_i consecutive descriptors starting at its first granule
-                first = np.cumsum(n) - n
-                step = np.arange(total, dtype=np.int64) - np.repeat(first, n)
-                ridx = (np.repeat(pr.remote_base[arr[:, 0]] + arr[:, 1] // granule, n) + step).astype(np.int32)
-                lidx = (np.repeat(pr.local_base[arr[:, 2]] + arr[:, 3] // granule, n) + step).astype(np.int32)
+            total = int((arr[:, 4] // granule).sum())
+            pr = self._prepped_for(p, granule) if total <= D.MAX_INDICES else None
+            if pr is not None and D.fits(arr, granule, p.table, self._table):
+                lidx, ridx = D.array_indices(arr, granule, pr)
                 xfer = self._agent.make_prepped_xfer("READ", pr.local, lidx, pr.remote, ridx)
                 self._counts["prepped_reads"] += 1
                 return xfer
         # Fallback: plans aligned to less than min_granule: one descriptor per run.
-        ldesc = np.stack([self._table.ptr[arr[:, 2]] + arr[:, 3].astype(np.uint64), arr[:, 4].astype(np.uint64),
-                          self._table.dev[arr[:, 2]]], axis=1)
-        rdesc = np.stack([p.table.ptr[arr[:, 0]] + arr[:, 1].astype(np.uint64), arr[:, 4].astype(np.uint64),
-                          p.table.dev[arr[:, 0]]], axis=1)
+        ldesc, rdesc = D.per_run_descs(arr, p.table, self._table)
         target = self.name if p.loopback else p.name
         xfer = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(ldesc, self._table.mem_type),
                                            self._agent.get_xfer_descs(rdesc, p.table.mem_type), target)
         self._counts["fallback_reads"] += 1
         return xfer
 
-    @staticmethod
-    def _fits(arr: np.ndarray, granule: int, remote: _RegionTable, local: _RegionTable) -> bool:
-        # strided lists cover nbytes // granule whole granules; a tail shorter than a granule is not in them
-        return bool(np.all(arr[:, 1] + arr[:, 4] <= (remote.nbytes[arr[:, 0]] // granule) * granule)
-                    and np.all(arr[:, 3] + arr[:, 4] <= (local.nbytes[arr[:, 2]] // granule) * granule))
-
-    def _prepped_for(self, p: _Peer, granule: int) -> _Prepped | None:
+    def _prepped_for(self, p: _Peer, granule: int) -> Prepped | None:
         """Prepared (local, remote) strided lists for a granule, built once per peer; None if impossible."""
         pr = p.prepped.get(granule)
         if pr is not None:
@@ -623,7 +391,7 @@ class NixlTransport(Transport):
         if not len(rows):
             return None
         remote = self._agent.prep_xfer_dlist(self.name if p.loopback else p.name, rows, p.table.mem_type)
-        pr = _Prepped(loc[0], remote, loc[1], rbase)
+        pr = Prepped(loc[0], remote, loc[1], rbase)
         p.prepped[granule] = pr
         self._counts["prepped_dlists"] += 1
         return pr

@@ -1,0 +1,113 @@
+"""The one run check every transport applies before it posts a read.
+
+A plan becomes an (n, 5) int64 array (remote region, remote offset, local region, local offset,
+nbytes), and every run is checked against the peer's region sizes and this side's, with a typed
+error naming the first bad run: RegionUnknown for an index nobody registered, OutOfRange for
+bytes outside a region or a negative length.
+
+Zero-length runs are legal and skipped, by every transport: plans built from empty token ranges
+produce them, and a run that moves nothing cannot land a wrong byte. They must still name
+registered regions and offsets within [0, size], since anything else is a bug in whoever built
+the plan, and hiding it behind "it was empty anyway" would let it surface later as a wrong read.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from pdxfer.layout import TransferPlan
+from pdxfer.transport.base import OutOfRange, RegionUnknown
+
+COLUMNS = ("remote_region", "remote_offset", "local_region", "local_offset", "nbytes")
+RUN_FIELDS = operator.attrgetter(*COLUMNS)
+_FIELD_GETTERS = tuple(operator.attrgetter(f) for f in COLUMNS)
+SMALL_PLAN = 32  # up to this many runs, plain Python beats numpy's per-call overhead
+
+Run = tuple[int, int, int, int, int]
+_last: tuple[Any, np.ndarray] | None = None  # (weakref to a plan, its array): a re-read plan skips the walk
+
+
+def plan_array(plan: TransferPlan) -> np.ndarray:
+    """The plan's runs as a read-only (n, 5) int64 array, unchecked.
+
+    Walking 4096 run objects costs ~1 ms; the array of the most recent plan is kept, keyed by the
+    plan's identity, for callers that read one plan again (benchmarks, retries).
+    """
+    global _last
+    cached = _last
+    if cached is not None and cached[0]() is plan:
+        return cached[1]
+    runs = plan.runs
+    a = np.empty((len(runs), 5), dtype=np.int64)
+    try:
+        # One C-level pass per field: ~2x faster than going through a list of tuples.
+        for j, field in enumerate(_FIELD_GETTERS):
+            a[:, j] = np.fromiter(map(field, runs), dtype=np.int64, count=len(runs))
+    except OverflowError as exc:
+        raise OutOfRange(f"a run's region, offset or length does not fit in 63 bits: {exc}") from exc
+    a.flags.writeable = False
+    try:
+        _last = (weakref.ref(plan), a)
+    except TypeError:  # a plan type without weakref support: just do not cache
+        pass
+    return a
+
+
+def _bad_run(i: int, run: Run, remote_sizes: Sequence[int], local_sizes: Sequence[int], peer: str) -> Exception | None:
+    """The typed error for run ``i``, or None if it is good (one wording for both paths)."""
+    rr, ro, lr, lo, n = run
+    if n < 0:
+        return OutOfRange(f"run {i}: negative length {n}")
+    for side, reg, off, sizes, who in (("remote", rr, ro, remote_sizes, f"peer {peer}"),
+                                       ("local", lr, lo, local_sizes, "this side")):
+        if not 0 <= reg < len(sizes):
+            return RegionUnknown(f"run {i}: {side} region {reg} is not registered on {who} ({len(sizes)} regions)")
+        if off < 0 or off + n > sizes[reg]:
+            return OutOfRange(f"run {i}: {side} region {reg} bytes [{off}, {off + n}) outside its "
+                              f"{sizes[reg]} registered bytes on {who}")
+    return None
+
+
+def check_small_runs(runs: Sequence[Any], remote_sizes: Sequence[int], local_sizes: Sequence[int],
+                     peer: str) -> list[Run]:
+    """Checked runs of a few-run plan as tuples, zero-length runs dropped (no numpy: ~10x cheaper)."""
+    out = []
+    for i, r in enumerate(runs):
+        t = RUN_FIELDS(r)
+        err = _bad_run(i, t, remote_sizes, local_sizes, peer)
+        if err is not None:
+            raise err
+        if t[4]:
+            out.append(t)
+    return out
+
+
+def check_array(a: np.ndarray, remote_sizes: Sequence[int], local_sizes: Sequence[int], peer: str) -> np.ndarray:
+    """Vectorised check of a run array; returns it with zero-length runs dropped."""
+    rr, ro, lr, lo, n = a.T
+    bad = n < 0
+    for reg, off, sizes in ((rr, ro, remote_sizes), (lr, lo, local_sizes)):
+        size_of = np.array(list(sizes) + [0], dtype=np.int64)  # the extra 0 stands for "no such region"
+        unknown = (reg < 0) | (reg >= len(sizes))
+        size = size_of[np.where(unknown, len(sizes), reg)]
+        # off > size - n rather than off + n > size: the sum could wrap around in int64.
+        bad |= unknown | (off < 0) | (n > size) | (off > size - n)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        err = _bad_run(i, tuple(int(x) for x in a[i]), remote_sizes, local_sizes, peer)
+        assert err is not None, f"run {i} failed the vectorised check but not the scalar one"
+        raise err
+    return a if (n > 0).all() else a[n > 0]
+
+
+def check_plan(plan: TransferPlan, remote_sizes: Sequence[int], local_sizes: Sequence[int],
+               peer: str) -> np.ndarray:
+    """The plan's checked runs as an (n, 5) int64 array, zero-length runs dropped."""
+    if len(plan.runs) <= SMALL_PLAN:
+        rows = check_small_runs(plan.runs, remote_sizes, local_sizes, peer)
+        return np.array(rows, dtype=np.int64).reshape(-1, 5)
+    return check_array(plan_array(plan), remote_sizes, local_sizes, peer)
