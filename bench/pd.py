@@ -38,6 +38,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdxfer.transport import KINDS  # noqa: E402
 from pdxfer.vllm.launch import (  # noqa: E402
     Component,
     Stack,
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="measurements per length and config")
     ap.add_argument("--warmup", type=int, default=2, help="discarded rounds over all lengths")
     ap.add_argument("--configs", default="plain,pdxfer,nixl")
-    ap.add_argument("--transport", choices=("tcp", "nixl"), default="tcp", help="pdxfer transport")
+    ap.add_argument("--transport", choices=KINDS, default="tcp", help="pdxfer transport")
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=2.0, help="pause before the idle window")
     ap.add_argument("--prefill-cpus", default=None, help="plain + prefill cores (default: first half)")
