@@ -19,6 +19,7 @@ import threading
 
 import numpy as np
 
+from pdxfer import netio
 from pdxfer.probe.pattern import fill
 from pdxfer.transport import available_kinds, create_transport, transport_options
 from pdxfer.transport.base import RegisteredRegion, Transport
@@ -30,15 +31,9 @@ SEED = 0
 def _serve_raw(sock: socket.socket, view: memoryview) -> None:
     """Raw baseline: answer each u64 byte count with that many region bytes (plain sendall)."""
     size = len(view)
-    with contextlib.suppress(OSError, struct.error):
+    with contextlib.suppress(OSError, struct.error):  # the reader hanging up ends the loop
         while True:
-            head = b""
-            while len(head) < 8:
-                chunk = sock.recv(8 - len(head))
-                if not chunk:
-                    return
-                head += chunk
-            (n,) = _U64.unpack(head)
+            (n,) = _U64.unpack(netio.recv_exact(sock, _U64.size, "byte count"))
             while n > 0:
                 k = min(n, size)
                 sock.sendall(view[:k])
