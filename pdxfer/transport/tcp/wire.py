@@ -37,6 +37,10 @@ from pdxfer.transport.base import (
     TransportError,
 )
 
+# Version history of the framing (in every header; both sides must speak the same version):
+#   1  hello/hello-ok with the holder's 16-byte instance id; request = run list (region u32,
+#      offset u64, nbytes u64) with a body CRC; response + payload + trailer (length, optional
+#      payload CRC); every fixed header sealed by a CRC32
 WIRE_VERSION = 1
 
 MAGIC_HELLO = 0x50445848  # "PDXH"
