@@ -11,12 +11,13 @@ descriptor per run (both cost ~0.2-0.5 ms for 4096 runs here).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from pdxfer.transport.base import RegionUnknown, TransportError
+from pdxfer.transport.nixl.metadata import NixlPeerInfo
 from pdxfer.transport.runs import Run
 
 MAX_GRANULE = 64 << 20  # bigger granules: fewer indices per READ; lists are strided, so cheap
@@ -144,3 +145,93 @@ def per_run_descs(arr: np.ndarray, remote: RegionTable, local: RegionTable) -> t
     rdesc = np.stack([remote.ptr[arr[:, 0]] + arr[:, 1].astype(np.uint64), arr[:, 4].astype(np.uint64),
                       remote.dev[arr[:, 0]]], axis=1)
     return ldesc, rdesc
+
+
+@dataclass
+class Peer:
+    """A connected NIXL peer: its region table and the lists prepared for it, per granule."""
+
+    name: str
+    blob: bytes
+    info: NixlPeerInfo
+    table: RegionTable
+    loopback: bool
+    prepped: dict[int, Prepped] = field(default_factory=dict)
+    reads: int = 0
+    last_wake: float = 0.0  # monotonic time of the last wake-up notification sent to this peer
+
+
+class XferBuilder:
+    """Turns checked runs into one NIXL transfer: prepared strided lists when the plan aligns to
+    ``min_granule``, else one descriptor per run. Owns this side's region table and its prepared
+    lists (one per granule), and counts which path reads took. Callers hold the agent lock."""
+
+    def __init__(self, agent: Any, own_name: str, min_granule: int) -> None:
+        self.agent = agent
+        self.own_name = own_name
+        self.min_granule = min_granule
+        self.local = RegionTable.build([], "local")
+        self._local_prepped: dict[int, tuple[Any, np.ndarray]] = {}
+        self.counts = {"prepped_reads": 0, "fallback_reads": 0, "prepped_dlists": 0}
+
+    def _target(self, p: Peer) -> str:
+        return self.own_name if p.loopback else p.name
+
+    def prepped_for(self, p: Peer, granule: int) -> Prepped | None:
+        """Prepared (local, remote) strided lists for a granule, built once per peer; None if impossible."""
+        pr = p.prepped.get(granule)
+        if pr is not None:
+            return pr
+        if not len(p.table) or not len(self.local):
+            return None
+        if int((p.table.nbytes // granule).sum()) >= 2**31 or int((self.local.nbytes // granule).sum()) >= 2**31:
+            return None  # NIXL indices are int32
+        loc = self._local_prepped.get(granule)
+        if loc is None:
+            rows, base = self.local.strided_rows(granule)
+            if not len(rows):
+                return None
+            loc = (self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self.local.mem_type), base)
+            self._local_prepped[granule] = loc
+        rows, rbase = p.table.strided_rows(granule)
+        if not len(rows):
+            return None
+        remote = self.agent.prep_xfer_dlist(self._target(p), rows, p.table.mem_type)
+        pr = Prepped(loc[0], remote, loc[1], rbase)
+        p.prepped[granule] = pr
+        self.counts["prepped_dlists"] += 1
+        return pr
+
+    def from_rows(self, p: Peer, rows: Sequence[Run]) -> Any:
+        """Prepared-list transfer for a few runs built with Python lists; None when the array path must decide."""
+        granule = granule_of(rows)
+        pr = self.prepped_for(p, granule) if granule >= self.min_granule else None
+        idx = small_indices(rows, granule, pr, p.table, self.local) if pr is not None else None
+        if idx is None:
+            return None
+        xfer = self.agent.make_prepped_xfer("READ", pr.local, idx[0], pr.remote, idx[1])
+        self.counts["prepped_reads"] += 1
+        return xfer
+
+    def from_array(self, p: Peer, arr: np.ndarray) -> Any:
+        granule = granule_of_array(arr)
+        if granule >= self.min_granule:
+            total = int((arr[:, 4] // granule).sum())
+            pr = self.prepped_for(p, granule) if total <= MAX_INDICES else None
+            if pr is not None and fits(arr, granule, p.table, self.local):
+                lidx, ridx = array_indices(arr, granule, pr)
+                xfer = self.agent.make_prepped_xfer("READ", pr.local, lidx, pr.remote, ridx)
+                self.counts["prepped_reads"] += 1
+                return xfer
+        # Fallback: plans aligned to less than min_granule: one descriptor per run.
+        ldesc, rdesc = per_run_descs(arr, p.table, self.local)
+        xfer = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(ldesc, self.local.mem_type),
+                                          self.agent.get_xfer_descs(rdesc, p.table.mem_type), self._target(p))
+        self.counts["fallback_reads"] += 1
+        return xfer
+
+    def release_local(self, safe: Callable[[Callable[[], Any]], None]) -> None:
+        """Release this side's prepared lists (each through ``safe``, which logs a failing step)."""
+        for dl, _ in self._local_prepped.values():
+            safe(dl.release)
+        self._local_prepped.clear()

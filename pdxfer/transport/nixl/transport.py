@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -46,9 +45,8 @@ from pdxfer.transport.base import (
     TransferTimeout,
     TransportError,
 )
-from pdxfer.transport.nixl import descriptors as D
 from pdxfer.transport.nixl import metadata as nixl_meta
-from pdxfer.transport.nixl.descriptors import Prepped, RegionTable, mem_of
+from pdxfer.transport.nixl.descriptors import Peer, RegionTable, XferBuilder, mem_of
 from pdxfer.transport.nixl.env import load_bindings, load_nixl
 from pdxfer.transport.nixl.handle import NixlReadHandle
 from pdxfer.transport.nixl.progress import TargetProgress
@@ -60,18 +58,6 @@ _COOKIE_BYTES = 32
 _HELLO = b"pdxfer:hello"
 _WAKE = b"pdxfer:wake"
 _SMALL_PLAN = 8  # plans with at most this many runs skip numpy
-
-
-@dataclass
-class _Peer:
-    name: str
-    blob: bytes
-    info: nixl_meta.NixlPeerInfo
-    table: RegionTable
-    loopback: bool
-    prepped: dict[int, Prepped] = field(default_factory=dict)
-    reads: int = 0
-    last_wake: float = 0.0  # monotonic time of the last wake-up notification sent to this peer
 
 
 _live: "weakref.WeakSet[NixlTransport]" = weakref.WeakSet()
@@ -110,7 +96,6 @@ class NixlTransport(Transport):
         api = load_nixl()
         self._bind = load_bindings()
         self.name = name or f"pdxfer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._min_granule = min_granule
         self._hot_window = hot_window_s
         self._prep_granules = tuple(prep_granules)
         self._lock = threading.RLock()
@@ -129,14 +114,12 @@ class NixlTransport(Transport):
         self._scratch_reg = self._agent.register_memory(
             [(self._scratch_ptr, self._scratch.nbytes, 0, "")], "DRAM")
         self._regions: list[RegisteredRegion] = []
-        self._table = RegionTable.build([], "local")
         self._reg_dlist: Any = None
-        self._local_prepped: dict[int, tuple[Any, np.ndarray]] = {}
-        self._peers: dict[str, _Peer] = {}
+        self._xfers = XferBuilder(self._agent, self.name, min_granule)
+        self._peers: dict[str, Peer] = {}
         self._inflight: set[NixlReadHandle] = set()
         self._leaked: list[Any] = []
         self._closed = False
-        self._counts = {"prepped_reads": 0, "fallback_reads": 0, "prepped_dlists": 0}
         self._progress: TargetProgress | None = None
         if not nixl_progress_thread:
             self._progress = TargetProgress(self._agent, self._lock, busy_poll_s, idle_poll_s, hot_window_s,
@@ -164,7 +147,7 @@ class NixlTransport(Transport):
         with self._lock:
             self._reg_dlist = self._agent.register_memory([(p, n, d, "") for _, p, n, _, d in rows], table.mem_type)
         self._regions = list(regions)
-        self._table = table
+        self._xfers.local = table
         if self._progress is not None:
             self._progress.poke()
 
@@ -176,14 +159,12 @@ class NixlTransport(Transport):
                 h.cancel()
             for peer in self._peers.values():
                 self._release_prepped(peer)
-            for dl, _ in self._local_prepped.values():
-                self._safe(dl.release)
-            self._local_prepped.clear()
+            self._xfers.release_local(self._safe)
             if self._reg_dlist is not None:
                 self._safe(lambda: self._agent.deregister_memory(self._reg_dlist))
             self._reg_dlist = None
             self._regions = []
-            self._table = RegionTable.build([], "local")
+            self._xfers.local = RegionTable.build([], "local")
 
     # ------------------------------------------------------------------ metadata / peers
 
@@ -191,9 +172,9 @@ class NixlTransport(Transport):
         self._check_open()
         with self._lock:
             md = self._agent.get_agent_metadata()
-        regions = tuple(nixl_meta.RemoteRegion(i, int(self._table.ptr[i]), int(self._table.nbytes[i]),
-                                               self._table.mem_type, int(self._table.dev[i]))
-                        for i in range(len(self._table)))
+        table = self._xfers.local
+        regions = tuple(nixl_meta.RemoteRegion(i, int(table.ptr[i]), int(table.nbytes[i]), table.mem_type,
+                                               int(table.dev[i])) for i in range(len(table)))
         if self._progress is not None:
             self._progress.poke()  # a reader is likely to connect soon
         return nixl_meta.encode(nixl_meta.NixlPeerInfo(self.name, socket.gethostname(), os.getpid(), regions,
@@ -233,7 +214,7 @@ class NixlTransport(Transport):
                 if name != info.agent:
                     self._safe(lambda: self._agent.remove_remote_agent(name))
                     raise MetadataError(f"metadata header names agent {info.agent!r} but NIXL part is {name!r}")
-            peer = _Peer(info.agent, blob, info, table, loopback)
+            peer = Peer(info.agent, blob, info, table, loopback)
             self._peers[peer.name] = peer
         try:
             self._handshake(peer, timeout)
@@ -242,10 +223,10 @@ class NixlTransport(Transport):
             raise
         with self._lock:
             for g in self._prep_granules:
-                self._prepped_for(peer, g)
+                self._xfers.prepped_for(peer, g)
         return peer.name
 
-    def _handshake(self, peer: _Peer, timeout: float) -> None:
+    def _handshake(self, peer: Peer, timeout: float) -> None:
         """Wake the holder and READ its cookie back: proves liveness, fresh metadata, and wires UCX up."""
         deadline = time.monotonic() + timeout
         target = self.name if peer.loopback else peer.name
@@ -306,10 +287,10 @@ class NixlTransport(Transport):
         rows: list[Run] | None = None
         if len(plan.runs) <= _SMALL_PLAN:
             # A few runs: plain Python is ~5x cheaper than a dozen numpy calls (latency of 1-run reads).
-            rows = check_small_runs(plan.runs, p.table.sizes, self._table.sizes, p.name)
+            rows = check_small_runs(plan.runs, p.table.sizes, self._xfers.local.sizes, p.name)
             nbytes = sum(r[4] for r in rows)
         else:
-            arr = check_array(plan_array(plan), p.table.sizes, self._table.sizes, p.name)
+            arr = check_array(plan_array(plan), p.table.sizes, self._xfers.local.sizes, p.name)
             nbytes = int(arr[:, 4].sum())
         if nbytes == 0:  # an empty plan, or only zero-length runs: nothing to post
             return NixlReadHandle(self, peer, None, 0, ReadState.DONE)
@@ -322,9 +303,9 @@ class NixlTransport(Transport):
                     # The holder may have gone idle (polling every idle_poll_s): wake it first, so a
                     # READ that needs target progress (UCX over TCP) is not served at the idle rate.
                     self._wake(peer)
-                xfer = self._make_xfer_small(p, rows) if rows is not None else None
+                xfer = self._xfers.from_rows(p, rows) if rows is not None else None
                 if xfer is None:
-                    xfer = self._make_xfer(p, arr if rows is None else np.array(rows, dtype=np.int64))
+                    xfer = self._xfers.from_array(p, arr if rows is None else np.array(rows, dtype=np.int64))
                 state = self._agent.transfer(xfer)
             except Exception as exc:
                 if xfer is not None:
@@ -341,60 +322,6 @@ class NixlTransport(Transport):
         elif state == "DONE":
             handle._finish(ReadState.DONE)
         return handle
-
-    def _make_xfer_small(self, p: _Peer, rows: list[Run]) -> Any:
-        """Prepared-list READ for a few runs built with Python lists; None when the numpy path must decide."""
-        granule = D.granule_of(rows)
-        pr = self._prepped_for(p, granule) if granule >= self._min_granule else None
-        idx = D.small_indices(rows, granule, pr, p.table, self._table) if pr is not None else None
-        if idx is None:
-            return None
-        xfer = self._agent.make_prepped_xfer("READ", pr.local, idx[0], pr.remote, idx[1])
-        self._counts["prepped_reads"] += 1
-        return xfer
-
-    def _make_xfer(self, p: _Peer, arr: np.ndarray) -> Any:
-        granule = D.granule_of_array(arr)
-        if granule >= self._min_granule:
-            total = int((arr[:, 4] // granule).sum())
-            pr = self._prepped_for(p, granule) if total <= D.MAX_INDICES else None
-            if pr is not None and D.fits(arr, granule, p.table, self._table):
-                lidx, ridx = D.array_indices(arr, granule, pr)
-                xfer = self._agent.make_prepped_xfer("READ", pr.local, lidx, pr.remote, ridx)
-                self._counts["prepped_reads"] += 1
-                return xfer
-        # Fallback: plans aligned to less than min_granule: one descriptor per run.
-        ldesc, rdesc = D.per_run_descs(arr, p.table, self._table)
-        target = self.name if p.loopback else p.name
-        xfer = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(ldesc, self._table.mem_type),
-                                           self._agent.get_xfer_descs(rdesc, p.table.mem_type), target)
-        self._counts["fallback_reads"] += 1
-        return xfer
-
-    def _prepped_for(self, p: _Peer, granule: int) -> Prepped | None:
-        """Prepared (local, remote) strided lists for a granule, built once per peer; None if impossible."""
-        pr = p.prepped.get(granule)
-        if pr is not None:
-            return pr
-        if not len(p.table) or not len(self._table):
-            return None
-        if int((p.table.nbytes // granule).sum()) >= 2**31 or int((self._table.nbytes // granule).sum()) >= 2**31:
-            return None
-        loc = self._local_prepped.get(granule)
-        if loc is None:
-            rows, base = self._table.strided_rows(granule)
-            if not len(rows):
-                return None
-            loc = (self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._table.mem_type), base)
-            self._local_prepped[granule] = loc
-        rows, rbase = p.table.strided_rows(granule)
-        if not len(rows):
-            return None
-        remote = self._agent.prep_xfer_dlist(self.name if p.loopback else p.name, rows, p.table.mem_type)
-        pr = Prepped(loc[0], remote, loc[1], rbase)
-        p.prepped[granule] = pr
-        self._counts["prepped_dlists"] += 1
-        return pr
 
     # ------------------------------------------------------------------ lifetime
 
@@ -427,7 +354,7 @@ class NixlTransport(Transport):
             log.debug("deferring release of a NIXL transfer handle: %r", exc)
             self._leaked.append(xfer)
 
-    def _release_prepped(self, p: _Peer) -> None:
+    def _release_prepped(self, p: Peer) -> None:
         for pr in p.prepped.values():
             self._safe(pr.remote.release)
         p.prepped.clear()
@@ -447,7 +374,7 @@ class NixlTransport(Transport):
     def stats(self) -> dict[str, int]:
         """Which descriptor path reads took, prepared lists built, and target-progress polls/notifications."""
         pg = self._progress
-        return {**self._counts, "polls": pg.polls if pg else 0, "notifs": pg.notifs if pg else 0}
+        return {**self._xfers.counts, "polls": pg.polls if pg else 0, "notifs": pg.notifs if pg else 0}
 
     def close(self) -> None:
         if self._closed:
@@ -465,9 +392,7 @@ class NixlTransport(Transport):
             peers = list(self._peers.values())
             for p in peers:
                 self._release_prepped(p)
-            for dl, _ in self._local_prepped.values():
-                self._safe(dl.release)
-            self._local_prepped.clear()
+            self._xfers.release_local(self._safe)
             for p in peers:
                 if not p.loopback:
                     self._safe(lambda: self._agent.remove_remote_agent(p.name))
@@ -478,8 +403,8 @@ class NixlTransport(Transport):
             self._safe(lambda: self._agent.deregister_memory(self._scratch_reg))
             self._closed = True
             self._regions = []
-        # Dropping the last reference destroys the agent (UCX workers, listener) now, not at exit.
-        self._agent = None
+        # Dropping the last references destroys the agent (UCX workers, listener) now, not at exit.
+        self._agent = self._xfers.agent = None
 
     def __del__(self) -> None:
         if sys.is_finalizing():
