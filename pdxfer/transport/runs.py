@@ -57,16 +57,43 @@ def plan_array(plan: TransferPlan) -> np.ndarray:
     return a
 
 
+UNKNOWN_REGION = "unknown region"
+OUT_OF_RANGE = "out of range"
+
+
+def fault(region: int, offset: int, nbytes: int, sizes: Sequence[int]) -> str | None:
+    """What is wrong with one run on one side (UNKNOWN_REGION, OUT_OF_RANGE) or None: the rule
+    itself, shared by readers (both sides of a plan) and holders (what a request asks of them)."""
+    if not 0 <= region < len(sizes):
+        return UNKNOWN_REGION
+    if nbytes < 0 or offset < 0 or offset + nbytes > sizes[region]:
+        return OUT_OF_RANGE
+    return None
+
+
+def first_fault(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, sizes: Sequence[int]) -> int | None:
+    """Index of the first run :func:`fault` rejects, vectorised; the three arrays share one integer
+    dtype (int64 for plans, uint64 for a holder's wire runs)."""
+    dtype = offset.dtype
+    unknown = (region < 0) | (region >= len(sizes))
+    size = np.array(list(sizes) + [0], dtype=dtype)[np.where(unknown, len(sizes), region)]
+    # offset > size - nbytes rather than offset + nbytes > size: the sum could wrap around.
+    bad = unknown | (offset < 0) | (nbytes < 0) | (nbytes > size) | (offset > size - np.minimum(nbytes, size))
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if hits.size else None
+
+
 def _bad_run(i: int, run: Run, remote_sizes: Sequence[int], local_sizes: Sequence[int], peer: str) -> Exception | None:
-    """The typed error for run ``i``, or None if it is good (one wording for both paths)."""
+    """The typed error for run ``i`` of a plan, or None if it is good (one wording for both paths)."""
     rr, ro, lr, lo, n = run
     if n < 0:
         return OutOfRange(f"run {i}: negative length {n}")
     for side, reg, off, sizes, who in (("remote", rr, ro, remote_sizes, f"peer {peer}"),
                                        ("local", lr, lo, local_sizes, "this side")):
-        if not 0 <= reg < len(sizes):
+        f = fault(reg, off, n, sizes)
+        if f == UNKNOWN_REGION:
             return RegionUnknown(f"run {i}: {side} region {reg} is not registered on {who} ({len(sizes)} regions)")
-        if off < 0 or off + n > sizes[reg]:
+        if f == OUT_OF_RANGE:
             return OutOfRange(f"run {i}: {side} region {reg} bytes [{off}, {off + n}) outside its "
                               f"{sizes[reg]} registered bytes on {who}")
     return None
@@ -88,19 +115,14 @@ def check_small_runs(runs: Sequence[Any], remote_sizes: Sequence[int], local_siz
 
 def check_array(a: np.ndarray, remote_sizes: Sequence[int], local_sizes: Sequence[int], peer: str) -> np.ndarray:
     """Vectorised check of a run array; returns it with zero-length runs dropped."""
-    rr, ro, lr, lo, n = a.T
-    bad = n < 0
-    for reg, off, sizes in ((rr, ro, remote_sizes), (lr, lo, local_sizes)):
-        size_of = np.array(list(sizes) + [0], dtype=np.int64)  # the extra 0 stands for "no such region"
-        unknown = (reg < 0) | (reg >= len(sizes))
-        size = size_of[np.where(unknown, len(sizes), reg)]
-        # off > size - n rather than off + n > size: the sum could wrap around in int64.
-        bad |= unknown | (off < 0) | (n > size) | (off > size - n)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
+    hits = [i for i in (first_fault(a[:, 0], a[:, 1], a[:, 4], remote_sizes),
+                        first_fault(a[:, 2], a[:, 3], a[:, 4], local_sizes)) if i is not None]
+    if hits:
+        i = min(hits)
         err = _bad_run(i, tuple(int(x) for x in a[i]), remote_sizes, local_sizes, peer)
         assert err is not None, f"run {i} failed the vectorised check but not the scalar one"
         raise err
+    n = a[:, 4]
     return a if (n > 0).all() else a[n > 0]
 
 
