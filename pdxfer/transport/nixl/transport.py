@@ -5,7 +5,7 @@ The VRAM path is written but UNTESTED here (no GPU on the development machines).
 
 Design decisions (measured on a 2-core host, see docs/nixl.md):
 * NIXL's progress thread is off (it costs 2-4x bandwidth on small hosts). The holder side is
-  progressed by :class:`~pdxfer.transport.nixl_progress.TargetProgress`, which polls adaptively
+  progressed by :class:`~pdxfer.transport.nixl.progress.TargetProgress`, which polls adaptively
   instead of spinning a core.
 * ``connect`` wires up eagerly: it loads the peer's NIXL metadata, sends a hello notification
   (which makes the holder's progress thread hot) and READs a random cookie the holder exported.
