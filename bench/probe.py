@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pdxfer.transport import KINDS  # noqa: E402
 from pdxfer.transport.nixl.env import apply_ucx_env  # noqa: E402
 STANDARD_BLOCKS = "4KiB,16KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB"
 STANDARD_BATCHES = "1,64,4096"
@@ -132,7 +133,7 @@ def main() -> int:
     args = ap.parse_args()
     blocks, batches = (QUICK_BLOCKS, QUICK_BATCHES) if args.quick else (STANDARD_BLOCKS, STANDARD_BATCHES)
     t0 = time.monotonic()
-    kinds = [k for k in ("tcp", "nixl") if available(k)]
+    kinds = [k for k in KINDS if available(k)]
     rows: list[dict] = []
     for kind in kinds:
         print(f"== {kind}: matrix {blocks} x {batches}", flush=True)
