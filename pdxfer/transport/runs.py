@@ -88,14 +88,15 @@ def _bad_run(i: int, run: Run, remote_sizes: Sequence[int], local_sizes: Sequenc
     rr, ro, lr, lo, n = run
     if n < 0:
         return OutOfRange(f"run {i}: negative length {n}")
-    for side, reg, off, sizes, who in (("remote", rr, ro, remote_sizes, f"peer {peer}"),
-                                       ("local", lr, lo, local_sizes, "this side")):
+    for side, reg, off, sizes in (("remote", rr, ro, remote_sizes), ("local", lr, lo, local_sizes)):
         f = fault(reg, off, n, sizes)
+        if f is None:
+            continue
+        who = f"peer {peer}" if side == "remote" else "this side"
         if f == UNKNOWN_REGION:
             return RegionUnknown(f"run {i}: {side} region {reg} is not registered on {who} ({len(sizes)} regions)")
-        if f == OUT_OF_RANGE:
-            return OutOfRange(f"run {i}: {side} region {reg} bytes [{off}, {off + n}) outside its "
-                              f"{sizes[reg]} registered bytes on {who}")
+        return OutOfRange(f"run {i}: {side} region {reg} bytes [{off}, {off + n}) outside its "
+                          f"{sizes[reg]} registered bytes on {who}")
     return None
 
 
@@ -105,10 +106,10 @@ def check_small_runs(runs: Sequence[Any], remote_sizes: Sequence[int], local_siz
     out = []
     for i, r in enumerate(runs):
         t = RUN_FIELDS(r)
-        err = _bad_run(i, t, remote_sizes, local_sizes, peer)
-        if err is not None:
-            raise err
-        if t[4]:
+        rr, ro, lr, lo, n = t
+        if n < 0 or fault(rr, ro, n, remote_sizes) is not None or fault(lr, lo, n, local_sizes) is not None:
+            raise _bad_run(i, t, remote_sizes, local_sizes, peer)  # type: ignore[misc] - never None here
+        if n:
             out.append(t)
     return out
 

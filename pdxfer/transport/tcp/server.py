@@ -21,7 +21,7 @@ import numpy as np
 
 from pdxfer.transport.tcp import wire
 from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
-from pdxfer.transport.runs import fault, first_fault
+from pdxfer.transport.runs import SMALL_PLAN, fault, first_fault
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class TcpServer:
             raise wire.CorruptFrame("request run list CRC mismatch")
         runs = np.frombuffer(body, dtype=wire.RUN_DTYPE)
         with self._table.serving() as views:
-            if nruns <= 32:
+            if nruns <= SMALL_PLAN:  # plain Python is cheaper for a few runs
                 self._serve_small(conn, req_id, flags, list(wire.RUN.iter_unpack(body)), views)
                 return True
             bad = validate_runs(runs, [len(v) for v in views])
