@@ -31,7 +31,7 @@ class Conn:
         self.info = info
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
-        self._connect_timeout = connect_timeout
+        self.connect_timeout = connect_timeout
         self._io_timeout = io_timeout
         self._bufsize = bufsize
 
@@ -44,7 +44,7 @@ class Conn:
                 return self.sock
             self.drop()
         info = self.info
-        sock = wire.connect_socket(info.host, info.port, self._connect_timeout, self._bufsize)
+        sock = wire.connect_socket(info.host, info.port, self.connect_timeout, self._bufsize)
         try:
             sock.sendall(wire.pack_hello(info.instance))
             status, instance = wire.unpack_hello_ok(wire.recv_exact(sock, wire.HELLO_OK_SIZE, "hello reply"))

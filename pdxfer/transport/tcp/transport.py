@@ -151,9 +151,9 @@ class TcpTransport(Transport):
         try:
             for c in peer.conns:
                 with c.lock:
-                    c._connect_timeout = max(0.05, deadline - time.monotonic())
+                    c.connect_timeout = max(0.05, deadline - time.monotonic())
                     c.ensure()
-                    c._connect_timeout = timeout
+                    c.connect_timeout = timeout
         except (TransportError, OSError) as exc:
             for c in peer.conns:
                 c.drop()
