@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.procs import free_port  # noqa: E402
+from pdxfer.transport import KINDS  # noqa: E402
 from pdxfer.vllm.launch import (  # noqa: E402
     Component,
     Stack,
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="measurements per length and config")
     ap.add_argument("--warmup", type=int, default=2, help="discarded rounds over all lengths")
     ap.add_argument("--configs", default="plain,pdxfer,nixl")
-    ap.add_argument("--transport", choices=("tcp", "nixl"), default="tcp", help="pdxfer transport")
+    ap.add_argument("--transport", choices=KINDS, default="tcp", help="pdxfer transport")
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=2.0, help="pause before the idle window")
     ap.add_argument("--prefill-cpus", default=None, help="plain + prefill cores (default: first half)")

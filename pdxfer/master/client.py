@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
+from pdxfer import netio
 from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.errors import (
@@ -65,15 +66,7 @@ class _Conn:
             pass
 
     def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise _Closed("master closed the connection")
-            got += k
-        return bytes(buf)
+        return netio.recv_exact(self.sock, n, "master reply", _Closed)
 
     def request(self, op: int, doc: dict[str, Any], blob: bytes, deadline: float) -> tuple[int, dict[str, Any], bytes]:
         req_id = next(self.ids) & 0xFFFFFFFF

@@ -172,13 +172,6 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-def _has_infiniband() -> bool:
-    try:
-        return any(Path("/sys/class/infiniband").iterdir())
-    except OSError:
-        return False
-
-
 def vllm_serve_env(cpu_bind: str | None, cache_root: Path,
                    extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for one `vllm serve` child on a CPU box (see the module docstring).
@@ -203,8 +196,9 @@ def vllm_serve_env(cpu_bind: str | None, cache_root: Path,
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
-    if not _has_infiniband():
-        env.setdefault("UCX_MODULES", "^ib")
+    from pdxfer.transport.nixl.env import apply_ucx_env  # the one UCX_MODULES rule
+
+    apply_ucx_env(env)
     # The child must import pdxfer (connector, launcher) from this checkout even when not installed.
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if extra:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pdxfer.layout import KVLayout, build_plan, describe_kv_caches
-from pdxfer.transport import create_transport
+from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
@@ -91,11 +91,8 @@ class WorkerSide:
             raise LayoutMismatch(f"KV tensors have layout {layout.fingerprint()} but the scheduler "
                                  f"derived {self.expected_fingerprint} from the vLLM config; keys "
                                  "would not match what the bytes are")
-        opts: dict[str, Any] = {}
-        if self.cfg.transport == "tcp":
-            opts["listen_host"] = self.cfg.listen_host
-            if self.cfg.advertise_host:
-                opts["advertise_host"] = self.cfg.advertise_host
+        opts = transport_options(self.cfg.transport, listen_host=self.cfg.listen_host,
+                                 advertise_host=self.cfg.advertise_host)
         transport = create_transport(self.cfg.transport, **opts)
         transport.register([RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions])
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches

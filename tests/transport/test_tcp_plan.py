@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from pdxfer.layout import TransferPlan, TransferRun
 from pdxfer.transport.base import OutOfRange, RegionUnknown
-from pdxfer.transport.tcp_plan import SMALL_PLAN, check_plan, split_runs
+from pdxfer.transport.runs import SMALL_PLAN, check_plan
+from pdxfer.transport.tcp.plan import split_runs
 
 
 def byte_map(parts: list[np.ndarray]) -> list[tuple[int, int, int, int]]:
@@ -50,10 +51,10 @@ def plan(*runs: tuple[int, int, int, int, int]) -> TransferPlan:
 @pytest.mark.parametrize("pad", [0, SMALL_PLAN + 5])  # the plain-Python and the vectorized path
 def test_checks_name_the_bad_run_on_both_paths(pad):
     good = [(0, i * 8, 0, i * 8, 8) for i in range(pad)]
-    cases = [((0, 395, 0, 0, 10), OutOfRange, "remote bytes [395, 405)"),
+    cases = [((0, 395, 0, 0, 10), OutOfRange, "remote region 0 bytes [395, 405)"),
              ((2, 0, 0, 0, 1), RegionUnknown, "remote region 2"),
              ((0, 0, 1, 0, 1), RegionUnknown, "local region 1"),
-             ((0, 0, 0, 1000, 1), OutOfRange, "local bytes [1000, 1001)"),
+             ((0, 0, 0, 1000, 1), OutOfRange, "local region 0 bytes [1000, 1001)"),
              ((0, 0, 0, 0, -1), OutOfRange, "negative length")]
     for bad, exc, text in cases:
         with pytest.raises(exc, match=rf"run {pad}: .*{re.escape(text)}"):

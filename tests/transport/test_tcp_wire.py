@@ -16,7 +16,7 @@ import pytest
 
 from pdxfer.layout import TransferPlan, TransferRun
 from pdxfer.probe.pattern import pattern
-from pdxfer.transport import wire
+from pdxfer.transport.tcp import wire
 from pdxfer.transport.base import (
     MetadataError,
     PeerDied,

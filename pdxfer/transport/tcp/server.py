@@ -19,8 +19,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from pdxfer.transport import wire
+from pdxfer.transport.tcp import wire
 from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
+from pdxfer.transport.runs import SMALL_PLAN, fault, first_fault
 
 log = logging.getLogger(__name__)
 
@@ -73,26 +74,22 @@ class RegionTable:
             return self._cond.wait_for(lambda: self._active == 0, timeout)
 
 
+def _rejection(i: int, region: int, offset: int, nbytes: int, sizes: Sequence[int]) -> tuple[int, str]:
+    """(status, text) for run ``i`` of a request that :func:`runs.fault` rejected."""
+    if not region < len(sizes):
+        have = f"0..{len(sizes) - 1}" if sizes else "none"
+        return wire.ERR_REGION_UNKNOWN, f"run {i}: region {region} is not registered (registered: {have})"
+    return wire.ERR_OUT_OF_RANGE, (f"run {i}: bytes [{offset}, {offset + nbytes}) of region {region} "
+                                   f"lie outside its {sizes[region]} registered bytes")
+
+
 def validate_runs(runs: np.ndarray, sizes: Sequence[int]) -> tuple[int, str] | None:
     """None if every run (a RUN_DTYPE array) lies inside a registered region, else
     (status, text naming the first bad run)."""
-    nregions = len(sizes)
-    region = runs["region"].astype(np.int64)
-    known = region < nregions
-    if not known.all():
-        i = int(np.flatnonzero(~known)[0])
-        have = f"0..{nregions - 1}" if nregions else "none"
-        return wire.ERR_REGION_UNKNOWN, f"run {i}: region {region[i]} is not registered (registered: {have})"
-    # Compare without computing offset + nbytes: that sum could wrap around 2**64 in uint64.
-    size = np.array(list(sizes), dtype=np.uint64)[region] if nregions else np.zeros(0, np.uint64)
-    off, n = runs["offset"], runs["nbytes"]
-    bad = (off > size) | (n > size - np.minimum(off, size))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        o, k = int(off[i]), int(n[i])
-        return wire.ERR_OUT_OF_RANGE, (f"run {i}: bytes [{o}, {o + k}) of region {region[i]} "
-                                       f"lie outside its {int(size[i])} registered bytes")
-    return None
+    i = first_fault(runs["region"].astype(np.uint64), runs["offset"], runs["nbytes"], sizes)
+    if i is None:
+        return None
+    return _rejection(i, int(runs["region"][i]), int(runs["offset"][i]), int(runs["nbytes"][i]), sizes)
 
 
 class TcpServer:
@@ -167,7 +164,7 @@ class TcpServer:
             raise wire.CorruptFrame("request run list CRC mismatch")
         runs = np.frombuffer(body, dtype=wire.RUN_DTYPE)
         with self._table.serving() as views:
-            if nruns <= 32:
+            if nruns <= SMALL_PLAN:  # plain Python is cheaper for a few runs
                 self._serve_small(conn, req_id, flags, list(wire.RUN.iter_unpack(body)), views)
                 return True
             bad = validate_runs(runs, [len(v) for v in views])
@@ -189,15 +186,10 @@ class TcpServer:
                      views: tuple[memoryview, ...]) -> None:
         """The same checks and reply as the vectorized path, in plain Python (cheaper for few runs)."""
         out: list[memoryview] = []
+        sizes = [len(v) for v in views]
         for i, (r, o, n) in enumerate(runs):
-            if r >= len(views):
-                have = f"0..{len(views) - 1}" if views else "none"
-                self._reject(conn, req_id, wire.ERR_REGION_UNKNOWN,
-                             f"run {i}: region {r} is not registered (registered: {have})")
-                return
-            if o + n > len(views[r]):
-                self._reject(conn, req_id, wire.ERR_OUT_OF_RANGE, f"run {i}: bytes [{o}, {o + n}) of region {r} "
-                                                                  f"lie outside its {len(views[r])} registered bytes")
+            if fault(r, o, n, sizes) is not None:
+                self._reject(conn, req_id, *_rejection(i, r, o, n, sizes))
                 return
             if n:
                 out.append(views[r][o:o + n])
