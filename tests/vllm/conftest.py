@@ -22,6 +22,10 @@ from pdxfer.vllm.launch import default_run_dir, make_tiny_model, start_vllm
 READY_TIMEOUT_S = 420  # cold start of two instances on two busy cores
 REQUEST_TIMEOUT_S = 120
 CHUNK = 256
+# Pairs run in float32: greedy answers of a random-weight tiny model in bf16 flip in about 1 of 16
+# requests between a batched run and a run alone, on one plain instance without any transfer, so a
+# bf16 comparison of concurrent answers measures batch noise, not whether the KV was right.
+PAIR_VLLM_ARGS = ("--dtype", "float32")
 
 
 @pytest.fixture(scope="session")
@@ -104,10 +108,12 @@ class PDPair:
         common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0}
         self.prefill = start_vllm(self.model, self.prefill_port,
                                   connector_config("kv_producer", self.master_addr, self.transport, **common),
-                                  cpu_bind="0", log_dir=self.run_dir, name=f"prefill-{self.transport}")
+                                  cpu_bind="0", log_dir=self.run_dir, name=f"prefill-{self.transport}",
+                                  extra_args=PAIR_VLLM_ARGS)
         self.decode = start_vllm(self.model, self.decode_port,
                                  connector_config("kv_consumer", self.master_addr, self.transport, **common),
                                  cpu_bind="1", log_dir=self.run_dir, name=f"decode-{self.transport}",
+                                 extra_args=PAIR_VLLM_ARGS,
                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks),
                                             "VLLM_SERVER_DEV_MODE": "1"})
         wait_http_ready(f"http://127.0.0.1:{self.prefill_port}/health", READY_TIMEOUT_S, self.prefill)
