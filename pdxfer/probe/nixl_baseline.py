@@ -255,7 +255,7 @@ def compare_with_pdxfer(block_size: int, batch: int, iters: int, seed: int = 0, 
     freshly built TransferPlan (building the plan objects is not timed, as in pdxfer-probe); raw
     is ``RawNixlBaseline.once``. Returns medians and ``ratio`` = pdxfer / raw GB/s, bytes checked.
     """
-    from pdxfer.layout import TransferPlan, TransferRun
+    from pdxfer.plan import TransferPlan, TransferRun
     from pdxfer.transport import create_transport
     from pdxfer.transport.base import RegisteredRegion
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pdxfer import netio
-from pdxfer.layout import TransferPlan, TransferRun
+from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import mismatches, scattered_plan
 from pdxfer.transport.base import Transport
 

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-from pdxfer.layout import TransferPlan
+from pdxfer.plan import TransferPlan
 
 
 class TransportError(RuntimeError):

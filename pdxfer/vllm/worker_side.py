@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pdxfer.layout import KVLayout, build_plan, describe_kv_caches
+from pdxfer.layout import KVLayout, describe_kv_caches
+from pdxfer.plan import PeerPlanner
 from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
@@ -74,7 +75,8 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.transport: Any = None
         self._kv_caches: Mapping[str, Any] | None = None  # keeps registered memory alive
-        self._peers: dict[str, tuple[bytes, str, KVLayout]] = {}  # node -> (metadata, peer id, layout)
+        # node -> (its metadata, transport peer id, planner made once at connect)
+        self._peers: dict[str, tuple[bytes, str, PeerPlanner]] = {}
         self._peers_lock = threading.Lock()
         self._connecting: dict[str, Future] = {}
         self._connect_pool = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-connect")
@@ -148,8 +150,8 @@ class WorkerSide:
     def _post_read(self, inf: _Inflight, ref: HolderRef, r: Any) -> None:
         assert self.layout is not None and self.transport is not None
         try:
-            _, peer, remote = self._peers[ref.node_id]
-            plan = build_plan(remote, list(r.remote_blocks), self.layout, list(r.local_blocks))
+            _, peer, planner = self._peers[ref.node_id]
+            plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
             inf.nbytes += plan.total_bytes
             inf.handles.append(self.transport.read(peer, plan))
         except Exception as exc:
@@ -178,10 +180,12 @@ class WorkerSide:
                 self.transport.disconnect(cached[1])
             except Exception:
                 pass
+        assert self.layout is not None
+        # The holder's layout is checked against ours once, here, not on every read.
+        planner = PeerPlanner(KVLayout.from_wire(ref.layout), self.layout)
         peer = self.transport.connect(ref.transport_metadata, timeout=min(2.0, self.cfg.load_timeout_s))
-        layout = KVLayout.from_wire(ref.layout)
         with self._peers_lock:
-            self._peers[ref.node_id] = (ref.transport_metadata, peer, layout)
+            self._peers[ref.node_id] = (ref.transport_metadata, peer, planner)
 
     def _post_pending(self, inf: _Inflight) -> bool:
         """Post reads whose connection came up; False while some connection is still pending."""

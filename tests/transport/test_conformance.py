@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from pdxfer.layout import TransferPlan, TransferRun
+from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import mismatches, scattered_plan
 from pdxfer.transport.base import (
     MetadataError,

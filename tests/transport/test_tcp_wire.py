@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 
-from pdxfer.layout import TransferPlan, TransferRun
+from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import pattern
 from pdxfer.transport.tcp import wire
 from pdxfer.transport.base import (

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pdxfer.layout import TransferPlan
+from pdxfer.plan import TransferPlan
 from pdxfer.transport.base import (
     MetadataError,
     OutOfRange,

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdxfer.layout import TransferPlan
+from pdxfer.plan import TransferPlan
 from pdxfer.transport.base import (
     PeerDied,
     PeerUnreachable,
