@@ -145,6 +145,23 @@ def test_local_prefix_is_skipped_and_keys_isolate_salt(pair):
     assert ext_salt == 0
 
 
+@pytest.mark.xfail(strict=True, reason="hole 3: not implemented yet")
+def test_unkeyable_requests_are_neither_looked_up_nor_published(pair):
+    """Issue 9, hole 3: a request whose KV its tokens do not name (LoRA, images, embeddings)."""
+    holder, reader = pair()
+    toks = _tokens(2 * C + 5, 21)
+    holder.sched.request_finished("p-lora", toks, holder.run_request("scratch", toks), None,
+                                  unkeyable="it uses a LoRA adapter")
+    assert holder.sched.held_chunks == 0  # nothing published for the adapter's KV
+    holder.run_request("p", toks)  # the same tokens without the adapter: published
+    assert holder.sched.held_chunks == 2
+    # A reader with an adapter must not take the base model's chunks for the same tokens.
+    assert reader.sched.get_num_new_matched_tokens("d-lora", toks, len(toks), 0, None,
+                                                   unkeyable="it uses a LoRA adapter") == (0, False)
+    assert reader.sched.stats.lookups == 0 and reader.sched.stats.unkeyable_requests == 1
+    assert reader.sched.get_num_new_matched_tokens("d", toks, len(toks), 0, None)[0] == 2 * C
+
+
 def test_expired_lock_turns_into_load_errors(pair, tmp_path, monkeypatch):
     holder, reader = pair()
     toks = _tokens(2 * C + 5, 4)

@@ -1,0 +1,50 @@
+"""Issue 9, hole 3: keys must name everything that shapes the KV, or the connector stays out.
+
+Token ids and the cache salt do not name the KV of a request with a LoRA adapter, multimodal
+inputs (identical placeholder tokens for different images) or prompt embeddings; and the same
+model id can name different weights after an update. Real vLLM ``Request`` objects, real files.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+pytestmark = pytest.mark.xfail(strict=True, reason="hole 3: not implemented yet")
+
+
+def _request(**kw) -> Request:
+    return Request("r", [5, 6, 7], SamplingParams(max_tokens=1), None, **kw)
+
+
+def test_requests_whose_kv_tokens_do_not_name_are_unkeyable():
+    from pdxfer.vllm.keyability import unkeyable_reason
+
+    assert unkeyable_reason(_request()) is None
+    assert "LoRA" in unkeyable_reason(_request(lora_request=LoRARequest("ad", 1, "/tmp/ad")))
+    assert "embeddings" in unkeyable_reason(_request(prompt_embeds=torch.zeros(3, 8)))
+
+
+def test_weights_fingerprint_follows_the_bytes_not_the_path_or_mtime(tmp_path, tiny_model):
+    from pdxfer.vllm.keyability import weights_fingerprint
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)  # new mtimes, same bytes: the same weights on another host
+    assert weights_fingerprint(str(copy)) == weights_fingerprint(str(tiny_model))
+    shard = sorted(copy.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # an updated weight
+    shard.write_bytes(bytes(data))
+    assert weights_fingerprint(str(copy)) != weights_fingerprint(str(tiny_model))
+    # Quantization changes what the KV is computed from, with the same files.
+    assert weights_fingerprint(str(tiny_model), "fp8") != weights_fingerprint(str(tiny_model))
+    # A hub name that is not a local directory: stable, and says so.
+    assert weights_fingerprint("org/model") == weights_fingerprint("org/model")
