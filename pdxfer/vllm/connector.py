@@ -24,6 +24,7 @@ from vllm.v1.request import RequestStatus
 from pdxfer.vllm.config import parse_extra_config
 from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_size, model_identity
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
+from pdxfer.vllm.keyability import unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ class PdxferConnector(KVConnectorBase_V1):
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(
             request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
-            request.cache_salt)
+            request.cache_salt, unkeyable=unkeyable_reason(request))
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         return (0,)
@@ -205,7 +206,8 @@ class PdxferConnector(KVConnectorBase_V1):
         if request.status in _PUBLISHABLE:
             n = min(request.num_computed_tokens, request.num_tokens)
             tokens = list(request.all_token_ids[:n])
-        self.scheduler_side.request_finished(request.request_id, tokens, block_ids, request.cache_salt)
+        self.scheduler_side.request_finished(request.request_id, tokens, block_ids, request.cache_salt,
+                                             unkeyable=unkeyable_reason(request))
         return False, None
 
     def has_pending_block_frees(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdxfer.layout import CPU, KVLayout, Region, Segment
+from pdxfer.vllm.keyability import weights_fingerprint
 
 
 class UnsupportedKVCache(ValueError):
@@ -53,7 +54,9 @@ def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
 
 
 def model_identity(vllm_config: Any) -> str:
-    """Namespace model id: what vLLM loaded (path or name) and its revision."""
+    """Namespace model id: what vLLM loaded (path or name), its revision, and a fingerprint of
+    the weights themselves, so KV computed with other weights under the same name never matches."""
     mc = vllm_config.model_config
     rev = getattr(mc, "revision", None)
-    return f"{mc.model}@{rev}" if rev else str(mc.model)
+    name = f"{mc.model}@{rev}" if rev else str(mc.model)
+    return f"{name}#w{weights_fingerprint(str(mc.model), getattr(mc, 'quantization', None))}"

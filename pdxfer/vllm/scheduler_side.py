@@ -58,6 +58,7 @@ class SchedulerSide:
         self._hot = factory(cfg.master, token=cfg.token, timeout_s=cfg.lookup_timeout_s)
         self._bg = factory(cfg.master, token=cfg.token, timeout_s=cfg.master_timeout_s)
         self._hashers: dict[str, IncrementalHasher] = {}
+        self._kept_out_reasons: set[str] = set()
         self.reader = ReaderPath(cfg, block_size=block_size, layout_fingerprint=layout_fingerprint,
                                  reader_id=f"{engine_id}-reader", hot=self._hot, bg=self._bg, stats=self.stats,
                                  hasher=self._hasher, own_node=lambda: self.node_id)
@@ -98,10 +99,15 @@ class SchedulerSide:
     # ------------------------------------------------------------------ reader (consumer) path
 
     def get_num_new_matched_tokens(self, req_id: str, tokens: Sequence[int], num_tokens: int,
-                                   num_computed_tokens: int, cache_salt: str | None) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` that can be read from holders; never raises."""
+                                   num_computed_tokens: int, cache_salt: str | None,
+                                   unkeyable: str | None = None) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that can be read from holders; never raises.
+        ``unkeyable``: why the tokens do not name this request's KV (then: no lookup)."""
         self.holder.drain_frees()
         if not self.consumer:
+            return 0, False
+        if unkeyable is not None:
+            self._keep_out(req_id, unkeyable)
             return 0, False
         return self.reader.get_num_new_matched_tokens(req_id, tokens, num_tokens, num_computed_tokens,
                                                        cache_salt)
@@ -116,15 +122,26 @@ class SchedulerSide:
     # ------------------------------------------------------------------ holder (producer) path
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
-                         cache_salt: str | None) -> None:
+                         cache_salt: str | None, unkeyable: str | None = None) -> None:
         """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
-        tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted)."""
+        tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
+        ``unkeyable``: why the tokens do not name this request's KV (then: no publish)."""
         self.reader.finish_request(req_id)
         hasher = self._hashers.pop(req_id, None)
+        if unkeyable is not None and self.producer and tokens is not None:
+            self._keep_out(req_id, unkeyable)
+            tokens = None
         if not self.producer:
             self.holder.drain_frees()
             return
         self.holder.request_finished(req_id, tokens, block_ids, hasher, lambda: self._new_hasher(cache_salt))
+
+    def _keep_out(self, req_id: str, reason: str) -> None:
+        self.stats.unkeyable_requests += 1
+        if reason not in self._kept_out_reasons:  # once per reason: a LoRA fleet would flood the log
+            self._kept_out_reasons.add(reason)
+            log.warning("pdxfer: request %s is kept out of KV transfer because %s (its token ids do not "
+                        "name its KV); such requests are computed locally", req_id, reason)
 
     def drain_frees(self) -> None:
         self.holder.drain_frees()

@@ -18,6 +18,7 @@ class SchedulerStats:
     freed_chunks: int = 0
     pressure_reclaims: int = 0
     late_publishes: int = 0  # publishes still in flight when the request's wait ran out
+    unkeyable_requests: int = 0  # kept out: LoRA, multimodal inputs or prompt embeddings
 
 
 class EpisodeLog:

@@ -18,7 +18,6 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-pytestmark = pytest.mark.xfail(strict=True, reason="hole 3: not implemented yet")
 
 
 def _request(**kw) -> Request:
