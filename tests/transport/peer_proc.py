@@ -35,7 +35,13 @@ def _opts(pairs: list[str]) -> dict:
     out: dict = {}
     for p in pairs:
         k, _, v = p.partition("=")
-        out[k] = int(v) if v.lstrip("-").isdigit() else v
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
     return out
 
 

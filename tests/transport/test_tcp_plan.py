@@ -61,3 +61,10 @@ def test_checks_name_the_bad_run_on_both_paths(pad):
             check_plan(plan(*good, bad), [400, 50], [1000], "peer-x")
     out = check_plan(plan(*good, (1, 40, 0, 500, 10), (0, 0, 0, 0, 0)), [400, 50], [1000], "peer-x")
     assert out.tolist()[-1] == [1, 40, 0, 500, 10]  # zero-length run dropped
+
+
+def test_split_never_exceeds_the_holders_run_cap():
+    a = check_plan(plan(*[(0, 100 * i, 0, 100 * i, 10) for i in range(10)]), [10_000], [10_000], "p")
+    parts = split_runs(a, 2, 1 << 30, max_runs=3)
+    assert all(len(p) <= 3 for p in parts)
+    assert np.array_equal(np.concatenate(parts), a)  # same runs, same order, nothing lost

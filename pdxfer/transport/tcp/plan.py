@@ -6,12 +6,20 @@ from __future__ import annotations
 import numpy as np
 
 from pdxfer.transport.runs import SMALL_PLAN
+from pdxfer.transport.tcp.wire import MAX_RUNS_PER_REQUEST
 
 
-def split_runs(a: np.ndarray, nconns: int, min_split_bytes: int) -> list[np.ndarray]:
+def split_runs(a: np.ndarray, nconns: int, min_split_bytes: int,
+               max_runs: int = MAX_RUNS_PER_REQUEST) -> list[np.ndarray]:
     """Contiguous slices of the run array with about equal bytes each, at most ``nconns``; a run
     crossing a cut is split there, so one huge run is spread over all connections too. Plans
-    under ``min_split_bytes`` stay whole (one request has the lowest latency)."""
+    under ``min_split_bytes`` stay whole (one request has the lowest latency). No slice has more
+    than ``max_runs`` runs: holders refuse bigger requests."""
+    return [p[i:i + max_runs] for p in _split_bytes(a, nconns, min_split_bytes)
+            for i in range(0, len(p), max_runs)]
+
+
+def _split_bytes(a: np.ndarray, nconns: int, min_split_bytes: int) -> list[np.ndarray]:
     if len(a) == 0:
         return []
     if nconns == 1 or (len(a) <= SMALL_PLAN and int(a[:, 4].sum()) < min_split_bytes):

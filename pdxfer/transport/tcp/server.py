@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import socket
 import struct
 import threading
+import time
 import zlib
 from typing import Iterator, Sequence
 
@@ -92,13 +94,71 @@ def validate_runs(runs: np.ndarray, sizes: Sequence[int]) -> tuple[int, str] | N
     return _rejection(i, int(runs["region"][i]), int(runs["offset"][i]), int(runs["nbytes"][i]), sizes)
 
 
-class TcpServer:
-    """Accepts reader connections and serves their READ requests from a :class:`RegionTable`."""
+# accept() errors that say "not now" (out of descriptors or memory, a peer gone before we took it):
+# the listener stays up and tries again; anything else while open is logged and retried too.
+_TRANSIENT_ACCEPT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+                     errno.EPROTO, errno.EPERM, errno.EINTR}
 
-    def __init__(self, table: RegionTable, instance: bytes, host: str, port: int, bufsize: int) -> None:
+
+def _rcv_timeout(sock: socket.socket, seconds: float) -> None:
+    """Kernel receive timeout (0: none), which keeps the socket blocking (see wire.set_io_timeout)."""
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Find readers whose host vanished (no FIN ever comes) within about a minute."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+class _RateLimitedLog:
+    """One warning per ``every`` seconds for a condition that can repeat thousands of times."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last = -1e9
+        self.suppressed = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            extra = f" ({self.suppressed} more since the last warning)" if self.suppressed else ""
+            log.warning(msg + extra, *args)
+            self._last, self.suppressed = now, 0
+        else:
+            self.suppressed += 1
+
+
+class TcpServer:
+    """Accepts reader connections and serves their READ requests from a :class:`RegionTable`.
+
+    What a peer can cost the holder is bounded: ``max_connections`` connections at once (more are
+    closed at accept), ``hello_timeout`` to say hello, ``frame_timeout`` to finish a frame it
+    started, ``idle_timeout`` between requests (readers reconnect transparently), and at most
+    ``wire.MAX_RUNS_PER_REQUEST`` runs buffered per request. Running out of descriptors never
+    stops the listener.
+    """
+
+    def __init__(self, table: RegionTable, instance: bytes, host: str, port: int, bufsize: int,
+                 max_connections: int = 256, hello_timeout: float = 10.0, frame_timeout: float = 30.0,
+                 idle_timeout: float = 600.0) -> None:
+        for name, v in (("max_connections", max_connections), ("hello_timeout", hello_timeout),
+                        ("frame_timeout", frame_timeout), ("idle_timeout", idle_timeout)):
+            if v <= 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
         self._table = table
         self._instance = instance
         self._bufsize = bufsize
+        self._max_conns = int(max_connections)
+        self._hello_timeout = float(hello_timeout)
+        self._frame_timeout = float(frame_timeout)
+        self._idle_timeout = float(idle_timeout)
+        self._accept_log = _RateLimitedLog()
+        self._cap_log = _RateLimitedLog()
+        self.refused_connections = 0
         self.send_timeout = 60.0
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -114,13 +174,29 @@ class TcpServer:
         while True:
             try:
                 conn, addr = self._sock.accept()  # blocks: no CPU while idle
-            except OSError:
-                return  # listening socket shut down by close()
+            except OSError as exc:
+                with self._lock:
+                    if self._closed:
+                        return  # listening socket shut down by close()
+                self._accept_log.warn("pdxfer tcp holder on port %d: accept failed (%s); still listening",
+                                      self.port, exc)
+                # EMFILE leaves the pending connection queued, so accept() would fail again at
+                # once: wait for descriptors to come back instead of spinning a core.
+                time.sleep(0.1 if exc.errno in _TRANSIENT_ACCEPT else 0.5)
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
+                if len(self._conns) >= self._max_conns:
+                    self.refused_connections += 1
+                    self._cap_log.warn("pdxfer tcp holder on port %d: refusing a connection from %s: "
+                                       "%d connections open (max_connections)", self.port, addr[0],
+                                       len(self._conns))
+                    conn.close()
+                    continue
                 wire.tune_socket(conn, self._bufsize)
+                _keepalive(conn)
                 # Idle readers may keep a connection for hours: only sends get a bound, so a
                 # reader that stops reading cannot pin a serving thread (and deregister) forever.
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(self.send_timeout), 0))
@@ -145,6 +221,7 @@ class TcpServer:
             conn.close()
 
     def _handshake(self, conn: socket.socket) -> None:
+        _rcv_timeout(conn, self._hello_timeout)
         want = wire.unpack_hello(wire.recv_exact(conn, wire.HELLO_SIZE, "hello"))
         if want != self._instance:
             conn.sendall(wire.pack_hello_ok(wire.ERR_WRONG_INSTANCE, self._instance))
@@ -153,9 +230,11 @@ class TcpServer:
 
     def _serve_one(self, conn: socket.socket) -> bool:
         head = bytearray(wire.REQ_SIZE)
+        _rcv_timeout(conn, self._idle_timeout)
         k = conn.recv_into(head)
         if k == 0:
             return False  # reader closed between requests: a normal end
+        _rcv_timeout(conn, self._frame_timeout)  # a frame once started must finish in time
         if k < wire.REQ_SIZE:
             head[k:] = wire.recv_exact(conn, wire.REQ_SIZE - k, "request header")
         flags, req_id, nruns, body_crc = wire.unpack_request_head(bytes(head))

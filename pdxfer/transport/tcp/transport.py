@@ -63,6 +63,10 @@ class TcpTransport(Transport):
         payload_crc: bool = False,
         socket_buffer: int = 4 << 20,
         workers: int = 8,
+        max_connections: int = 256,
+        hello_timeout: float = 10.0,
+        frame_timeout: float = 30.0,
+        idle_timeout: float = 600.0,
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
@@ -75,6 +79,9 @@ class TcpTransport(Transport):
         self._io_timeout = float(io_timeout)
         self._flags = wire.FLAG_PAYLOAD_CRC if payload_crc else 0
         self._bufsize = int(socket_buffer)
+        # Holder-side bounds on what one reader connection may cost (see TcpServer).
+        self._server_limits = {"max_connections": max_connections, "hello_timeout": hello_timeout,
+                               "frame_timeout": frame_timeout, "idle_timeout": idle_timeout}
         self._instance = os.urandom(16)
         self._table = RegionTable()
         self._local_views: tuple[memoryview, ...] = ()
@@ -121,7 +128,8 @@ class TcpTransport(Transport):
             if self._server is None:
                 host, port = self._listen
                 try:
-                    self._server = TcpServer(self._table, self._instance, host, port, self._bufsize)
+                    self._server = TcpServer(self._table, self._instance, host, port, self._bufsize,
+                                             **self._server_limits)
                 except OSError as exc:
                     raise TransportError(f"tcp transport cannot listen on {host}:{port}: {exc}") from exc
             return self._server

@@ -73,7 +73,9 @@ HELLO_OK_SIZE = _HELLO_OK.size + _CRC.size
 REQ_SIZE = _REQ.size + _CRC.size
 RESP_SIZE = _RESP.size + _CRC.size
 
-MAX_RUNS_PER_REQUEST = 1 << 20  # 20 MiB of run list: far beyond any plan, small enough to refuse junk
+# 1.25 MiB of run list at most: a holder buffers no more per request than this, whatever a 32-byte
+# header announces; readers split larger plans into several requests.
+MAX_RUNS_PER_REQUEST = 1 << 16
 MAX_ERROR_TEXT = 1 << 16
 IOV_MAX = 1024  # Linux UIO_MAXIOV: the most buffers one sendmsg/recvmsg may take
 
