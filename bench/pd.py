@@ -39,20 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdxfer.master import start_local_master  # noqa: E402
-from pdxfer.procs import free_port  # noqa: E402
+from pdxfer.procs import default_run_dir, free_port  # noqa: E402
 from pdxfer.transport import KINDS  # noqa: E402
 from pdxfer.vllm.launch import (  # noqa: E402
     Component,
     Stack,
     TRANSFER_COUNTER,
-    default_run_dir,
-    default_tiny_model_dir,
-    make_tiny_model,
     pdxfer_kv_config,
     read_prom_counter,
     split_cores,
-    start_vllm,
 )
+from pdxfer.vllm.serve_shim import served_model_name, start_vllm  # noqa: E402
+from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PDXFER_HIST = "vllm:pdxfer_load_seconds"
@@ -340,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model or make_tiny_model(default_tiny_model_dir())
     cfg = json.loads((model_dir / "config.json").read_text())
-    model = "tiny" if (model_dir / ".pdxfer-tiny-model").exists() else model_dir.name
+    model = served_model_name(model_dir)
     if max(args.lengths) + 2 > cfg.get("max_position_embeddings", 1 << 30):
         ap.error("a prompt length exceeds the model's max_position_embeddings")
     log_dir = (args.log_dir or default_run_dir() / time.strftime("bench-pd-%Y%m%d-%H%M%S")).resolve()

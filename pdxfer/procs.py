@@ -43,6 +43,16 @@ def python_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def default_run_dir() -> Path:
+    """Where logs and caches of started processes go when the caller does not say: `.pdxfer-run/`
+    in the checkout, or in the current directory when pdxfer is installed from a wheel (no
+    checkout around it)."""
+    root = Path(PACKAGE_ROOT)
+    if (root / "pyproject.toml").exists():
+        return root / ".pdxfer-run"
+    return Path.cwd() / ".pdxfer-run"
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux).
 

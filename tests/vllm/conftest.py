@@ -17,7 +17,8 @@ import pytest
 
 from pdxfer.master import LocalMaster, start_local_master
 from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
-from pdxfer.vllm.launch import default_run_dir, make_tiny_model, start_vllm
+from pdxfer.vllm.serve_shim import start_vllm
+from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model
 
 READY_TIMEOUT_S = 420  # cold start of two instances on two busy cores
 REQUEST_TIMEOUT_S = 120
@@ -26,7 +27,7 @@ CHUNK = 256
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    return make_tiny_model(default_run_dir() / "tiny-model")
+    return make_tiny_model(default_tiny_model_dir())
 
 
 def connector_config(role: str, master: str, transport: str, **extra: Any) -> dict[str, Any]:
