@@ -38,18 +38,16 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.procs import default_run_dir, free_port  # noqa: E402
 from pdxfer.transport import KINDS  # noqa: E402
 from pdxfer.vllm.launch import (  # noqa: E402
-    Component,
     Stack,
     TRANSFER_COUNTER,
     pdxfer_kv_config,
     read_prom_counter,
     split_cores,
 )
-from pdxfer.vllm.serve_shim import served_model_name, start_vllm  # noqa: E402
+from pdxfer.vllm.serve_shim import served_model_name  # noqa: E402
 from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -171,17 +169,12 @@ def start_config(name: str, args: argparse.Namespace, model_dir: Path, log_dir: 
     vargs = list(args.vllm_arg)
     try:
         if name == "plain":
-            port = free_port()
-            proc = start_vllm(model_dir, port, None, args.prefill_cpus, log_dir, vargs, env,
-                              name="plain")
-            urls["plain"] = f"http://127.0.0.1:{port}"
-            stack.add(Component("plain", proc, urls["plain"] + "/health", url=urls["plain"]))
+            urls["plain"] = stack.add_vllm("plain", model_dir, log_dir, None, args.prefill_cpus,
+                                           vargs, env)
             return stack, urls
         roles: list[tuple[str, dict, str, dict[str, str]]] = []
         if name == "pdxfer":
-            local = start_local_master(workdir=log_dir, log_name="master.log")
-            master = local.address
-            stack.add(Component("master", local.proc, None, url=master))
+            master = stack.add_master(log_dir)
             roles = [("prefill", pdxfer_kv_config("kv_producer", master, args.transport),
                       args.prefill_cpus, {}),
                      ("decode", pdxfer_kv_config("kv_consumer", master, args.transport),
@@ -196,11 +189,8 @@ def start_config(name: str, args: argparse.Namespace, model_dir: Path, log_dir: 
         else:
             raise ValueError(f"unknown configuration {name!r}")
         for role, cfg, cpus, role_env in roles:
-            port = free_port()
-            proc = start_vllm(model_dir, port, cfg, cpus, log_dir, vargs, {**env, **role_env},
-                              name=f"{name}-{role}")
-            urls[role] = f"http://127.0.0.1:{port}"
-            stack.add(Component(f"{name}-{role}", proc, urls[role] + "/health", url=urls[role]))
+            urls[role] = stack.add_vllm(f"{name}-{role}", model_dir, log_dir, cfg, cpus, vargs,
+                                        {**env, **role_env})
         return stack, urls
     except BaseException:
         stack.stop(5)

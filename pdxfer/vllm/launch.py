@@ -73,6 +73,27 @@ class Stack:
         self.components.append(comp)
         return comp
 
+    def add_master(self, log_dir: Path, extra_args: Sequence[str] = (),
+                   die_with_parent: bool = False) -> str:
+        """Start an in-memory pdxfer-master (log `master.log` in log_dir); its address."""
+        local = start_local_master(workdir=log_dir, log_name="master.log", extra_args=extra_args,
+                                   die_with_parent=die_with_parent)
+        self.add(Component("master", local.proc, None, url=local.address))
+        return local.address
+
+    def add_vllm(self, name: str, model_dir: Path, log_dir: Path,
+                 kv_transfer_config: dict | None, cpus: str | None,
+                 vllm_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 die_with_parent: bool = False) -> str:
+        """Start `vllm serve` on a free port (log `<name>.log` in log_dir), ready when /health
+        answers; its base URL."""
+        port = free_port()
+        proc = start_vllm(model_dir, port, kv_transfer_config, cpus, log_dir, vllm_args, env,
+                          name=name, die_with_parent=die_with_parent)
+        url = f"http://127.0.0.1:{port}"
+        self.add(Component(name, proc, url + "/health", url=url))
+        return url
+
     def __getitem__(self, name: str) -> Component:
         for c in self.components:
             if c.name == name:
@@ -189,21 +210,16 @@ def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
         p_cfg = d_cfg = None
         if connector:
             if master is None:
-                local = start_local_master(workdir=log_dir, log_name="master.log", extra_args=(
-                    ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else []),
-                    die_with_parent=die_with_parent)
-                master = local.address
-                stack.add(Component("master", local.proc, None, url=master))
+                master = stack.add_master(
+                    log_dir, ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else [],
+                    die_with_parent)
             extra = dict(connector_extra or {})
             p_cfg = pdxfer_kv_config("kv_producer", master, transport, chunk_tokens, **extra)
             d_cfg = pdxfer_kv_config("kv_consumer", master, transport, chunk_tokens, **extra)
         urls = {}
         for role, cfg, cpus in (("prefill", p_cfg, prefill_cpus), ("decode", d_cfg, decode_cpus)):
-            port = free_port()
-            proc = start_vllm(model_dir, port, cfg, cpus, log_dir, vllm_args, env_extra, name=role,
-                              die_with_parent=die_with_parent)
-            urls[role] = f"http://127.0.0.1:{port}"
-            stack.add(Component(role, proc, urls[role] + "/health", url=urls[role]))
+            urls[role] = stack.add_vllm(role, model_dir, log_dir, cfg, cpus, vllm_args, env_extra,
+                                        die_with_parent)
         pproc, proxy_url = start_proxy([urls["prefill"]], [urls["decode"]], log_dir, proxy_port,
                                        die_with_parent=die_with_parent)
         stack.add(Component("proxy", pproc, proxy_url + "/health", url=proxy_url))
