@@ -117,9 +117,7 @@ class Stack:
         while True:
             for c in self.components:
                 if not c.proc.alive():
-                    raise RuntimeError(
-                        f"{c.name} (pid {c.proc.pid}) exited with {c.proc.returncode} during "
-                        f"startup; log {c.proc.log_path} ends with:\n{c.proc.log_tail()}")
+                    raise RuntimeError(c.proc.exit_note("during startup"))
                 if not c.ready:
                     c.ready = c.ready_url is None or http_ok(c.ready_url)
             elapsed = time.monotonic() - t0
@@ -131,7 +129,7 @@ class Stack:
                 late = [c for c in self.components if not c.ready]
                 raise TimeoutError(
                     f"not ready after {timeout:.0f} s: {', '.join(c.name for c in late)}; "
-                    f"log {late[0].proc.log_path} ends with:\n{late[0].proc.log_tail()}")
+                    f"{late[0].proc.log_note()}")
             time.sleep(interval)
 
     def progress_line(self, elapsed: float) -> str:
