@@ -4,7 +4,8 @@ it with SIGTERM then SIGKILL.
 
 Used by everything that starts pdxfer's own processes (the master starter, the local etcd, the
 launcher, tests and benchmarks), so that stopping a process means one thing everywhere: its whole
-group is gone, grandchildren included.
+group is gone, grandchildren included. Also where such processes keep logs and caches by default
+(`default_run_dir`) and the environment a Python child needs to import this pdxfer (`python_env`).
 """
 
 from __future__ import annotations
