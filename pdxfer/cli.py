@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(rc or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "make-tiny-model":
-        from pdxfer.vllm.launch import make_tiny_model
+        from pdxfer.vllm.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.out_dir, seed=args.seed))
         return 0

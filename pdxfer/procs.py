@@ -4,7 +4,8 @@ it with SIGTERM then SIGKILL.
 
 Used by everything that starts pdxfer's own processes (the master starter, the local etcd, the
 launcher, tests and benchmarks), so that stopping a process means one thing everywhere: its whole
-group is gone, grandchildren included.
+group is gone, grandchildren included. Also where such processes keep logs and caches by default
+(`default_run_dir`) and the environment a Python child needs to import this pdxfer (`python_env`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def python_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     if extra:
         env.update(extra)
     return env
+
+
+def default_run_dir() -> Path:
+    """Where logs and caches of started processes go when the caller does not say: `.pdxfer-run/`
+    in the checkout, or in the current directory when pdxfer is installed from a wheel (no
+    checkout around it)."""
+    root = Path(PACKAGE_ROOT)
+    if (root / "pyproject.toml").exists():
+        return root / ".pdxfer-run"
+    return Path.cwd() / ".pdxfer-run"
 
 
 def _die_with_parent() -> None:
@@ -141,6 +152,15 @@ class ManagedProcess:
         except OSError:
             return ""
 
+    def log_note(self) -> str:
+        """'log PATH ends with:' and the log's tail, for an error message about this process."""
+        return f"log {self.log_path} ends with:\n{self.log_tail()}"
+
+    def exit_note(self, when: str) -> str:
+        """'NAME (pid N) exited with RC WHEN; log PATH ends with: ...' for a process that died
+        while someone waited for it."""
+        return f"{self.name} (pid {self.pid}) exited with {self.returncode} {when}; {self.log_note()}"
+
     def __repr__(self) -> str:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, log={str(self.log_path)!r})"
 
@@ -158,10 +178,9 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: str, proc: Man
         if got is not None and got is not False:
             return got
         if proc is not None and not proc.alive():
-            raise RuntimeError(f"{proc.name} (pid {proc.pid}) exited with {proc.returncode} before {what}; "
-                               f"log {proc.log_path} ends with:\n{proc.log_tail()}")
+            raise RuntimeError(proc.exit_note(f"before {what}"))
         if time.monotonic() >= deadline:
-            tail = f"; log {proc.log_path} ends with:\n{proc.log_tail()}" if proc is not None else ""
+            tail = f"; {proc.log_note()}" if proc is not None else ""
             raise TimeoutError(f"no {what} after {timeout:.1f} s{tail}")
         time.sleep(interval)
 
@@ -205,10 +224,7 @@ def wait_http_ready(url: str, timeout: float, proc: ManagedProcess | None = None
     last_err = "no answer yet"
     while True:
         if proc is not None and not proc.alive():
-            raise RuntimeError(
-                f"{proc.name} (pid {proc.pid}) exited with {proc.returncode} before {url} was "
-                f"ready; log {proc.log_path} ends with:\n{proc.log_tail()}"
-            )
+            raise RuntimeError(proc.exit_note(f"before {url} was ready"))
         try:
             with urllib.request.urlopen(url, timeout=min(5.0, max(0.1, interval * 4))) as r:
                 if r.status == 200:
@@ -219,6 +235,6 @@ def wait_http_ready(url: str, timeout: float, proc: ManagedProcess | None = None
         except (urllib.error.URLError, OSError) as e:
             last_err = str(getattr(e, "reason", e))
         if time.monotonic() >= deadline:
-            tail = f"; log {proc.log_path} ends with:\n{proc.log_tail()}" if proc else ""
+            tail = f"; {proc.log_note()}" if proc else ""
             raise TimeoutError(f"{url} not ready after {timeout:.0f} s ({last_err}){tail}")
         time.sleep(interval)

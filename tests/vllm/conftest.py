@@ -17,7 +17,9 @@ import pytest
 
 from pdxfer.master import LocalMaster, start_local_master
 from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
-from pdxfer.vllm.launch import default_run_dir, make_tiny_model, start_vllm
+from pdxfer.vllm.launch import pdxfer_kv_config
+from pdxfer.vllm.serve_shim import start_vllm
+from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model
 
 READY_TIMEOUT_S = 420  # cold start of two instances on two busy cores
 REQUEST_TIMEOUT_S = 120
@@ -30,12 +32,7 @@ PAIR_VLLM_ARGS = ("--dtype", "float32")
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    return make_tiny_model(default_run_dir() / "tiny-model")
-
-
-def connector_config(role: str, master: str, transport: str, **extra: Any) -> dict[str, Any]:
-    return {"kv_connector": "PdxferConnector", "kv_connector_module_path": "pdxfer.vllm", "kv_role": role,
-            "kv_connector_extra_config": {"master": master, "transport": transport, **extra}}
+    return make_tiny_model(default_tiny_model_dir())
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
@@ -106,12 +103,12 @@ class PDPair:
         self.start_master()
         self.prefill_port, self.decode_port = free_port(), free_port()
         common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0}
-        self.prefill = start_vllm(self.model, self.prefill_port,
-                                  connector_config("kv_producer", self.master_addr, self.transport, **common),
+        p_cfg = pdxfer_kv_config("kv_producer", self.master_addr, self.transport, **common)
+        d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport, **common)
+        self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
                                   cpu_bind="0", log_dir=self.run_dir, name=f"prefill-{self.transport}",
                                   extra_args=PAIR_VLLM_ARGS)
-        self.decode = start_vllm(self.model, self.decode_port,
-                                 connector_config("kv_consumer", self.master_addr, self.transport, **common),
+        self.decode = start_vllm(self.model, self.decode_port, d_cfg,
                                  cpu_bind="1", log_dir=self.run_dir, name=f"decode-{self.transport}",
                                  extra_args=PAIR_VLLM_ARGS,
                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks),

@@ -1,4 +1,5 @@
-"""launch.py helpers (no vLLM needed except the tiny model build). Process control: tests/unit/test_procs.py."""
+"""Launcher, serve shim and tiny model helpers (no vLLM needed except the tiny model build).
+Process control: tests/unit/test_procs.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.vllm.launch import make_tiny_model, split_cores, vllm_serve_argv, vllm_serve_env
+from pdxfer.vllm.launch import split_cores
+from pdxfer.vllm.serve_shim import vllm_serve_argv, vllm_serve_env
+from pdxfer.vllm.tiny_model import make_tiny_model
 
 
 def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
@@ -45,7 +48,7 @@ def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
 def test_vllm_argv_and_env(tmp_path: Path) -> None:
     argv = vllm_serve_argv(tmp_path, 1234, {"kv_connector": "PdxferConnector", "kv_role": "kv_both"},
                            ["--max-model-len", "4096"])
-    assert argv[:4] == [sys.executable, "-m", "pdxfer.vllm.launch", "serve"]
+    assert argv[:4] == [sys.executable, "-m", "pdxfer.vllm.serve_shim", "serve"]
     assert argv[argv.index("--port") + 1] == "1234"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert "--enforce-eager" in argv and argv[-2:] == ["--max-model-len", "4096"]
