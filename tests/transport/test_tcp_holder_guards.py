@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import time
 
-import pytest
 
 from pdxfer.transport.tcp import wire
 from pdxfer.transport.tcp.metadata import parse_metadata
