@@ -7,17 +7,20 @@
 #include "pdx_native.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <thread>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kMinBytesPerThread = 256 * 1024;  // below this, thread start-up costs more
+// Below this many bytes per thread, starting a thread costs more than it saves. Settable so tests
+// can drive the work split with small inputs.
+std::atomic<int64_t> g_min_bytes_per_thread{256 * 1024};
 constexpr int kMaxThreads = 64;
 
 int clamp_threads(int threads, int64_t total_bytes) {
-    int64_t by_size = std::max<int64_t>(1, total_bytes / kMinBytesPerThread);
+    int64_t by_size = std::max<int64_t>(1, total_bytes / std::max<int64_t>(1, g_min_bytes_per_thread.load()));
     return (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, by_size, kMaxThreads}));
 }
 
@@ -198,6 +201,10 @@ void scatter_heads(const char *src, char *dst, const pdx_geom *sg, const pdx_geo
 extern "C" {
 
 int pdx_abi_version(void) { return PDX_ABI_VERSION; }
+
+int64_t pdx_set_min_bytes_per_thread(int64_t nbytes) {
+    return g_min_bytes_per_thread.exchange(nbytes > 0 ? nbytes : 1);
+}
 
 int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
                   const pdx_run *runs, int64_t nruns, int threads, int64_t *bad) {

@@ -75,6 +75,9 @@ typedef struct {
 
 /* CPU (pdx_cpu.cpp). threads <= 0 means one thread. On failure *bad (if not null) names the run. */
 int pdx_abi_version(void);
+/* Process-wide: fewer bytes than this per thread use fewer threads (default 256 KiB). Returns the
+ * previous value. For tests and benchmarks; the default suits real transfers. */
+int64_t pdx_set_min_bytes_per_thread(int64_t nbytes);
 int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
                   const pdx_run *runs, int64_t nruns, int threads, int64_t *bad);
 int pdx_scatter_tokens(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,

@@ -105,6 +105,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.pdx_scatter_tokens.argtypes = [p, i64, p, i64, ctypes.POINTER(_Geom), ctypes.POINTER(_Geom), i32,
                                        p, i64, i32, ctypes.POINTER(i64)]
     lib.pdx_scatter_tokens.restype = i32
+    lib.pdx_set_min_bytes_per_thread.argtypes = [i64]
+    lib.pdx_set_min_bytes_per_thread.restype = i64
     return lib
 
 
@@ -207,6 +209,13 @@ def backend_reason() -> str:
 def library_path() -> str | None:
     _lib()
     return _state.path
+
+
+def set_min_bytes_per_thread(nbytes: int) -> int | None:
+    """Native path: split work over threads only above ``nbytes`` per thread (tests use 1 to make
+    small inputs run threaded). Returns the previous value; None on the torch path."""
+    lib = _lib()
+    return None if lib is None else int(lib.pdx_set_min_bytes_per_thread(nbytes))
 
 
 def default_threads() -> int:
