@@ -12,12 +12,62 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
+
 namespace {
+
+// Batches larger than this go out with non-temporal stores: they cannot stay in cache anyway,
+// and skipping the read-for-ownership of every destination line is what lets many small rows
+// keep up with one big memcpy (glibc switches a single large memcpy to such stores too).
+std::atomic<int64_t> g_stream_bytes{8 << 20};
+
+void copy_bytes(char *dst, const char *src, size_t n, bool stream) {
+#if defined(__SSE2__)
+    if (stream && n >= 64) {
+        size_t head = (size_t)(-(uintptr_t)dst & 15);
+        std::memcpy(dst, src, head);
+        dst += head, src += head, n -= head;
+        size_t body = n & ~(size_t)63;
+        for (size_t i = 0; i < body; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        std::memcpy(dst + body, src + body, n - body);
+        return;
+    }
+    // Rows of a few cache lines (K^T rows of 32-128 tokens, one head's D-vector) are too short
+    // for a memcpy call to pay off: its call and size dispatch cost as much as the copy.
+    if (n <= 512 && (n & 15) == 0) {
+        for (size_t i = 0; i < n; i += 16)
+            _mm_storeu_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        return;
+    }
+#endif
+    (void)stream;
+    std::memcpy(dst, src, n);
+}
+
+// Non-temporal stores are weakly ordered: fence before a worker reports its part done.
+void store_fence() {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
 
 // Below this many bytes per thread, starting a thread costs more than it saves. Settable so tests
 // can drive the work split with small inputs.
 std::atomic<int64_t> g_min_bytes_per_thread{256 * 1024};
 constexpr int kMaxThreads = 64;
+constexpr int64_t kMaxGroup = 16;  // runs interleaved row by row; 16 covers 256 -> 16 blocks
 
 int clamp_threads(int threads, int64_t total_bytes) {
     int64_t by_size = std::max<int64_t>(1, total_bytes / std::max<int64_t>(1, g_min_bytes_per_thread.load()));
@@ -40,15 +90,16 @@ void run_parallel(int nthreads, F &&fn) {
 // ------------------------------------------------------------------ copy_runs
 
 void copy_byte_range(const char *src, char *dst, const pdx_run *runs, const std::vector<int64_t> &prefix,
-                     int64_t lo, int64_t hi) {
+                     int64_t lo, int64_t hi, bool stream) {
     // prefix[r] = bytes before run r; find the run holding byte lo of the concatenated stream.
     int64_t r = std::upper_bound(prefix.begin(), prefix.end(), lo) - prefix.begin() - 1;
     int64_t n = (int64_t)prefix.size() - 1;
     for (; r < n && prefix[r] < hi; ++r) {
         int64_t a = std::max(lo, prefix[r]) - prefix[r];
         int64_t b = std::min(hi, prefix[r + 1]) - prefix[r];
-        if (b > a) std::memcpy(dst + runs[r].dst_off + a, src + runs[r].src_off + a, (size_t)(b - a));
+        if (b > a) copy_bytes(dst + runs[r].dst_off + a, src + runs[r].src_off + a, (size_t)(b - a), stream);
     }
+    store_fence();
 }
 
 // ------------------------------------------------------------------ strided copies
@@ -58,43 +109,45 @@ struct Dim {
 };
 
 template <class T>
-void transpose_tiles(const T *src, T *dst, Dim a, Dim b) {
-    // a: contiguous in dst (a.d == 1); b: contiguous in src (b.s == 1). Tiles keep both sides'
-    // cache lines resident while one is walked with a stride.
+void transpose_tiles(const T *src, T *dst, Dim x, Dim y) {
+    // x is contiguous in src (x.s == 1), y in dst (y.d == 1). Square tiles keep the lines of both
+    // sides resident in L1 while each is walked across its stride.
     constexpr int64_t kTile = 16;
-    for (int64_t b0 = 0; b0 < b.n; b0 += kTile) {
-        int64_t b1 = std::min(b.n, b0 + kTile);
-        for (int64_t a0 = 0; a0 < a.n; a0 += kTile) {
-            int64_t a1 = std::min(a.n, a0 + kTile);
-            for (int64_t j = b0; j < b1; ++j) {
-                const T *s = src + j;
-                T *d = dst + j * b.d;
-                for (int64_t i = a0; i < a1; ++i) d[i] = s[i * a.s];
+    for (int64_t x0 = 0; x0 < x.n; x0 += kTile) {
+        int64_t x1 = std::min(x.n, x0 + kTile);
+        for (int64_t y0 = 0; y0 < y.n; y0 += kTile) {
+            int64_t y1 = std::min(y.n, y0 + kTile);
+            for (int64_t i = x0; i < x1; ++i) {
+                const T *s = src + i;
+                T *d = dst + i * x.d;
+                for (int64_t j = y0; j < y1; ++j) d[j] = s[j * y.s];
             }
         }
     }
 }
 
 template <class T>
-void copy_strided(const T *src, T *dst, Dim *dims, int nd) {
-    // dims are outermost first, at most 3 after collapsing.
-    Dim one{1, 0, 0};
-    while (nd < 3) {
-        std::copy_backward(dims, dims + nd, dims + nd + 1);
-        dims[0] = one;
-        ++nd;
-    }
-    Dim o = dims[0], m = dims[1], in = dims[2];
-    if (in.d == 1 && o.s == 1) std::swap(o, m);  // the two outer loops commute; put the src-contiguous one in the middle
+void copy_strided(const T *src, T *dst, const Dim *dims_in, int nd, bool stream) {
+    // dims_in: outermost first, 1..3 of them after collapsing; pad to exactly three.
+    Dim dims[3] = {{1, 0, 0}, {1, 0, 0}, {1, 0, 0}};
+    std::copy(dims_in, dims_in + nd, dims + (3 - nd));
+    const Dim &o = dims[0], &m = dims[1], &in = dims[2];
     if (in.s == 1 && in.d == 1) {
         size_t row = (size_t)in.n * sizeof(T);
         for (int64_t i = 0; i < o.n; ++i)
             for (int64_t j = 0; j < m.n; ++j)
-                std::memcpy(dst + i * o.d + j * m.d, src + i * o.s + j * m.s, row);
+                copy_bytes((char *)(dst + i * o.d + j * m.d), (const char *)(src + i * o.s + j * m.s), row, stream);
         return;
     }
-    if (in.d == 1 && m.s == 1) {
-        for (int64_t i = 0; i < o.n; ++i) transpose_tiles(src + i * o.s, dst + i * o.d, in, m);
+    // A transpose (K^T <-> row-major): one dim contiguous in src, another in dst.
+    int xs = -1, yd = -1;
+    for (int i = 0; i < 3; ++i) {
+        if (dims[i].n > 1 && dims[i].s == 1 && xs < 0) xs = i;
+        if (dims[i].n > 1 && dims[i].d == 1 && yd < 0) yd = i;
+    }
+    if (xs >= 0 && yd >= 0 && xs != yd) {
+        const Dim &z = dims[3 - xs - yd];
+        for (int64_t k = 0; k < z.n; ++k) transpose_tiles(src + k * z.s, dst + k * z.d, dims[xs], dims[yd]);
         return;
     }
     for (int64_t i = 0; i < o.n; ++i)
@@ -105,9 +158,11 @@ void copy_strided(const T *src, T *dst, Dim *dims, int nd) {
         }
 }
 
-// Order dims so writes are as sequential as possible, merge dims that are contiguous in both
-// buffers (e.g. a whole HND head, or all NHD heads of a token), and pick the tightest loop.
-void copy_3d(const char *src, char *dst, Dim dims_in[3], int esize) {
+// Order dims so reads are sequential (the source is usually a staging buffer just received or a
+// holder's cache, read once), merge dims contiguous in both buffers (a whole HND head, all NHD
+// heads of a token), and pick the tightest loop. Scattered writes are absorbed by the
+// non-temporal stores of large calls; measured, reading in order beats writing in order 1.3-2x.
+void copy_3d(const char *src, char *dst, const Dim dims_in[3], int esize, bool stream) {
     Dim dims[3];
     int nd = 0;
     for (int i = 0; i < 3; ++i)
@@ -118,7 +173,7 @@ void copy_3d(const char *src, char *dst, Dim dims_in[3], int esize) {
         return;
     }
     std::sort(dims, dims + nd, [](const Dim &x, const Dim &y) {
-        return x.d != y.d ? x.d > y.d : x.s > y.s;
+        return x.s != y.s ? x.s > y.s : x.d > y.d;
     });
     int m = 0;
     for (int i = 1; i < nd; ++i) {
@@ -130,16 +185,11 @@ void copy_3d(const char *src, char *dst, Dim dims_in[3], int esize) {
         }
     }
     nd = m + 1;
-    // A single fully-contiguous run: one memcpy whatever the element size.
-    if (nd == 1 && dims[0].s == 1 && dims[0].d == 1) {
-        std::memcpy(dst, src, (size_t)(dims[0].n * esize));
-        return;
-    }
     switch (esize) {
-        case 1: copy_strided((const uint8_t *)src, (uint8_t *)dst, dims, nd); break;
-        case 2: copy_strided((const uint16_t *)src, (uint16_t *)dst, dims, nd); break;
-        case 4: copy_strided((const uint32_t *)src, (uint32_t *)dst, dims, nd); break;
-        default: copy_strided((const uint64_t *)src, (uint64_t *)dst, dims, nd); break;
+        case 1: copy_strided((const uint8_t *)src, (uint8_t *)dst, dims, nd, stream); break;
+        case 2: copy_strided((const uint16_t *)src, (uint16_t *)dst, dims, nd, stream); break;
+        case 4: copy_strided((const uint32_t *)src, (uint32_t *)dst, dims, nd, stream); break;
+        default: copy_strided((const uint64_t *)src, (uint64_t *)dst, dims, nd, stream); break;
     }
 }
 
@@ -181,19 +231,42 @@ bool tok_run_ok(const pdx_tok_run &r, const pdx_geom *sg, const pdx_geom *dg, in
     return true;
 }
 
-void scatter_heads(const char *src, char *dst, const pdx_geom *sg, const pdx_geom *dg, int esize,
-                   const pdx_tok_run &r, int64_t h0, int64_t h1) {
-    for (int64_t p = 0; p < sg->nparts; ++p) {
-        const pdx_part &a = sg->parts[p], &b = dg->parts[p];
-        const char *s = src + r.src_off +
-                        (a.base + r.src_tok * a.tok_stride + (r.src_head + h0) * a.head_stride) * esize;
-        char *d = dst + r.dst_off +
-                  (b.base + r.dst_tok * b.tok_stride + (r.dst_head + h0) * b.head_stride) * esize;
-        Dim dims[3] = {{h1 - h0, a.head_stride, b.head_stride},
-                       {r.ntok, a.tok_stride, b.tok_stride},
-                       {sg->head_dim, a.dim_stride, b.dim_stride}};
-        copy_3d(s, d, dims, esize);
-    }
+const char *part_src(const char *src, const pdx_part &a, const pdx_tok_run &r, int64_t h, int esize) {
+    return src + r.src_off + (a.base + r.src_tok * a.tok_stride + (r.src_head + h) * a.head_stride) * esize;
+}
+
+char *part_dst(char *dst, const pdx_part &b, const pdx_tok_run &r, int64_t h, int esize) {
+    return dst + r.dst_off + (b.base + r.dst_tok * b.tok_stride + (r.dst_head + h) * b.head_stride) * esize;
+}
+
+void scatter_part(const char *src, char *dst, const pdx_geom *sg, const pdx_geom *dg, int64_t p, int esize,
+                  const pdx_tok_run &r, int64_t h0, int64_t h1, bool stream) {
+    const pdx_part &a = sg->parts[p], &b = dg->parts[p];
+    Dim dims[3] = {{h1 - h0, a.head_stride, b.head_stride},
+                   {r.ntok, a.tok_stride, b.tok_stride},
+                   {sg->head_dim, a.dim_stride, b.dim_stride}};
+    copy_3d(part_src(src, a, r, h0, esize), part_dst(dst, b, r, h0, esize), dims, esize, stream);
+}
+
+// Token-fastest parts (vLLM CPU's K^T) on both sides, a group of runs sharing one source block (a
+// big block split into small ones) or one destination block (small blocks merged): copy row d of
+// every run before row d+1, so each side walks its block in address order instead of in stripes.
+// Measured on K^T, 256 -> 32 and 64 -> 256: 1.3-1.6x.
+void scatter_rows_grouped(const char *src, char *dst, const pdx_geom *sg, const pdx_geom *dg, int64_t p,
+                          int esize, const pdx_tok_run *runs, int64_t g0, int64_t g1, bool stream) {
+    const pdx_part &a = sg->parts[p], &b = dg->parts[p];
+    for (int64_t h = 0; h < runs[g0].nheads; ++h)
+        for (int64_t d = 0; d < sg->head_dim; ++d)
+            for (int64_t g = g0; g < g1; ++g) {
+                const pdx_tok_run &r = runs[g];
+                copy_bytes(part_dst(dst, b, r, h, esize) + d * b.dim_stride * esize,
+                           part_src(src, a, r, h, esize) + d * a.dim_stride * esize, (size_t)(r.ntok * esize), stream);
+            }
+}
+
+bool same_group(const pdx_tok_run &x, const pdx_tok_run &y, bool by_src) {
+    return (by_src ? x.src_off == y.src_off : x.dst_off == y.dst_off) && x.src_head == y.src_head &&
+           x.dst_head == y.dst_head && x.nheads == y.nheads && y.ntok > 0;
 }
 
 }  // namespace
@@ -202,8 +275,11 @@ extern "C" {
 
 int pdx_abi_version(void) { return PDX_ABI_VERSION; }
 
-int64_t pdx_set_min_bytes_per_thread(int64_t nbytes) {
-    return g_min_bytes_per_thread.exchange(nbytes > 0 ? nbytes : 1);
+void pdx_set_tuning(int64_t min_bytes_per_thread, int64_t stream_min_bytes, int64_t *old) {
+    int64_t prev[2] = {g_min_bytes_per_thread.load(), g_stream_bytes.load()};
+    if (min_bytes_per_thread > 0) g_min_bytes_per_thread.store(min_bytes_per_thread);
+    if (stream_min_bytes > 0) g_stream_bytes.store(stream_min_bytes);
+    if (old) old[0] = prev[0], old[1] = prev[1];
 }
 
 int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
@@ -225,8 +301,9 @@ int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nb
     if (total == 0) return PDX_OK;
     if (!src || !dst) return PDX_EARG;
     int nt = clamp_threads(threads, total);
+    bool stream = total >= g_stream_bytes.load();
     run_parallel(nt, [&](int i, int n) {
-        copy_byte_range((const char *)src, (char *)dst, runs, prefix, total * i / n, total * (i + 1) / n);
+        copy_byte_range((const char *)src, (char *)dst, runs, prefix, total * i / n, total * (i + 1) / n, stream);
     });
     return PDX_OK;
 }
@@ -254,19 +331,45 @@ int pdx_scatter_tokens(const void *src, int64_t src_nbytes, void *dst, int64_t d
     if (!src || !dst) return PDX_EARG;
     int64_t unit_bytes = src_geom->head_dim * src_geom->nparts * elem_size;
     int nt = clamp_threads(threads, total * unit_bytes);
+    bool stream = total * unit_bytes >= g_stream_bytes.load();
+    int row_parts = 0;  // parts whose tokens are contiguous on both sides
+    for (int64_t p = 0; p < src_geom->nparts; ++p)
+        if (src_geom->parts[p].tok_stride == 1 && dst_geom->parts[p].tok_stride == 1) row_parts |= 1 << p;
     run_parallel(nt, [&](int t, int n) {
         int64_t lo = total * t / n, hi = total * (t + 1) / n;
         // A thread owns the (run, head) units whose first element falls in [lo, hi).
         int64_t r = std::upper_bound(prefix.begin(), prefix.end(), lo) - prefix.begin() - 1;
-        for (; r < nruns && prefix[r] < hi; ++r) {
+        while (r < nruns && prefix[r] < hi) {
             const pdx_tok_run &run = runs[r];
             int64_t per_head = run.ntok;
-            if (per_head == 0 || run.nheads == 0) continue;
+            if (per_head == 0 || run.nheads == 0) {
+                ++r;
+                continue;
+            }
             int64_t h0 = std::max<int64_t>(0, (lo - prefix[r] + per_head - 1) / per_head);
             int64_t h1 = std::min<int64_t>(run.nheads, (hi - prefix[r] + per_head - 1) / per_head);
-            if (h1 > h0)
-                scatter_heads((const char *)src, (char *)dst, src_geom, dst_geom, elem_size, run, h0, h1);
+            // Extend to a group of following runs this thread owns whole (see scatter_rows_grouped).
+            int64_t g1 = r + 1;
+            if (row_parts && h0 == 0 && h1 == run.nheads && g1 < nruns) {
+                bool by_src = runs[g1].src_off == run.src_off;
+                while (g1 < nruns && g1 - r < kMaxGroup && same_group(run, runs[g1], by_src) &&
+                       prefix[g1] + (runs[g1].nheads - 1) * runs[g1].ntok < hi)
+                    ++g1;
+            }
+            for (int64_t p = 0; p < src_geom->nparts; ++p) {
+                if (g1 - r > 1 && (row_parts >> p & 1)) {
+                    scatter_rows_grouped((const char *)src, (char *)dst, src_geom, dst_geom, p, elem_size, runs, r,
+                                         g1, stream);
+                } else {
+                    for (int64_t g = r; g < g1; ++g)
+                        if (h1 > h0)
+                            scatter_part((const char *)src, (char *)dst, src_geom, dst_geom, p, elem_size, runs[g],
+                                         g == r ? h0 : 0, g == r ? h1 : runs[g].nheads, stream);
+                }
+            }
+            r = g1;
         }
+        store_fence();
     });
     return PDX_OK;
 }

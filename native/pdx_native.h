@@ -75,9 +75,11 @@ typedef struct {
 
 /* CPU (pdx_cpu.cpp). threads <= 0 means one thread. On failure *bad (if not null) names the run. */
 int pdx_abi_version(void);
-/* Process-wide: fewer bytes than this per thread use fewer threads (default 256 KiB). Returns the
- * previous value. For tests and benchmarks; the default suits real transfers. */
-int64_t pdx_set_min_bytes_per_thread(int64_t nbytes);
+/* Process-wide tuning, for tests and benchmarks (the defaults suit real transfers); values <= 0
+ * keep the current setting, old (if not null) receives the previous two values.
+ *   min_bytes_per_thread  fewer bytes per thread than this use fewer threads (256 KiB)
+ *   stream_min_bytes      calls moving at least this many bytes use non-temporal stores (8 MiB) */
+void pdx_set_tuning(int64_t min_bytes_per_thread, int64_t stream_min_bytes, int64_t *old);
 int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
                   const pdx_run *runs, int64_t nruns, int threads, int64_t *bad);
 int pdx_scatter_tokens(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,

@@ -105,8 +105,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.pdx_scatter_tokens.argtypes = [p, i64, p, i64, ctypes.POINTER(_Geom), ctypes.POINTER(_Geom), i32,
                                        p, i64, i32, ctypes.POINTER(i64)]
     lib.pdx_scatter_tokens.restype = i32
-    lib.pdx_set_min_bytes_per_thread.argtypes = [i64]
-    lib.pdx_set_min_bytes_per_thread.restype = i64
+    lib.pdx_set_tuning.argtypes = [i64, i64, ctypes.POINTER(i64)]
+    lib.pdx_set_tuning.restype = None
     return lib
 
 
@@ -211,11 +211,17 @@ def library_path() -> str | None:
     return _state.path
 
 
-def set_min_bytes_per_thread(nbytes: int) -> int | None:
-    """Native path: split work over threads only above ``nbytes`` per thread (tests use 1 to make
-    small inputs run threaded). Returns the previous value; None on the torch path."""
+def set_tuning(min_bytes_per_thread: int = 0, stream_min_bytes: int = 0) -> tuple[int, int] | None:
+    """Native path, process-wide: use more than one thread only above ``min_bytes_per_thread``
+    per thread (256 KiB), non-temporal stores from ``stream_min_bytes`` per call (8 MiB); 0 keeps
+    a value. Tests use 1 to drive those paths with small inputs. Returns the previous values;
+    None on the torch path."""
     lib = _lib()
-    return None if lib is None else int(lib.pdx_set_min_bytes_per_thread(nbytes))
+    if lib is None:
+        return None
+    old = (ctypes.c_int64 * 2)()
+    lib.pdx_set_tuning(min_bytes_per_thread, stream_min_bytes, old)
+    return int(old[0]), int(old[1])
 
 
 def default_threads() -> int:

@@ -19,19 +19,21 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "native-stream", "torch"])
 def backend(request, monkeypatch):
-    monkeypatch.setenv("PDXFER_NATIVE", "1" if request.param == "native" else "0")
-    if request.param == "native" and shutil.which("g++") is None:
+    kind = request.param.split("-")[0]
+    monkeypatch.setenv("PDXFER_NATIVE", "1" if kind == "native" else "0")
+    if kind == "native" and shutil.which("g++") is None:
         monkeypatch.setenv("PDXFER_NATIVE", "auto")
         if native.reload() != "native":
             pytest.skip("no g++ and no prebuilt library: " + native.backend_reason())
-    assert native.reload() == request.param
-    # Split even tiny inputs over threads so the work partitioning is exercised too.
-    previous = native.set_min_bytes_per_thread(1)
-    yield request.param
+    assert native.reload() == kind
+    # Split even tiny inputs over threads so the work partitioning is exercised too, and in the
+    # -stream variant take the non-temporal store path that big transfers take.
+    previous = native.set_tuning(1, 1 if request.param.endswith("stream") else 1 << 62)
+    yield kind
     if previous is not None:
-        native.set_min_bytes_per_thread(previous)
+        native.set_tuning(*previous)
     monkeypatch.delenv("PDXFER_NATIVE")
     native.reload()
 
@@ -69,7 +71,7 @@ def test_copy_runs_equals_reference(backend, case):
 
 def test_copy_runs_large_and_raw_pointers(backend):
     # Runs above the per-thread threshold, addressed through RawBuffer, into shuffled slots.
-    native.set_min_bytes_per_thread(256 * 1024)
+    native.set_tuning(256 * 1024)
     n, size = 64, 32 * 1024
     src = torch.randint(0, 256, (n * size,), dtype=torch.uint8)
     dst = torch.zeros(n * size, dtype=torch.uint8)
@@ -153,13 +155,14 @@ def sequence_case(draw):
     bs, bd = draw(st.sampled_from([1, 4, 8, 32, 64])), draw(st.sampled_from([2, 4, 16, 32, 128]))
     ntok = draw(st.integers(0, 200))
     s0, d0 = draw(st.integers(0, 40)), draw(st.integers(0, 40))
-    return fs, fd, bs, bd, ntok, s0, d0, draw(st.sampled_from([torch.bfloat16, torch.float32])), draw(st.integers(0, 9))
+    return (fs, fd, bs, bd, ntok, s0, d0, draw(st.sampled_from([torch.bfloat16, torch.float32])),
+            draw(st.integers(0, 9)), draw(st.integers(1, 4)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=sequence_case())
 def test_token_runs_move_a_sequence_between_block_sizes(backend, case):
-    fs, fd, bs, bd, ntok, s0, d0, dtype, seed = case
+    fs, fd, bs, bd, ntok, s0, d0, dtype, seed, threads = case
     h, d = 2, 4
     nbs, nbd = (s0 + ntok) // bs + 2, (d0 + ntok) // bd + 2
     src_l = random_logical(nbs, 2, bs, h, d, dtype, seed)
@@ -176,7 +179,7 @@ def test_token_runs_move_a_sequence_between_block_sizes(backend, case):
     d_seq = dst_l[torch.from_numpy(d_table)].permute(1, 0, 2, 3, 4).reshape(2, -1, h, d).clone()
     d_seq[:, d0:d0 + ntok] = s_seq[:, s0:s0 + ntok]
     dst = encode(fd, dst_l)
-    native.scatter_tokens(encode(fs, src_l), dst, runs, sg, dg)
+    native.scatter_tokens(encode(fs, src_l), dst, runs, sg, dg, threads=threads)
     want_l = dst_l.clone()
     want_l[torch.from_numpy(d_table)] = d_seq.reshape(2, nbd, bd, h, d).permute(1, 0, 2, 3, 4)
     assert torch.equal(dst.view(torch.uint8), encode(fd, want_l).view(torch.uint8))
