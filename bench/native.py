@@ -139,7 +139,7 @@ def measure(case: Case, threads: list[int], repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2", help="native thread counts, comma separated")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--mib", type=int, default=128, help="bytes moved per case")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

@@ -172,9 +172,9 @@ void copy_3d(const char *src, char *dst, const Dim dims_in[3], int esize, bool s
         std::memcpy(dst, src, (size_t)esize);
         return;
     }
-    std::sort(dims, dims + nd, [](const Dim &x, const Dim &y) {
-        return x.s != y.s ? x.s > y.s : x.d > y.d;
-    });
+    auto before = [](const Dim &x, const Dim &y) { return x.s != y.s ? x.s > y.s : x.d > y.d; };
+    for (int i = 1; i < nd; ++i)  // insertion sort of at most three dims
+        for (int j = i; j > 0 && before(dims[j], dims[j - 1]); --j) std::swap(dims[j], dims[j - 1]);
     int m = 0;
     for (int i = 1; i < nd; ++i) {
         Dim &outer = dims[m];
@@ -332,6 +332,12 @@ int pdx_scatter_tokens(const void *src, int64_t src_nbytes, void *dst, int64_t d
     int64_t unit_bytes = src_geom->head_dim * src_geom->nparts * elem_size;
     int nt = clamp_threads(threads, total * unit_bytes);
     bool stream = total * unit_bytes >= g_stream_bytes.load();
+    // Parts interleaved per head in the source (vLLM CPU: K^T then V of head 0, then head 1):
+    // copy head by head so reads advance through the block in address order.
+    bool head_major = src_geom->nparts > 1;
+    for (int64_t p = 0; p < src_geom->nparts; ++p)
+        head_major = head_major && src_geom->parts[p].head_stride == src_geom->parts[0].head_stride &&
+                     src_geom->parts[p].base < src_geom->parts[0].head_stride;
     int row_parts = 0;  // parts whose tokens are contiguous on both sides
     for (int64_t p = 0; p < src_geom->nparts; ++p)
         if (src_geom->parts[p].tok_stride == 1 && dst_geom->parts[p].tok_stride == 1) row_parts |= 1 << p;
@@ -355,6 +361,14 @@ int pdx_scatter_tokens(const void *src, int64_t src_nbytes, void *dst, int64_t d
                 while (g1 < nruns && g1 - r < kMaxGroup && same_group(run, runs[g1], by_src) &&
                        prefix[g1] + (runs[g1].nheads - 1) * runs[g1].ntok < hi)
                     ++g1;
+            }
+            if (g1 == r + 1 && head_major) {
+                for (int64_t h = h0; h < h1; ++h)
+                    for (int64_t p = 0; p < src_geom->nparts; ++p)
+                        scatter_part((const char *)src, (char *)dst, src_geom, dst_geom, p, elem_size, run, h, h + 1,
+                                     stream);
+                r = g1;
+                continue;
             }
             for (int64_t p = 0; p < src_geom->nparts; ++p) {
                 if (g1 - r > 1 && (row_parts >> p & 1)) {
