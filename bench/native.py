@@ -24,9 +24,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -128,7 +128,7 @@ def measure(case: Case, threads: list[int], repeats: int) -> dict:
     if not torch.equal(case.dst.view(torch.int16), want.view(torch.int16)):
         raise SystemExit(f"{case.name}: native output differs from the torch path")
     med = {k: statistics.median(v) for k, v in times.items()}
-    row = {"case": case.name, "bytes": n, "runs": int(len(case.runs)),
+    row = {"case": case.name, "bytes": n, "runs": len(case.runs),
            "median_s": med, "gbps": {k: n / v / 1e9 for k, v in med.items()}}
     row["ratios"] = {f"native_t{t}": {"vs_memcpy": med["memcpy"] / med[f"native_t{t}"],
                                       "vs_torch_path": med["torch_path"] / med[f"native_t{t}"]}

@@ -14,7 +14,6 @@
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
-#include <xmmintrin.h>
 #endif
 
 namespace {
@@ -44,8 +43,8 @@ void copy_bytes(char *dst, const char *src, size_t n, bool stream) {
         std::memcpy(dst + body, src + body, n - body);
         return;
     }
-    // Rows of a few cache lines (K^T rows of 32-128 tokens, one head's D-vector) are too short
-    // for a memcpy call to pay off: its call and size dispatch cost as much as the copy.
+    // Rows of a few cache lines (K^T rows of 32-128 tokens, one head's D-vector) are copied
+    // inline rather than paying a memcpy call and its size dispatch per row.
     if (n <= 512 && (n & 15) == 0) {
         for (size_t i = 0; i < n; i += 16)
             _mm_storeu_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
@@ -81,8 +80,14 @@ void run_parallel(int nthreads, F &&fn) {
         return;
     }
     std::vector<std::thread> pool;
-    pool.reserve(nthreads - 1);
-    for (int i = 1; i < nthreads; ++i) pool.emplace_back(fn, i, nthreads);
+    int started = 1;
+    try {
+        pool.reserve(nthreads - 1);
+        for (; started < nthreads; ++started) pool.emplace_back(fn, started, nthreads);
+    } catch (...) {
+        // Out of threads or memory: this thread does the shards that did not get one.
+    }
+    for (int i = started; i < nthreads; ++i) fn(i, nthreads);
     fn(0, nthreads);
     for (auto &t : pool) t.join();
 }
@@ -271,22 +276,8 @@ bool same_group(const pdx_tok_run &x, const pdx_tok_run &y) {
            x.nheads == y.nheads && y.ntok > 0;
 }
 
-}  // namespace
-
-extern "C" {
-
-int pdx_abi_version(void) { return PDX_ABI_VERSION; }
-
-void pdx_set_tuning(int64_t min_bytes_per_thread, int64_t stream_min_bytes, int64_t *old) {
-    int64_t prev[2] = {g_min_bytes_per_thread.load(), g_stream_bytes.load()};
-    if (min_bytes_per_thread > 0) g_min_bytes_per_thread.store(min_bytes_per_thread);
-    if (stream_min_bytes > 0) g_stream_bytes.store(stream_min_bytes);
-    if (old) old[0] = prev[0], old[1] = prev[1];
-}
-
-int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
-                  const pdx_run *runs, int64_t nruns, int threads, int64_t *bad) {
-    if (bad) *bad = -1;
+int copy_runs_impl(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes, const pdx_run *runs,
+                   int64_t nruns, int threads, int64_t *bad) {
     if (nruns < 0 || (nruns > 0 && !runs)) return PDX_EARG;
     std::vector<int64_t> prefix((size_t)nruns + 1, 0);
     for (int64_t i = 0; i < nruns; ++i) {
@@ -310,10 +301,9 @@ int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nb
     return PDX_OK;
 }
 
-int pdx_scatter_tokens(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
-                       const pdx_geom *src_geom, const pdx_geom *dst_geom, int elem_size,
-                       const pdx_tok_run *runs, int64_t nruns, int threads, int64_t *bad) {
-    if (bad) *bad = -1;
+int scatter_tokens_impl(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
+                        const pdx_geom *src_geom, const pdx_geom *dst_geom, int elem_size, const pdx_tok_run *runs,
+                        int64_t nruns, int threads, int64_t *bad) {
     if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8) return PDX_EARG;
     if (!geom_ok(src_geom) || !geom_ok(dst_geom)) return PDX_EARG;
     if (src_geom->nparts != dst_geom->nparts || src_geom->head_dim != dst_geom->head_dim) return PDX_EARG;
@@ -386,6 +376,43 @@ int pdx_scatter_tokens(const void *src, int64_t src_nbytes, void *dst, int64_t d
         store_fence();
     });
     return PDX_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+int pdx_abi_version(void) { return PDX_ABI_VERSION; }
+
+void pdx_set_tuning(int64_t min_bytes_per_thread, int64_t stream_min_bytes, int64_t *old) {
+    int64_t prev[2] = {g_min_bytes_per_thread.load(), g_stream_bytes.load()};
+    if (min_bytes_per_thread > 0) g_min_bytes_per_thread.store(min_bytes_per_thread);
+    if (stream_min_bytes > 0) g_stream_bytes.store(stream_min_bytes);
+    if (old) old[0] = prev[0], old[1] = prev[1];
+}
+
+// No C++ exception may cross the C ABI: the only ones possible are allocation failures (the
+// prefix-sum vector), reported as PDX_EINTERNAL before anything was written.
+int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
+                  const pdx_run *runs, int64_t nruns, int threads, int64_t *bad) {
+    if (bad) *bad = -1;
+    try {
+        return copy_runs_impl(src, src_nbytes, dst, dst_nbytes, runs, nruns, threads, bad);
+    } catch (...) {
+        return PDX_EINTERNAL;
+    }
+}
+
+int pdx_scatter_tokens(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,
+                       const pdx_geom *src_geom, const pdx_geom *dst_geom, int elem_size,
+                       const pdx_tok_run *runs, int64_t nruns, int threads, int64_t *bad) {
+    if (bad) *bad = -1;
+    try {
+        return scatter_tokens_impl(src, src_nbytes, dst, dst_nbytes, src_geom, dst_geom, elem_size, runs, nruns,
+                                   threads, bad);
+    } catch (...) {
+        return PDX_EINTERNAL;
+    }
 }
 
 }  // extern "C"

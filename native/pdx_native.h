@@ -29,6 +29,7 @@ extern "C" {
 #define PDX_EARG 1     /* bad argument (null pointer, element size, geometry); *bad = -1 */
 #define PDX_ERANGE 2   /* run *bad reads or writes outside its buffer or block */
 #define PDX_ECUDA 3    /* CUDA launch or API error (CUDA build only) */
+#define PDX_EINTERNAL 4 /* out of memory for the run bookkeeping; nothing was written */
 
 typedef struct {
     int64_t src_off; /* bytes */

@@ -52,7 +52,7 @@ class BlockGeometry:
             if min(p.base, p.tok_stride, p.head_stride, p.dim_stride) < 0:
                 raise ValueError(f"BlockGeometry part {i} has a negative base or stride: {p}")
 
-    def select(self, *indices: int) -> "BlockGeometry":
+    def select(self, *indices: int) -> BlockGeometry:
         """The same block with only some parts (e.g. the K part of a CPU block for a flash K segment)."""
         return BlockGeometry(self.block_tokens, self.heads, self.head_dim, tuple(self.parts[i] for i in indices))
 
@@ -93,9 +93,9 @@ def kv_pair(inner: BlockGeometry, v_offset: int) -> BlockGeometry:
 
 
 def token_runs(
-    src_blocks: "np.ndarray | list[int]",
+    src_blocks: np.ndarray | list[int],
     src_block_tokens: int,
-    dst_blocks: "np.ndarray | list[int]",
+    dst_blocks: np.ndarray | list[int],
     dst_block_tokens: int,
     ntokens: int,
     *,

@@ -27,9 +27,9 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ LIB_NAME = "libpdxfer_native.so"
 _PKG_DIR = Path(__file__).resolve().parent
 _SRC_DIR = _PKG_DIR.parent / "native"
 _SOURCES = ("pdx_cpu.cpp", "pdx_native.h", "build.sh")
-_ERR = {1: "bad argument", 2: "run out of range"}
+_ERR = {1: "bad argument", 2: "run out of range", 4: "out of memory for the run bookkeeping"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,9 @@ class RawBuffer:
     elem_size: int = 1  # 1: plain bytes, compatible with any element size
 
 
-Buffer = Union[torch.Tensor, RawBuffer]
+Buffer = torch.Tensor | RawBuffer
+# An int64 [n, 3] (copy) or [n, 8] (token) array, or anything numpy turns into one.
+RunsLike = np.ndarray | Sequence[Sequence[int]]
 
 
 class _Part(ctypes.Structure):
@@ -129,7 +131,7 @@ def _build_into_cache(digest: str) -> Path:
     env = dict(os.environ, PDXFER_NATIVE_OUT=str(out))
     try:
         res = subprocess.run(["bash", str(_SRC_DIR / "build.sh")], env=env, capture_output=True,
-                             text=True, timeout=timeout)
+                             text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as exc:
         raise OSError(f"building {target} took longer than {timeout:.0f} s") from exc
     if res.returncode != 0:
@@ -233,26 +235,26 @@ def default_threads() -> int:
 
 # --------------------------------------------------------------------------- argument checks
 
-def _span(buf: Buffer, name: str) -> tuple[int, int, int, object]:
-    """(ptr, nbytes, element size, keep-alive) of a buffer argument."""
+def _span(buf: Buffer, name: str) -> tuple[int, int, int]:
+    """(ptr, nbytes, element size) of a buffer argument."""
     if isinstance(buf, RawBuffer):
         if buf.ptr <= 0 and buf.nbytes > 0:
             raise ValueError(f"{name}: RawBuffer pointer {buf.ptr:#x} is not a valid address")
         if buf.nbytes < 0:
             raise ValueError(f"{name}: RawBuffer nbytes {buf.nbytes} is negative")
-        return buf.ptr, buf.nbytes, buf.elem_size, buf
+        return buf.ptr, buf.nbytes, buf.elem_size
     if not isinstance(buf, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor or RawBuffer, got {type(buf).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor or RawBuffer, got {type(buf).__name__}")
     if buf.device.type != "cpu":
         raise ValueError(f"{name}: tensor on {buf.device}; the CPU kernels need CPU memory "
                          "(CUDA twins: native/pdx_cuda.cu)")
     if not buf.is_contiguous():
         raise ValueError(f"{name}: tensor is not contiguous (strides {tuple(buf.stride())}); pass the "
                          "flat region it lives in")
-    return buf.data_ptr(), buf.numel() * buf.element_size(), buf.element_size(), buf
+    return buf.data_ptr(), buf.numel() * buf.element_size(), buf.element_size()
 
 
-def _runs_array(runs: object, width: int, what: str) -> np.ndarray:
+def _runs_array(runs: RunsLike, width: int, what: str) -> np.ndarray:
     arr = np.ascontiguousarray(np.asarray(runs, dtype=np.int64))
     if arr.size == 0:
         return np.zeros((0, width), dtype=np.int64)
@@ -305,7 +307,7 @@ def _check_tok_runs(runs: np.ndarray, sg: BlockGeometry, dg: BlockGeometry, esiz
     for mask, why in checks:
         i = _first_bad(mask)
         if i is not None:
-            raise ValueError(f"token run {i} {dict((f, int(c[f][i])) for f in TOK_RUN_FIELDS)} {why}")
+            raise ValueError(f"token run {i} {{f: int(c[f][i]) for f in TOK_RUN_FIELDS}} {why}")
     for side, geom, off, tok, head, limit in (("src", sg, "src_off", "src_tok", "src_head", src_n),
                                               ("dst", dg, "dst_off", "dst_tok", "dst_head", dst_n)):
         for p, part in enumerate(geom.parts):
@@ -313,7 +315,7 @@ def _check_tok_runs(runs: np.ndarray, sg: BlockGeometry, dg: BlockGeometry, esiz
                     + (c[head] + c["nheads"] - 1) * part.head_stride + (geom.head_dim - 1) * part.dim_stride)
             i = _first_bad(live & (c[off] + (last + 1) * esize > limit))
             if i is not None:
-                raise ValueError(f"token run {i} {dict((f, int(c[f][i])) for f in TOK_RUN_FIELDS)} "
+                raise ValueError(f"token run {i} {{f: int(c[f][i]) for f in TOK_RUN_FIELDS}} "
                                  f"touches {side} part {p} past the end of {side} ({limit} bytes)")
 
 
@@ -352,14 +354,14 @@ def _raise_code(op: str, code: int, bad: ctypes.c_int64) -> None:
 
 # --------------------------------------------------------------------------- public API
 
-def copy_runs(src: Buffer, dst: Buffer, runs: object, *, threads: int | None = None) -> None:
+def copy_runs(src: Buffer, dst: Buffer, runs: RunsLike, *, threads: int | None = None) -> None:
     """``dst[d:d+n] = src[s:s+n]`` for every ``[s, d, n]`` row of ``runs`` (bytes).
 
     Zero-length runs and an empty list are no-ops. Destination runs must not overlap each other
     (they are copied concurrently); src and dst must not overlap.
     """
-    sp, sn, _, keep_s = _span(src, "src")
-    dp, dn, _, keep_d = _span(dst, "dst")
+    sp, sn, _ = _span(src, "src")
+    dp, dn, _ = _span(dst, "dst")
     arr = _runs_array(runs, 3, "copy runs")
     _check_copy_runs(arr, sn, dn)
     if arr.shape[0] == 0:
@@ -371,12 +373,11 @@ def copy_runs(src: Buffer, dst: Buffer, runs: object, *, threads: int | None = N
     bad = ctypes.c_int64(-1)
     rc = lib.pdx_copy_runs(sp, sn, dp, dn, arr.ctypes.data, arr.shape[0],
                            threads or default_threads(), ctypes.byref(bad))
-    del keep_s, keep_d
     if rc:
         _raise_code("copy_runs", rc, bad)
 
 
-def scatter_tokens(src: Buffer, dst: Buffer, runs: object, src_geom: BlockGeometry,
+def scatter_tokens(src: Buffer, dst: Buffer, runs: RunsLike, src_geom: BlockGeometry,
                    dst_geom: BlockGeometry, *, elem_size: int | None = None,
                    threads: int | None = None) -> None:
     """Copy token ranges and head slices between blocks of two geometries.
@@ -386,8 +387,8 @@ def scatter_tokens(src: Buffer, dst: Buffer, runs: object, src_geom: BlockGeomet
     geometry lands in part i of the dst geometry. ``elem_size`` defaults to the tensors' element
     size; byte tensors (uint8) and RawBuffers adopt it.
     """
-    sp, sn, ses, keep_s = _span(src, "src")
-    dp, dn, des, keep_d = _span(dst, "dst")
+    sp, sn, ses = _span(src, "src")
+    dp, dn, des = _span(dst, "dst")
     esize = _elem_size(ses, des, elem_size)
     _check_geometries(src_geom, dst_geom)
     arr = _runs_array(runs, len(TOK_RUN_FIELDS), "token runs")
@@ -403,6 +404,5 @@ def scatter_tokens(src: Buffer, dst: Buffer, runs: object, src_geom: BlockGeomet
     rc = lib.pdx_scatter_tokens(sp, sn, dp, dn, ctypes.byref(sg), ctypes.byref(dg), esize,
                                 arr.ctypes.data, arr.shape[0], threads or default_threads(),
                                 ctypes.byref(bad))
-    del keep_s, keep_d
     if rc:
         _raise_code("scatter_tokens", rc, bad)

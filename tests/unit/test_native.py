@@ -116,8 +116,9 @@ def scatter_case(draw):
         used[db, dtok:dtok + n, dh:dh + nh] = True
         runs.append((sb, db, stok, dtok, n, sh, dh, nh))
     dtype = draw(st.sampled_from(DTYPES))
-    return dict(parts=parts, fs=fs, fd=fd, bs=bs, bd=bd, hs=hs, hd=hd, d=d, nbs=nbs, nbd=nbd,
-                runs=runs, dtype=dtype, threads=draw(st.integers(1, 4)), seed=draw(st.integers(0, 99)))
+    return {"parts": parts, "fs": fs, "fd": fd, "bs": bs, "bd": bd, "hs": hs, "hd": hd, "d": d, "nbs": nbs,
+            "nbd": nbd, "runs": runs, "dtype": dtype, "threads": draw(st.integers(1, 4)),
+            "seed": draw(st.integers(0, 99))}
 
 
 def run_scatter_case(c, *, src_as_bytes=False):
