@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdxfer import layout as _layout
+
 # Columns of a token-run array (int64, shape [n, 8]); the order is the C struct pdx_tok_run's.
 TOK_RUN_FIELDS = ("src_off", "dst_off", "src_tok", "dst_tok", "ntok", "src_head", "dst_head", "nheads")
 MAX_PARTS = 4
@@ -144,3 +146,24 @@ def token_runs(
     out[:, 6] = dst_head
     out[:, 7] = nheads
     return out
+
+
+def segment_geometry(kv: _layout.KVLayout) -> BlockGeometry:
+    """Geometry of one block of any segment of ``kv`` (all its segments share it).
+
+    CPU: one ``"kv"`` segment per layer holding K^T and V (two parts; the ``vec``/``vec16`` ISAs,
+    not AMX). Blocks-first NHD: one ``"kv"`` segment, K then V (two NHD parts). Flash formats:
+    separate ``"k"`` and ``"v"`` segments, one part each, NHD or HND. Pair it with
+    ``Segment.block_offset(block)`` for run offsets.
+    """
+    b, h, d = kv.block_size, kv.kv_heads, kv.head_dim
+    if kv.kv_format == _layout.CPU:
+        return cpu_kv(b, h, d)
+    if kv.kv_format == _layout.BLOCKS_FIRST_NHD:
+        return kv_pair(nhd(b, h, d), b * h * d)
+    if kv.kv_format == _layout.FLASH_NHD:
+        return nhd(b, h, d)
+    if kv.kv_format == _layout.FLASH_HND:
+        return hnd(b, h, d)
+    raise ValueError(f"no block geometry for KV format {kv.kv_format!r}")
+

@@ -288,3 +288,32 @@ def test_c_library_checks_runs_itself():
                            ctypes.c_int64(2), 2, ctypes.byref(bad))
     assert (rc, bad.value) == (2, 1)
     assert bytes(dst) == bytes(64)
+
+
+@pytest.mark.parametrize("fmt", ["cpu", "flash_nhd", "flash_hnd", "blocks_first_nhd"])
+def test_segment_geometry_reads_vllm_shaped_tensors(backend, fmt):
+    """Block 1 of a vLLM-shaped KV tensor, located by layout.py and read through blockgeom into NHD."""
+    from pdxfer import layout
+
+    nb, b, h, d = 3, 4, 2, 8
+    shape = {"cpu": (nb, h, b, 2 * d), "flash_nhd": (2, nb, b, h, d), "flash_hnd": (2, nb, h, b, d),
+             "blocks_first_nhd": (nb, 2, b, h, d)}[fmt]
+    t = torch.randn(shape).to(torch.bfloat16)
+    # Block 1's K and V as [b, h, d], the way the attention backend reads them.
+    if fmt == "cpu":
+        per_head = t[1].reshape(h, 2, b * d)
+        k = per_head[:, 0].view(h, d, b).permute(2, 0, 1)  # K stored transposed
+        v = per_head[:, 1].view(h, b, d).transpose(0, 1)
+    elif fmt == "flash_nhd":
+        k, v = t[0, 1], t[1, 1]
+    elif fmt == "flash_hnd":
+        k, v = t[0, 1].transpose(0, 1), t[1, 1].transpose(0, 1)
+    else:
+        k, v = t[1, 0], t[1, 1]
+    kv = layout.describe_kv_caches({"l0": t}, block_size=b, kv_format=fmt)
+    g = bg.segment_geometry(kv)
+    out = torch.zeros(2, b, h, d, dtype=torch.bfloat16)
+    for i, seg in enumerate(kv.segments):  # one "kv" segment with two parts, or "k" and "v"
+        dst_g = bg.kv_pair(bg.nhd(b, h, d), b * h * d) if len(g.parts) == 2 else bg.nhd(b, h, d, base=i * b * h * d)
+        native.scatter_tokens(t.view(-1), out.view(-1), [[seg.block_offset(1), 0, 0, 0, b, 0, 0, h]], g, dst_g)
+    assert torch.equal(out[0], k) and torch.equal(out[1], v)
