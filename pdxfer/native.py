@@ -98,7 +98,11 @@ def _cache_dir() -> Path:
 
 def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    version = lib.pdx_abi_version()
+    try:
+        version = lib.pdx_abi_version()
+        lib.pdx_copy_runs, lib.pdx_scatter_tokens, lib.pdx_set_tuning  # noqa: B018 (all present?)
+    except AttributeError as exc:  # some other library, or one from before a symbol existed
+        raise OSError(f"{path} lacks a pdxfer native symbol: {exc}") from exc
     if version != ABI_VERSION:
         raise OSError(f"{path} has ABI version {version}, this pdxfer needs {ABI_VERSION}")
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int

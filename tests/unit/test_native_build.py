@@ -62,6 +62,13 @@ def test_bad_mode_and_bad_explicit_library(fresh, monkeypatch):
     monkeypatch.setenv("PDXFER_NATIVE_LIB", str(fresh / "nope.so"))
     assert native.reload() == "torch"
     assert "nope.so did not load" in native.backend_reason()
+    # A real shared library that is not ours: refused by symbol, not crashed on.
+    import ctypes.util
+    libm = ctypes.util.find_library("m")
+    if libm:
+        monkeypatch.setenv("PDXFER_NATIVE_LIB", libm)
+        assert native.reload() == "torch"
+        assert "lacks a pdxfer native symbol" in native.backend_reason()
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the lazy build cannot run")
