@@ -47,3 +47,19 @@ def test_weights_fingerprint_follows_the_bytes_not_the_path_or_mtime(tmp_path, t
     assert weights_fingerprint(str(tiny_model), "fp8") != weights_fingerprint(str(tiny_model))
     # A hub name that is not a local directory: stable, and says so.
     assert weights_fingerprint("org/model") == weights_fingerprint("org/model")
+
+
+def test_amx_packed_blocks_never_share_a_fingerprint_with_plain_cpu_blocks():
+    """vLLM's CPU attention packs blocks for AMX tiles on AMX hosts (same tensor shape, other
+    bytes): an AMX prefill host and a non-AMX decode host must not find each other's chunks."""
+    from pdxfer.layout import CPU, CPU_AMX, describe_kv_caches
+    from pdxfer.vllm.connector_layout import cpu_kv_format
+
+    buf = torch.zeros(2, 8, 2, 16, 2 * 8, dtype=torch.bfloat16)
+    caches = {f"layer.{i}": buf[i] for i in range(2)}
+    plain = describe_kv_caches(caches, kv_format=CPU)
+    amx = describe_kv_caches(caches, kv_format=CPU_AMX)
+    assert plain.fingerprint() != amx.fingerprint()
+    assert (plain.head_dim, plain.kv_heads) == (amx.head_dim, amx.kv_heads) == (8, 2)
+    assert cpu_kv_format("amx") == CPU_AMX
+    assert cpu_kv_format("vec") == cpu_kv_format("vec16") == CPU
