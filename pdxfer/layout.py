@@ -19,10 +19,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 # Formats. The names are part of the layout fingerprint: change them only with the wire version.
 CPU = "cpu"  # per layer [num_blocks, kv_heads, block_size, 2*head_dim] (vLLM CPU backend)
+# The same tensor shape on hosts where vLLM's CPU attention packs blocks for AMX tiles: not byte
+# compatible with CPU blocks, so it must never share a fingerprint with them.
+CPU_AMX = "cpu_amx"
 FLASH_NHD = "flash_nhd"  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
 FLASH_HND = "flash_hnd"  # per layer [2, num_blocks, kv_heads, block_size, head_dim]
 BLOCKS_FIRST_NHD = "blocks_first_nhd"  # per layer [num_blocks, 2, block_size, kv_heads, head_dim]
-FORMATS = (CPU, FLASH_NHD, FLASH_HND, BLOCKS_FIRST_NHD)
+FORMATS = (CPU, CPU_AMX, FLASH_NHD, FLASH_HND, BLOCKS_FIRST_NHD)
 
 LAYOUT_WIRE_VERSION = 1
 
@@ -151,6 +154,7 @@ class KVLayout:
 _FORMAT_SHAPES = {
     # format -> (rank, index of num_blocks, index of block_size, index of kv_heads, K/V split dim or None)
     CPU: (4, 0, 2, 1, None),
+    CPU_AMX: (4, 0, 2, 1, None),
     FLASH_NHD: (5, 1, 2, 3, 0),
     FLASH_HND: (5, 1, 3, 2, 0),
     BLOCKS_FIRST_NHD: (5, 0, 2, 3, 1),
@@ -164,6 +168,8 @@ def _dtype_name(t: Any) -> str:
 def _candidate_formats(shape: tuple[int, ...], block_size: int | None) -> list[str]:
     out = []
     for fmt, (rank, nb_dim, bs_dim, _h, kv_dim) in _FORMAT_SHAPES.items():
+        if fmt == CPU_AMX:
+            continue  # the shape of CPU: only the caller (who knows the ISA) can name it
         if len(shape) != rank or (kv_dim is not None and shape[kv_dim] != 2):
             continue
         if block_size is not None and shape[bs_dim] != block_size:
@@ -249,7 +255,7 @@ def describe_kv_caches(
                 segments.append(Segment(name, part, ridx, base + i * t.stride(kv_dim) * esize,
                                         block_stride, block_bytes))
 
-    head_dim = ref_shape[-1] // 2 if fmt == CPU else ref_shape[-1]
+    head_dim = ref_shape[-1] // 2 if fmt in (CPU, CPU_AMX) else ref_shape[-1]
     layout = KVLayout(fmt, _dtype_name(first), ref_shape[nb_dim], ref_shape[bs_dim], ref_shape[h_dim],
                       head_dim, tuple(regions), tuple(segments))
     layout.validate()

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from pdxfer.vllm.config import parse_extra_config
-from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_size, model_identity
+from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_size, kv_format, model_identity
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
 from pdxfer.vllm.keyability import unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
@@ -87,7 +87,8 @@ class PdxferConnector(KVConnectorBase_V1):
 
             rank = get_tensor_model_parallel_rank()
             self.worker_side = WorkerSide(self.cfg, node_id=f"{self.engine_id}-r{rank}", rank=rank,
-                                          expected_fingerprint=self.fingerprint, block_size=self.block_size)
+                                          expected_fingerprint=self.fingerprint, block_size=self.block_size,
+                                          kv_format=kv_format(vllm_config, kv_cache_config))
             self._handshake: PdxferHandshake | None = None
 
     # pdxfer holds published blocks through block-pool references, not through vLLM's

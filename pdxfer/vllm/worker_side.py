@@ -64,11 +64,12 @@ class WorkerStats:
 
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, *, node_id: str, rank: int, expected_fingerprint: str,
-                 block_size: int, client_factory: Any = None):
+                 block_size: int, client_factory: Any = None, kv_format: str | None = None):
         self.cfg = cfg
         self.node_id = node_id
         self.rank = rank
         self.expected_fingerprint = expected_fingerprint
+        self.kv_format = kv_format  # None: from the tensor shape (the shape cannot tell AMX packing)
         self.block_size = block_size
         self._client_factory = client_factory
         self._client: Any = None
@@ -88,7 +89,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ start
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> PdxferHandshake:
-        layout = describe_kv_caches(kv_caches, block_size=self.block_size)
+        layout = describe_kv_caches(kv_caches, block_size=self.block_size, kv_format=self.kv_format)
         if layout.fingerprint() != self.expected_fingerprint:
             raise LayoutMismatch(f"KV tensors have layout {layout.fingerprint()} but the scheduler "
                                  f"derived {self.expected_fingerprint} from the vLLM config; keys "
