@@ -39,6 +39,7 @@ class _Inflight:
     nbytes: int
     error: str | None = None
     pending: list[tuple[HolderRef, Any]] = field(default_factory=list)  # reads awaiting a connection
+    cancelled: bool = False
 
 
 @dataclass
@@ -84,6 +85,7 @@ class WorkerSide:
         self._inflight: dict[str, _Inflight] = {}
         self._done_ok: set[str] = set()
         self._load_errors: set[int] = set()
+        self._stop_bound_s = 10 * cfg.load_timeout_s
         self.stats = WorkerStats()
 
     # ------------------------------------------------------------------ start
@@ -232,17 +234,35 @@ class WorkerSide:
         return out
 
     def _state(self, inf: _Inflight, delay: float | None) -> str | None:
-        if inf.error is None and inf.pending and not self._post_pending(inf):
-            if time.monotonic() - inf.started > self.cfg.load_timeout_s:
-                inf.error = f"no connection to the holder after {self.cfg.load_timeout_s} s"
-                self._cancel(inf)
-                return "failed"
-            return None
-        if inf.error is not None:
+        """"done", "failed", or None while the load goes on. A failed load is reported only once
+        every read of it has stopped: vLLM reuses (or recomputes into) the blocks right after, so
+        a byte landing later would be wrong KV in another request."""
+        if inf.error is None:
+            if self._progress(inf, delay) == "done":
+                return "done"
+            if inf.error is None:
+                return None
             self._cancel(inf)
+        if self._stopped(inf):
             return "failed"
+        if time.monotonic() - inf.started > self._stop_bound_s:
+            # Transports bound their own stops (socket timeouts, UCX errors); past this bound a
+            # transport broke that promise. Say so loudly rather than hold the request forever.
+            log.error("pdxfer: a read for %s has not stopped %.0f s after it failed (%s); reporting the "
+                      "load failed anyway: its blocks may still receive bytes", inf.spec.req_id,
+                      self._stop_bound_s, inf.error)
+            return "failed"
+        return None
+
+    def _progress(self, inf: _Inflight, delay: float | None) -> str | None:
+        """"done" when every read finished; sets ``inf.error`` when the load cannot succeed."""
         elapsed = time.monotonic() - inf.started
-        if delay is not None and elapsed < delay:
+        if inf.pending and not self._post_pending(inf):
+            if inf.error is None and elapsed > self.cfg.load_timeout_s:
+                inf.error = f"no connection to the holder after {self.cfg.load_timeout_s} s"
+                inf.pending = []  # nothing may be posted for this load any more
+            return None
+        if inf.error is not None or (delay is not None and elapsed < delay):
             return None
         states = []
         for h in inf.handles:
@@ -250,26 +270,37 @@ class WorkerSide:
                 states.append(h.poll())
             except Exception as exc:
                 inf.error = f"{type(exc).__name__}: {exc}"
-                return "failed"
+                return None
         if any(s in (ReadState.FAILED, ReadState.CANCELLED) for s in states):
             errs = [h.error for h in inf.handles if h.error is not None]
             inf.error = str(errs[0]) if errs else "read failed"
-            self._cancel(inf)
-            return "failed"
-        if all(s is ReadState.DONE for s in states):
+        elif all(s is ReadState.DONE for s in states):
             return "done"
-        if elapsed > self.cfg.load_timeout_s:
+        elif elapsed > self.cfg.load_timeout_s:
             inf.error = f"read still pending after {self.cfg.load_timeout_s} s"
-            self._cancel(inf)
-            return "failed"
         return None
 
     def _cancel(self, inf: _Inflight) -> None:
+        """Ask every read to stop; non-blocking (the step path must not wait on a transport)."""
+        if inf.cancelled:
+            return
+        inf.cancelled = True
         for h in inf.handles:
             try:
                 h.cancel()
+            except Exception as exc:
+                log.debug("pdxfer: cancel of a read for %s: %s", inf.spec.req_id, exc)
+
+    @staticmethod
+    def _stopped(inf: _Inflight) -> bool:
+        """True once no read of this load can write into its blocks any more."""
+        for h in inf.handles:
+            try:
+                if h.poll() is ReadState.PENDING:
+                    return False
             except Exception:
-                pass
+                return False
+        return True
 
     def _finish(self, inf: _Inflight) -> None:
         spec = inf.spec

@@ -318,7 +318,6 @@ def test_reader_deregister_cancels_in_flight_reads(reader_factory):
         stop(holder.proc)
 
 
-@pytest.mark.xfail(strict=True, reason="hole 5: not fixed yet")
 def test_no_byte_lands_after_a_cancel_that_caught_a_part_reconnecting(procs):
     """Issue 9, hole 5: a read cancelled while its part is (re)connecting must not write later.
 

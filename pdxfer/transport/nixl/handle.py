@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -9,6 +10,8 @@ from pdxfer.transport.base import PeerDied, ReadHandle, ReadState, TransferCance
 
 if TYPE_CHECKING:
     from pdxfer.transport.nixl.transport import NixlTransport
+
+log = logging.getLogger(__name__)
 
 
 class NixlReadHandle(ReadHandle):
@@ -20,6 +23,7 @@ class NixlReadHandle(ReadHandle):
         self.nbytes = nbytes
         self._state = state
         self._error = error
+        self._cancelling = False  # cancel() asked, but NIXL could not stop the transfer yet
 
     @property
     def error(self) -> TransportError | None:
@@ -34,6 +38,9 @@ class NixlReadHandle(ReadHandle):
 
     def poll(self) -> ReadState:
         if self._state is not ReadState.PENDING:
+            return self._state
+        if self._cancelling:
+            self._try_stop()
             return self._state
         t = self._t
         try:
@@ -78,5 +85,33 @@ class NixlReadHandle(ReadHandle):
         return self._state
 
     def cancel(self) -> None:
+        """Stop the READ. The handle says CANCELLED only once NIXL released the transfer (or it
+        ended): until then bytes may still land, so it stays PENDING and poll() tries again."""
         if self._state is ReadState.PENDING:
-            self._finish(ReadState.CANCELLED, TransferCancelled(f"READ from {self.peer} was cancelled"))
+            self._cancelling = True
+            self._try_stop()
+
+    def _try_stop(self) -> None:
+        t = self._t
+        with t._lock:
+            xfer = self._xfer
+            if xfer is not None:
+                try:
+                    xfer.release()  # raises while NIXL cannot abort the transfer yet
+                except Exception as exc:
+                    if not self._ended(xfer):
+                        log.debug("NIXL READ from %s not stopped yet: %r", self.peer, exc)
+                        return
+                    t._leaked.append(xfer)  # over, but not releasable now: release at close
+            self._xfer = None
+        self._state, self._error = ReadState.CANCELLED, TransferCancelled(f"READ from {self.peer} was cancelled")
+        t._forget(self)
+
+    def _ended(self, xfer: Any) -> bool:
+        """The transfer can write nothing more: it completed, failed, or its peer is gone."""
+        try:
+            return self._t._agent.check_xfer_state(xfer) in ("DONE", "ERR")
+        except self._t._bind.nixlRemoteDisconnectError:
+            return True
+        except Exception:
+            return False

@@ -32,6 +32,11 @@ class TcpReadHandle(ReadHandle):
             self._active.add(conn)
             return True
 
+    def _wanted(self) -> bool:
+        """False once the read was cancelled or failed: a part must not start sending then."""
+        with self._lock:
+            return self._error is None
+
     def _end(self, conn: Conn | None, err: TransportError | None) -> None:
         abort: list[Conn] = []
         with self._lock:
@@ -66,7 +71,7 @@ class TcpReadHandle(ReadHandle):
         assert self._error is not None
         raise self._error
 
-    def cancel(self, timeout: float = 2.0) -> None:
+    def cancel(self, timeout: float = 0.0) -> None:
         with self._lock:
             if self._done.is_set() or self._error is not None:
                 return
@@ -74,7 +79,9 @@ class TcpReadHandle(ReadHandle):
             active = list(self._active)
         for c in active:
             c.abort()
-        # Bounded: shutdown() wakes blocked receives at once; queued parts see the error and skip.
+        # shutdown() wakes blocked receives at once; queued parts see the error and skip; a part
+        # still connecting stops before it sends. poll() leaves PENDING only when all have stopped,
+        # so callers that must not reuse the memory earlier poll instead of waiting here.
         self._done.wait(timeout)
 
     @property

@@ -244,7 +244,12 @@ class TcpTransport(Transport):
                 used = conn
             try:
                 if sent is None:
-                    sent = self._send_request(conn.ensure(), runs)
+                    sock = conn.ensure()
+                    # A cancel that came while we (re)connected found no socket to cut: check now
+                    # that conn.sock is set, so a later cancel cuts it and nothing lands after it.
+                    if not handle._wanted():
+                        return
+                    sent = self._send_request(sock, runs)
                 self._receive(conn, runs, sent)
             except BaseException:
                 conn.drop()  # stream position unknown: never reuse this socket
