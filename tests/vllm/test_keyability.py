@@ -63,3 +63,27 @@ def test_amx_packed_blocks_never_share_a_fingerprint_with_plain_cpu_blocks():
     assert (plain.head_dim, plain.kv_heads) == (amx.head_dim, amx.kv_heads) == (8, 2)
     assert cpu_kv_format("amx") == CPU_AMX
     assert cpu_kv_format("vec") == cpu_kv_format("vec16") == CPU
+
+
+@pytest.mark.xfail(strict=True, reason="hole 8: not fixed yet")
+def test_only_tokens_whose_kv_is_written_are_published():
+    """Issue 9, hole 8: with asynchronous scheduling ``num_computed_tokens`` already counts the
+    token of the step in flight, whose KV is still being written when the request finishes."""
+    from vllm.v1.request import RequestStatus
+
+    from pdxfer.vllm.keyability import publishable_tokens
+
+    prompt = list(range(10, 10 + 512))  # exactly two chunks
+    req = _request_with(prompt)
+    req.append_output_token_ids(7)  # sampled from the last prompt position
+    req.num_computed_tokens = len(prompt) + 1  # async: the step computing token 7 is in flight
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert publishable_tokens(req) == prompt  # never the in-flight token 7
+    req.num_computed_tokens = len(prompt)  # synchronous scheduling: the same answer
+    assert publishable_tokens(req) == prompt
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert publishable_tokens(req) is None  # aborted: nothing is known to be written
+
+
+def _request_with(prompt: list[int]) -> Request:
+    return Request("r", prompt, SamplingParams(max_tokens=1), None)
