@@ -19,12 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.request import RequestStatus
 
 from pdxfer.vllm.config import parse_extra_config
 from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_size, kv_format, model_identity
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
-from pdxfer.vllm.keyability import unkeyable_reason
+from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
 
 if TYPE_CHECKING:
@@ -46,9 +45,6 @@ def _setup_logging(level: str | None) -> None:
         root.addHandler(h)
         root.propagate = False
     root.setLevel((level or "INFO").upper())
-
-
-_PUBLISHABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 class PdxferConnector(KVConnectorBase_V1):
@@ -203,10 +199,7 @@ class PdxferConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
-        tokens = None
-        if request.status in _PUBLISHABLE:
-            n = min(request.num_computed_tokens, request.num_tokens)
-            tokens = list(request.all_token_ids[:n])
+        tokens = publishable_tokens(request)
         self.scheduler_side.request_finished(request.request_id, tokens, block_ids, request.cache_salt,
                                              unkeyable=unkeyable_reason(request))
         return False, None

@@ -35,6 +35,23 @@ def unkeyable_reason(request: Any) -> str | None:
     return None
 
 
+# Finished states whose request ran to its end: every token but the last has its KV written.
+_PUBLISHABLE_STATUS = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+def publishable_tokens(request: Any) -> list[int] | None:
+    """The tokens of a finished request whose KV is certainly written, or None (aborted etc.).
+
+    The last token never is: it was sampled, not computed; and with asynchronous scheduling
+    ``num_computed_tokens`` already counts it while the step computing it is still in flight.
+    """
+    status = getattr(getattr(request, "status", None), "name", None)
+    if status not in _PUBLISHABLE_STATUS:
+        return None
+    n = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
+    return list(request.all_token_ids[:max(n, 0)])
+
+
 def weights_fingerprint(model: str, quantization: str | None = None) -> str:
     """A short digest of the weights vLLM loads for ``model``, the same on every host that has
     the same files (sizes and sampled content, never paths or modification times).

@@ -65,7 +65,6 @@ def test_amx_packed_blocks_never_share_a_fingerprint_with_plain_cpu_blocks():
     assert cpu_kv_format("vec") == cpu_kv_format("vec16") == CPU
 
 
-@pytest.mark.xfail(strict=True, reason="hole 8: not fixed yet")
 def test_only_tokens_whose_kv_is_written_are_published():
     """Issue 9, hole 8: with asynchronous scheduling ``num_computed_tokens`` already counts the
     token of the step in flight, whose KV is still being written when the request finishes."""
