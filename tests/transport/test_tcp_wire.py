@@ -348,3 +348,41 @@ def test_no_byte_lands_after_a_cancel_that_caught_a_part_reconnecting(procs):
         assert not dst.any(), "bytes landed after the read was cancelled"
     finally:
         t.close()
+
+
+@pytest.mark.xfail(strict=True, reason="hole 10: not fixed yet")
+def test_many_concurrent_reads_on_few_workers_all_finish(procs):
+    """Issue 9, hole 10: a read that sent its request from the caller's thread handed its
+    connection lock to a queued task; pool workers blocked on that lock could all be taken,
+    and every read on the transport then hung until its timeout."""
+    holder = start_holder("tcp")
+    procs.append(holder.proc)
+    dst = np.zeros(16 * MiB, dtype=np.uint8)
+    t = TcpTransport(connections=2, workers=2, io_timeout=10.0)
+    from pdxfer.transport.base import RegisteredRegion
+
+    t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+    errors: list[str] = []
+    done = [0]
+    try:
+        peer = t.connect(holder.meta, timeout=10)
+
+        def reads(i: int) -> None:
+            for k in range(40):
+                plan = TransferPlan((TransferRun(0, (i * 7 + k) % 64 * 65536, 0, i * MiB, 65536),), 1)
+                try:
+                    t.read(peer, plan).wait(10)
+                    done[0] += 1
+                except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                    errors.append(repr(exc))
+                    return
+
+        threads = [threading.Thread(target=reads, args=(i,)) for i in range(16)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors, f"{len(errors)} threads failed after {done[0]} reads: {errors[0]}"
+        assert done[0] == 16 * 40
+    finally:
+        t.close()
