@@ -350,15 +350,14 @@ def test_no_byte_lands_after_a_cancel_that_caught_a_part_reconnecting(procs):
         t.close()
 
 
-@pytest.mark.xfail(strict=True, reason="hole 10: not fixed yet")
-def test_many_concurrent_reads_on_few_workers_all_finish(procs):
+def test_many_concurrent_reads_on_few_connections_all_finish(procs):
     """Issue 9, hole 10: a read that sent its request from the caller's thread handed its
     connection lock to a queued task; pool workers blocked on that lock could all be taken,
     and every read on the transport then hung until its timeout."""
     holder = start_holder("tcp")
     procs.append(holder.proc)
     dst = np.zeros(16 * MiB, dtype=np.uint8)
-    t = TcpTransport(connections=2, workers=2, io_timeout=10.0)
+    t = TcpTransport(connections=2, io_timeout=10.0)
     from pdxfer.transport.base import RegisteredRegion
 
     t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])

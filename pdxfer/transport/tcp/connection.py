@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from pdxfer.transport.base import PeerDied, PeerUnreachable, TransportError
 from pdxfer.transport.tcp import wire
@@ -25,18 +26,23 @@ def is_stale(sock: socket.socket) -> bool:
 
 
 class Conn:
-    """One reader connection to a holder; requests on it are serialized by ``lock``."""
+    """One reader connection to a holder. Its parts run one after another on its own thread
+    (``queue``), so no part ever waits for another part's lock; ``lock`` guards only the short
+    decision whether the caller may send right away (nothing queued) and the submission order."""
 
     def __init__(self, info: TcpPeerInfo, connect_timeout: float, io_timeout: float, bufsize: int) -> None:
         self.info = info
         self.lock = threading.Lock()
+        self.queued = 0  # parts submitted to ``queue`` and not finished; guarded by ``lock``
+        self.queue = ThreadPoolExecutor(1, thread_name_prefix=f"pdxfer-tcp-{info.host}:{info.port}")
         self.sock: socket.socket | None = None
         self.connect_timeout = connect_timeout
         self._io_timeout = io_timeout
         self._bufsize = bufsize
 
     def ensure(self) -> socket.socket:
-        """The live socket, (re)connecting and handshaking if needed. Caller holds ``lock``."""
+        """The live socket, (re)connecting and handshaking if needed. Only the connection's own
+        queue thread (or connect(), before any part) calls it."""
         if self.sock is not None:
             # Between requests nothing may arrive: readable means the holder closed (or restarted),
             # so reconnect now instead of failing the read on a stale socket.

@@ -20,7 +20,6 @@ import socket
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -62,7 +61,6 @@ class TcpTransport(Transport):
         io_timeout: float = 30.0,
         payload_crc: bool = False,
         socket_buffer: int = 4 << 20,
-        workers: int = 8,
         max_connections: int = 256,
         hello_timeout: float = 10.0,
         frame_timeout: float = 30.0,
@@ -90,7 +88,6 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._inflight: set[TcpReadHandle] = set()
         self._req_ids = itertools.count(1)
-        self._pool = ThreadPoolExecutor(max_workers=max(workers, connections), thread_name_prefix="pdxfer-tcp-read")
         self._closed = False
 
     # ------------------------------------------------------------------ memory
@@ -183,6 +180,7 @@ class TcpTransport(Transport):
             for c in p.conns:
                 c.abort()
                 c.drop()
+                c.queue.shutdown(wait=False)  # its thread ends once queued parts settled
 
     def read(self, peer: str, plan: TransferPlan) -> TcpReadHandle:
         self._check_open()
@@ -199,46 +197,41 @@ class TcpTransport(Transport):
         start = next(p.rr)
         for i, part in enumerate(parts):
             conn = p.conns[(start + i) % len(p.conns)]
-            # Send the request from the caller's thread when its connection is idle and live, so
-            # the holder starts while a worker wakes up to receive (one less hand-off of latency).
-            req_id = self._send_now(handle, conn, part)
-            try:
-                self._pool.submit(self._run_part, handle, conn, part, peer, req_id)
-            except RuntimeError as exc:  # pool shut down by a concurrent close()
-                if req_id is not None:
-                    conn.drop()
-                    conn.lock.release()
-                handle._end(conn if req_id is not None else None, TransferCancelled(f"transport closed: {exc}"))
+            with conn.lock:  # submission order on a connection is request order on its socket
+                # Send from the caller's thread when nothing is queued on the connection, so the
+                # holder starts while the queue thread wakes up to receive (one hand-off less).
+                req_id = self._send_now(handle, conn, part) if conn.queued == 0 else None
+                try:
+                    conn.queue.submit(self._run_part, handle, conn, part, peer, req_id)
+                    conn.queued += 1
+                except RuntimeError as exc:  # queue shut down by a concurrent close()
+                    if req_id is not None:
+                        conn.drop()
+                    handle._end(conn if req_id is not None else None,
+                                TransferCancelled(f"transport closed: {exc}"))
         return handle
 
     def _send_now(self, handle: TcpReadHandle, conn: Conn, runs: np.ndarray) -> int | None:
-        """Request id if the request went out now (``conn.lock`` then stays held for the worker),
-        None if the worker must connect and send itself. Never blocks on a busy connection."""
-        if conn.sock is None or not conn.lock.acquire(blocking=False):
-            return None
+        """Request id if the request went out now, None if the queue thread must (re)connect and
+        send. Caller holds ``conn.lock`` and nothing is queued on ``conn``."""
+        if conn.sock is None or is_stale(conn.sock) or not handle._begin(conn):
+            return None  # no live socket, or the read is already over: leave it to the queue
         try:
-            if conn.sock is None or is_stale(conn.sock) or not handle._begin(conn):
-                conn.lock.release()  # stale socket or read already over: leave it to the worker
-                return None
             return self._send_request(conn.sock, runs)
         except OSError:
             conn.drop()
             with handle._lock:
                 handle._active.discard(conn)
-            conn.lock.release()
             return None
 
     def _run_part(self, handle: TcpReadHandle, conn: Conn, runs: np.ndarray, peer: str,
                   sent: int | None = None) -> None:
-        """Worker: receive one part (sending it first unless ``read`` already did, in which case
-        ``conn.lock`` is held on our behalf and ``sent`` is the request id)."""
+        """The connection's queue thread: receive one part (sending it first unless ``read``
+        already did, in which case ``sent`` is the request id)."""
         err: TransportError | None = None
         used: Conn | None = conn if sent is not None else None
-        locked = sent is not None
         try:
-            if not locked:
-                conn.lock.acquire()
-                locked = True
+            if sent is None:
                 if not handle._begin(conn):
                     return
                 used = conn
@@ -263,8 +256,8 @@ class TcpTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - a worker must always settle its handle
             err = TransportError(f"read from {peer} failed: {exc!r}")
         finally:
-            if locked:
-                conn.lock.release()
+            with conn.lock:
+                conn.queued -= 1
             # If the caller cancelled or a sibling failed first, that first error stands.
             handle._end(used, err)
             if handle.poll() is not ReadState.PENDING:
@@ -336,7 +329,9 @@ class TcpTransport(Transport):
                 c.drop()
         if server is not None:
             server.close()
-        self._pool.shutdown(wait=False)  # queued parts still run, see the cancel, and settle
+        for p in peers:
+            for c in p.conns:
+                c.queue.shutdown(wait=False)  # queued parts still run, see the cancel, and settle
         self._table.clear(timeout=1.0)
         self._local_views = ()
 
