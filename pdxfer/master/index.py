@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 from pdxfer.master.index_records import Counters, Entry, Lock, LookupOutcome, Node, UnknownNodeError
 
 INF = math.inf
+EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's bound of 2**62
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 
@@ -50,7 +51,11 @@ class ChunkIndex:
         # failover or restart) is never mistaken for one of ours, so its release says False.
         self._lock_prefix = lock_prefix or os.urandom(4).hex()
         self._lock_seq = itertools.count(1)
-        self._epochs = itertools.count(1)
+        # Registration epochs carry a random per-incarnation prefix in their high bits: a reader
+        # caches node descriptions by (node, epoch), and a restarted or failed-over master counting
+        # from 1 again would make it keep a previous holder's metadata (issue 9, hole 7). Epochs
+        # also identify a registration in every later call of the node (hole 2).
+        self._epochs = itertools.count((int.from_bytes(os.urandom(4), "big") & EPOCH_PREFIX_MASK) << 32 | 1)
         self._lock_heap: list[tuple[float, str]] = []
         self.on_node_dropped: Callable[[str, str], None] | None = None  # (node id, why)
 

@@ -3,15 +3,12 @@ description cache keyed by (node, epoch) never serves an old holder's metadata a
 
 from __future__ import annotations
 
-import pytest
-
 from pdxfer.master import NodeInfo
 from pdxfer.procs import free_port
 
 from .conftest import keys_for
 
 
-@pytest.mark.xfail(strict=True, reason="hole 7")
 def test_restarted_master_does_not_reuse_epochs(masters):
     port = free_port()
     a = masters.start(extra_args=("--port", str(port)))
