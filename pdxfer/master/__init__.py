@@ -11,7 +11,8 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
                   [--token-file F]
                   [--etcd HOST:PORT[,HOST:PORT]] [--etcd-prefix /pdxfer/master]
                   [--leader-ttl 5] [--etcd-timeout 1]
-                  [--chunk-tokens 256] [--max-entries 10000000] [--log-level INFO]
+                  [--chunk-tokens 256] [--max-entries 10000000] [--max-lock-ttl 30]
+                  [--log-level INFO]
 
 --host / --port      wire-protocol listen address; port 0 lets the OS choose.
 --port-file F        once listening, F is (atomically) written as "<wire port>\\n<http port>\\n".
@@ -27,6 +28,8 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
                      itself degraded.
 --advertise          address clients should use to reach this replica (default host:port).
 --leader-ttl         leader lease TTL (s); renewed every TTL/3 on the remaining time.
+--max-lock-ttl       cap on reader lock TTLs (s); announced in register replies, so holders know
+                     how long a lock can pin their blocks.
 --chunk-tokens       only used to report hit tokens (hit chunks x chunk tokens).
 
 Without ``--etcd`` it is one process with everything in memory.
@@ -36,7 +39,7 @@ from pdxfer.master.client import MasterClient
 from pdxfer.master.errors import MasterAuthError, MasterError, MasterProtocolError, MasterUnavailable, UnknownNode
 from pdxfer.master.local import LocalMaster, start_local_master
 from pdxfer.master.node_session import NodeSession
-from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
 
 __all__ = [
     "ChunkLocation",
@@ -49,6 +52,7 @@ __all__ = [
     "MasterUnavailable",
     "NodeInfo",
     "NodeSession",
+    "Registration",
     "UnknownNode",
     "start_local_master",
 ]

@@ -30,7 +30,7 @@ from pdxfer.master.errors import (
     UnknownNode,
 )
 from pdxfer.master.locator import locator_for
-from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
 
 log = logging.getLogger("pdxfer.master.client")
 
@@ -224,8 +224,11 @@ class MasterClient:
         except P.ProtocolError as exc:
             raise MasterProtocolError(f"bad {P.OP_NAMES.get(req.op, req.op)} reply from master: {exc}") from None
 
-    def register_node(self, info: NodeInfo, lease_ttl_s: float = 10.0) -> None:
-        self._ask(ops.encode_register(info, lease_ttl_s), ops.decode_register_reply)
+    def register_node(self, info: NodeInfo, lease_ttl_s: float = 10.0) -> Registration:
+        """Register (or re-register: a new incarnation) the node. The returned registration says
+        its epoch and the master's lock TTL cap (``max_lock_ttl_s``): no reader lock pins the
+        node's entries longer, so a holder derives every force-free bound from it."""
+        return self._ask(ops.encode_register(info, lease_ttl_s), ops.decode_register_reply, info.node_id)
 
     def heartbeat(self, node_id: str) -> bool:
         return self._ask(ops.encode_heartbeat(node_id), ops.decode_heartbeat_reply)
@@ -245,6 +248,8 @@ class MasterClient:
         return accepted
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, lock_ttl_s: float = 10.0) -> LookupResult:
+        """The longest held prefix of ``keys``, locked. The lock's TTL is ``lock_ttl_s`` capped by
+        the master's ``max_lock_ttl_s``: the result's ``lock_ttl_s`` is the one granted."""
         keys = list(keys)
         if not keys:
             return LookupResult(None, 0, [], {}, lock_ttl_s)

@@ -10,7 +10,7 @@ from typing import Callable
 
 from pdxfer.master.client import MasterClient
 from pdxfer.master.errors import MasterError
-from pdxfer.master.records import NodeInfo
+from pdxfer.master.records import NodeInfo, Registration
 
 log = logging.getLogger("pdxfer.master.client")
 
@@ -39,12 +39,20 @@ class NodeSession:
         self.on_reregistered = on_reregistered
         self.registered = False
         self.reregistrations = 0
+        self.registration: Registration | None = None  # the current one (epoch, master's bounds)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def max_lock_ttl_s(self) -> float | None:
+        """The master's cap on reader lock TTLs (None until registered): a refused unpublish may be
+        retried as a force-free once this much time has passed since the lookup could have locked."""
+        reg = self.registration
+        return reg.max_lock_ttl_s if reg is not None else None
+
     def start(self) -> None:
         try:
-            self.client.register_node(self.info, self.lease_ttl_s)
+            self.registration = self.client.register_node(self.info, self.lease_ttl_s)
             self.registered = True
             self._sent_at = time.monotonic()
         except MasterError as exc:
@@ -64,7 +72,7 @@ class NodeSession:
                         continue
                     log.warning("node %s: master forgot this node; re-registering", self.info.node_id)
                     self.registered = False
-                self.client.register_node(self.info, ttl)
+                self.registration = self.client.register_node(self.info, ttl)
                 self.registered = True
                 self.reregistrations += 1
                 next_at = sent + ttl / 3

@@ -36,7 +36,10 @@ MAGIC = b"PX"
 #            Also in 1, before any release: lookups carry "have" {node id: epoch} and replies send
 #            a node's description only when the client lacks that epoch; unpublish replies list
 #            keys the node never published as removed (the holder may reuse their blocks).
-PROTOCOL_VERSION = 1
+#   2        Issue 9 (fenced writers). Epochs are unique across master incarnations (random
+#            per-incarnation prefix). Lock TTLs are capped by the master: the register reply
+#            carries "max_lock_ttl", a lookup reply's "ttl" is the granted (capped) TTL.
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 from pdxfer.keys import KEY_BYTES
 from pdxfer.master import protocol as P
-from pdxfer.master.records import NodeInfo
+from pdxfer.master.records import NodeInfo, Registration
 
 MAX_TTL_S = 3600.0  # node leases and reader locks
 MAX_RETENTION_S = 30 * 24 * 3600.0
@@ -117,13 +117,14 @@ def decode_register(doc: dict[str, Any], blob: bytes | memoryview) -> RegisterRe
     return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob))
 
 
-def encode_register_reply(epoch: int, ttl: float) -> dict[str, Any]:
-    return {"ok": True, "epoch": epoch, "ttl": ttl}
+def encode_register_reply(epoch: int, ttl: float, max_lock_ttl: float) -> dict[str, Any]:
+    return {"ok": True, "epoch": epoch, "ttl": ttl, "max_lock_ttl": max_lock_ttl}
 
 
-def decode_register_reply(doc: dict[str, Any], blob: bytes | memoryview) -> int:
-    """The registration's epoch."""
-    return P.get_int(doc, "epoch", 0, 1 << 62)
+def decode_register_reply(doc: dict[str, Any], blob: bytes | memoryview, node_id: str) -> Registration:
+    """The registration: its epoch, lease TTL and the master's lock TTL cap."""
+    return Registration(node_id, P.get_int(doc, "epoch", 0, 1 << 62), P.get_float(doc, "ttl", 0.0, MAX_TTL_S),
+                        P.get_float(doc, "max_lock_ttl", MIN_LOCK_TTL_S, MAX_TTL_S))
 
 
 def encode_node_description(req: RegisterRequest, epoch: int) -> str:

@@ -23,6 +23,7 @@ from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats
 
 log = logging.getLogger("pdxfer.master")
 
+DEFAULT_MAX_LOCK_TTL_S = 30.0  # announced in register replies; readers asking for more get this
 _BODY_TIMEOUT_S = 10.0  # a client that sent a header must send the body within this
 
 
@@ -34,7 +35,12 @@ class MasterService:
         chunk_tokens: int = 256,
         max_entries: int = 10_000_000,
         reap_interval_s: float = 0.1,
+        max_lock_ttl_s: float = DEFAULT_MAX_LOCK_TTL_S,
     ) -> None:
+        if not ops.MIN_LOCK_TTL_S <= max_lock_ttl_s <= ops.MAX_TTL_S:
+            raise ValueError(f"max_lock_ttl_s must be in [{ops.MIN_LOCK_TTL_S}, {ops.MAX_TTL_S}], got {max_lock_ttl_s}")
+        # Holders force-free a refused key after this bound (plus their lease): no lock may outlive it.
+        self.max_lock_ttl_s = float(max_lock_ttl_s)
         self.token = token.encode() if token else None
         self.index = ChunkIndex(max_entries=max_entries)
         self.coord = coordinator or Standalone()
@@ -202,9 +208,10 @@ class MasterService:
     def _lookup(self, doc: dict[str, Any], blob: memoryview, now: float) -> tuple[bytes, bytes]:
         t0 = time.perf_counter()
         req = ops.decode_lookup(doc, blob)
-        out = self.index.lookup_and_lock(req.keys, req.reader, req.ttl, now)
+        ttl = min(req.ttl, self.max_lock_ttl_s)
+        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now)
         nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
-        head = ops.encode_lookup_reply(out.lock_id, out.hit, req.ttl, out.runs, out.counts, nodes, req.have)
+        head = ops.encode_lookup_reply(out.lock_id, out.hit, ttl, out.runs, out.counts, nodes, req.have)
         self.lookup_seconds += time.perf_counter() - t0
         return head, out.blocks
 
@@ -233,7 +240,7 @@ class MasterService:
         self.index.nodes[req.node_id].info_json = info_json
         self.coord.node_registered(req.node_id, req.ttl, info_json)
         log.info("registered node %s (rank %d, %s, ttl %.1fs)", req.node_id, req.rank, req.transport, req.ttl)
-        return ops.encode_register_reply(epoch, req.ttl)
+        return ops.encode_register_reply(epoch, req.ttl, self.max_lock_ttl_s)
 
     def _deregister(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         return ops.encode_deregister_reply(self.index.deregister(ops.decode_deregister(doc, blob)))

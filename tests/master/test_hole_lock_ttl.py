@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from .conftest import keys_for, node_info
 
 
-@pytest.mark.xfail(strict=True, reason="hole 6")
 def test_default_cap_applies_to_an_hour_long_lock(master, masters):
     c = masters.client(master.address)
     c.register_node(node_info("p"), 30)
@@ -21,7 +18,6 @@ def test_default_cap_applies_to_an_hour_long_lock(master, masters):
     assert r.lock_ttl_s == 30.0, "the master granted a lock longer than its default cap"
 
 
-@pytest.mark.xfail(strict=True, reason="hole 6")
 def test_cap_is_announced_and_enforced(masters):
     m = masters.start(extra_args=("--max-lock-ttl", "1"))
     c = masters.client(m.address)

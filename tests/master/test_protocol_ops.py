@@ -54,7 +54,8 @@ def test_requests_round_trip():
 
 
 def test_replies_round_trip():
-    assert ops.decode_register_reply(ops.encode_register_reply(5, 2.0), b"") == 5
+    reg = ops.decode_register_reply(ops.encode_register_reply(5, 2.0, 30.0), b"", "n1")
+    assert (reg.node_id, reg.epoch, reg.lease_ttl_s, reg.max_lock_ttl_s) == ("n1", 5, 2.0, 30.0)
     assert ops.decode_heartbeat_reply(ops.encode_heartbeat_reply(None), b"") is False
     assert ops.decode_heartbeat_reply(ops.encode_heartbeat_reply(3.0), b"") is True
     assert ops.decode_release_reply(ops.encode_release_reply(True), b"") is True
