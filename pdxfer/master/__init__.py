@@ -36,7 +36,15 @@ Without ``--etcd`` it is one process with everything in memory.
 """
 
 from pdxfer.master.client import MasterClient
-from pdxfer.master.errors import MasterAuthError, MasterError, MasterProtocolError, MasterUnavailable, UnknownNode
+from pdxfer.master.errors import (
+    MasterAuthError,
+    MasterError,
+    MasterProtocolError,
+    MasterUnavailable,
+    RegistrationSuperseded,
+    UnknownNode,
+)
+from pdxfer.master.registrations import Registrations
 from pdxfer.master.local import LocalMaster, start_local_master
 from pdxfer.master.node_session import NodeSession
 from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
@@ -53,6 +61,8 @@ __all__ = [
     "NodeInfo",
     "NodeSession",
     "Registration",
+    "RegistrationSuperseded",
+    "Registrations",
     "UnknownNode",
     "start_local_master",
 ]

@@ -27,9 +27,11 @@ from pdxfer.master.errors import (
     MasterError,
     MasterProtocolError,
     MasterUnavailable,
+    RegistrationSuperseded,
     UnknownNode,
 )
 from pdxfer.master.locator import locator_for
+from pdxfer.master.registrations import SHARED, Registrations
 from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
 
 log = logging.getLogger("pdxfer.master.client")
@@ -92,7 +94,8 @@ class MasterClient:
     """Every call finishes within ``timeout_s`` (plus at most one socket timeout granularity) or
     raises a MasterError: MasterUnavailable when no master answered."""
 
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0) -> None:
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0,
+                 registrations: Registrations | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -104,6 +107,10 @@ class MasterClient:
         self._node_cache: dict[tuple[str, int], NodeInfo] = {}
         self._have: dict[str, int] = {}
         self._locator = locator_for(address)
+        # This process's registrations (epochs) and publish sequence numbers, per node: shared by
+        # the clients of one process unless given (registrations.py).
+        self._regs = registrations if registrations is not None else SHARED
+        self._master = str(self._locator)
         self._follows = self._locator.follows_leader
         self._addr: tuple[str, int] | None = None if self._follows else self._locator.locate(timeout_s)
 
@@ -204,6 +211,8 @@ class MasterClient:
                     continue
                 if code == P.ERR_UNKNOWN_NODE:
                     raise UnknownNode(msg)
+                if code == P.ERR_SUPERSEDED:
+                    raise RegistrationSuperseded(msg)
                 if code == P.ERR_INTERNAL:
                     raise MasterError(msg)
                 raise MasterProtocolError(msg)
@@ -228,23 +237,39 @@ class MasterClient:
         """Register (or re-register: a new incarnation) the node. The returned registration says
         its epoch and the master's lock TTL cap (``max_lock_ttl_s``): no reader lock pins the
         node's entries longer, so a holder derives every force-free bound from it."""
-        return self._ask(ops.encode_register(info, lease_ttl_s), ops.decode_register_reply, info.node_id)
+        reg = self._ask(ops.encode_register(info, lease_ttl_s), ops.decode_register_reply, info.node_id)
+        self._regs.put(self._master, reg)
+        return reg
 
-    def heartbeat(self, node_id: str) -> bool:
-        return self._ask(ops.encode_heartbeat(node_id), ops.decode_heartbeat_reply)
+    def registration(self, node_id: str) -> Registration | None:
+        """This process's current registration of the node at this master (None: none)."""
+        return self._regs.get(self._master, node_id)
 
-    def deregister_node(self, node_id: str) -> None:
-        self._ask(ops.encode_deregister(node_id), ops.decode_deregister_reply)
+    # Calls of a node name its registration: ``epoch`` (default: this process's registration of the
+    # node). RegistrationSuperseded when the node id was registered again since.
+
+    def heartbeat(self, node_id: str, epoch: int | None = None) -> bool:
+        """False: the master does not know the node (restart, failover, lease lost): re-register."""
+        return self._ask(ops.encode_heartbeat(node_id, self._regs.epoch(self._master, node_id, epoch)),
+                         ops.decode_heartbeat_reply)
+
+    def deregister_node(self, node_id: str, epoch: int | None = None) -> None:
+        epoch = self._regs.epoch(self._master, node_id, epoch)
+        self._ask(ops.encode_deregister(node_id, epoch), ops.decode_deregister_reply)
+        self._regs.forget(self._master, node_id, epoch)
 
     def publish(
-        self, node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]], retention_s: float | None = None
+        self, node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]], retention_s: float | None = None,
+        *, epoch: int | None = None,
     ) -> int:
+        epoch = self._regs.epoch(self._master, node_id, epoch)
         accepted = 0
         # Batches bounded well below the frame limits.
         step = 4096
         for start in range(0, len(entries), step):
             batch = entries[start : start + step]
-            accepted += self._ask(ops.encode_publish(node_id, batch, retention_s), ops.decode_publish_reply, len(batch))
+            accepted += self._ask(ops.encode_publish(node_id, batch, retention_s, epoch), ops.decode_publish_reply,
+                                  len(batch))
         return accepted
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, lock_ttl_s: float = 10.0) -> LookupResult:
@@ -291,15 +316,16 @@ class MasterClient:
     def release(self, lock_id: str) -> bool:
         return self._ask(ops.encode_release(lock_id), ops.decode_release_reply)
 
-    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes]) -> list[bytes]:
+    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], *, epoch: int | None = None) -> list[bytes]:
         """Keys this node no longer publishes (removed now or absent): their blocks may be reused.
         Keys pinned by a valid reader lock stay published and are left out."""
+        epoch = self._regs.epoch(self._master, node_id, epoch)
         keys = list(keys)
         out: list[bytes] = []
         step = 16384
         for start in range(0, len(keys), step):
             batch = keys[start : start + step]
-            removed = self._ask(ops.encode_unpublish(node_id, batch), ops.decode_unpublish_reply, len(batch))
+            removed = self._ask(ops.encode_unpublish(node_id, batch, epoch), ops.decode_unpublish_reply, len(batch))
             out.extend(batch[i] for i in removed)
         return out
 

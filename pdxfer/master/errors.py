@@ -19,5 +19,10 @@ class MasterAuthError(MasterError):
     """The master refused the token."""
 
 
+class RegistrationSuperseded(MasterError):
+    """The node id was registered again (by another process, or this one) after the registration
+    this call names: the caller must stop serving as that node, not re-register over the newer one."""
+
+
 class UnknownNode(MasterError):
     """The master does not know this node (never registered, deregistered, or its lease expired)."""

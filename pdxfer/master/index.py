@@ -29,14 +29,22 @@ import operator
 import os
 from typing import Any, Callable, Iterable, Sequence
 
-from pdxfer.master.index_records import Counters, Entry, Lock, LookupOutcome, Node, UnknownNodeError
+from pdxfer.master.index_records import (
+    Counters,
+    Entry,
+    Lock,
+    LookupOutcome,
+    Node,
+    SupersededError,
+    UnknownNodeError,
+)
 
 INF = math.inf
 EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's bound of 2**62
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 
-__all__ = ["ChunkIndex", "LookupOutcome", "UnknownNodeError"]
+__all__ = ["ChunkIndex", "LookupOutcome", "SupersededError", "UnknownNodeError"]
 
 
 class ChunkIndex:
@@ -68,27 +76,38 @@ class ChunkIndex:
         self.nodes[node_id] = node
         return node.epoch
 
-    def heartbeat(self, node_id: str, now: float) -> float | None:
-        """Extend the lease; the new remaining time, or None when the node is not (or no longer) known."""
+    def heartbeat(self, node_id: str, now: float, epoch: int | None = None) -> float | None:
+        """Extend the lease; the new remaining time, or None when the node is not (or no longer) known.
+        SupersededError when ``epoch`` names an older registration of the node."""
         node = self.nodes.get(node_id)
         if node is None:
             return None
+        self._check_epoch(node, epoch)
         if node.expires_at <= now:
             self._drop_node(node_id, "lease expired")
             return None
         node.expires_at = now + node.ttl
         return node.ttl
 
-    def deregister(self, node_id: str) -> bool:
-        if node_id not in self.nodes:
+    def deregister(self, node_id: str, epoch: int | None = None) -> bool:
+        node = self.nodes.get(node_id)
+        if node is None:
             return False
+        self._check_epoch(node, epoch)  # a superseded registration must not drop its successor
         self._drop_node(node_id, "deregistered")
         return True
 
-    def _live_node(self, node_id: str, now: float) -> Node:
+    @staticmethod
+    def _check_epoch(node: Node, epoch: int | None) -> None:
+        # None: an in-process caller (tests) that does not name a registration; the wire always does.
+        if epoch is not None and epoch != node.epoch:
+            raise SupersededError(node.node_id, epoch, node.epoch)
+
+    def _live_node(self, node_id: str, now: float, epoch: int | None = None) -> Node:
         node = self.nodes.get(node_id)
         if node is None:
             raise UnknownNodeError(node_id)
+        self._check_epoch(node, epoch)
         if node.expires_at <= now:
             self._drop_node(node_id, "lease expired")
             raise UnknownNodeError(node_id)
@@ -117,14 +136,15 @@ class ChunkIndex:
     # ---- entries ------------------------------------------------------------------------------
 
     def publish(
-        self, node_id: str, items: Iterable[tuple[bytes, bytes]], retention_s: float | None, now: float
+        self, node_id: str, items: Iterable[tuple[bytes, bytes]], retention_s: float | None, now: float,
+        epoch: int | None = None,
     ) -> int:
         """Add or refresh entries; returns how many were accepted.
 
         Refused: re-publishing a key with *different* blocks while a valid lock pins the old ones
         (a reader is copying them), and anything beyond ``max_entries``.
         """
-        node = self._live_node(node_id, now)
+        node = self._live_node(node_id, now, epoch)
         hold_until = INF if retention_s is None else now + retention_s
         accepted = 0
         for key, blocks in items:
@@ -161,13 +181,14 @@ class ChunkIndex:
         self._reap_locks(now)
         return entry.pins > 0
 
-    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], now: float) -> list[int]:
+    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], now: float,
+                              epoch: int | None = None) -> list[int]:
         """Indices (into ``keys``) the node no longer publishes: removed now, or already absent.
 
         Locked entries are kept and left out. Absent keys are reported so the holder can tell "locked"
         from "never arrived" (a publish that timed out unapplied) and free those blocks at once.
         """
-        node = self._live_node(node_id, now)
+        node = self._live_node(node_id, now, epoch)
         removed: list[int] = []
         for i, key in enumerate(keys):
             entry = node.entries.get(key)

@@ -17,6 +17,19 @@ class UnknownNodeError(KeyError):
         return f"node {self.node_id!r} is not registered (unknown, deregistered, or its lease expired)"
 
 
+class SupersededError(KeyError):
+    """A call names a registration of the node that a newer registration (same node id, maybe
+    another process) has replaced: it must not be applied to the newer one (issue 9, hole 2)."""
+
+    def __init__(self, node_id: str, epoch: int, current: int) -> None:
+        super().__init__(node_id)
+        self.node_id, self.epoch, self.current = node_id, epoch, current
+
+    def __str__(self) -> str:
+        return (f"registration {self.epoch:#x} of node {self.node_id!r} was superseded by registration "
+                f"{self.current:#x} (the node id was registered again, by another process or a restart)")
+
+
 class Node:
     __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks")
 

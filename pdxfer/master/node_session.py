@@ -9,7 +9,7 @@ import time
 from typing import Callable
 
 from pdxfer.master.client import MasterClient
-from pdxfer.master.errors import MasterError
+from pdxfer.master.errors import MasterError, RegistrationSuperseded
 from pdxfer.master.records import NodeInfo, Registration
 
 log = logging.getLogger("pdxfer.master.client")
@@ -22,6 +22,11 @@ class NodeSession:
     from when the last successful heartbeat was sent), retries quickly while the master is
     unreachable, and when the master says it forgot the node (failover, restart, lease lost)
     re-registers and calls ``on_reregistered()`` so the owner re-publishes what it holds.
+
+    When the master says this registration was superseded (the node id was registered again,
+    e.g. by a second process given the same id), it stops for good: no re-registration over the
+    newer one, an ERROR log naming the node, ``superseded`` set and ``on_superseded()`` called so
+    the owner stops serving as this node (its publishes would be refused anyway).
     """
 
     def __init__(
@@ -30,6 +35,7 @@ class NodeSession:
         info: NodeInfo,
         lease_ttl_s: float = 10.0,
         on_reregistered: Callable[[], None] | None = None,
+        on_superseded: Callable[[], None] | None = None,
     ) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
@@ -37,6 +43,8 @@ class NodeSession:
         self.info = info
         self.lease_ttl_s = lease_ttl_s
         self.on_reregistered = on_reregistered
+        self.on_superseded = on_superseded
+        self.superseded = False
         self.registered = False
         self.reregistrations = 0
         self.registration: Registration | None = None  # the current one (epoch, master's bounds)
@@ -66,8 +74,8 @@ class NodeSession:
         while not self._stop.wait(max(0.0, next_at - time.monotonic())):
             sent = time.monotonic()
             try:
-                if self.registered:
-                    if self.client.heartbeat(self.info.node_id):
+                if self.registered and self.registration is not None:
+                    if self.client.heartbeat(self.info.node_id, epoch=self.registration.epoch):
                         next_at = sent + ttl / 3
                         continue
                     log.warning("node %s: master forgot this node; re-registering", self.info.node_id)
@@ -81,18 +89,34 @@ class NodeSession:
                         self.on_reregistered()
                     except Exception:  # the owner's bug must not stop the lease keeper
                         log.exception("node %s: on_reregistered failed", self.info.node_id)
+            except RegistrationSuperseded as exc:
+                self._superseded(exc)
+                return
             except MasterError as exc:
                 log.debug("node %s: master unreachable: %s", self.info.node_id, exc)
                 next_at = time.monotonic() + min(0.2, ttl / 10) * (0.5 + random.random())
+
+    def _superseded(self, exc: RegistrationSuperseded) -> None:
+        log.error("node %s: this registration was superseded by a newer registration of the same node id "
+                  "(another process with this id?); stopping heartbeats and not re-registering: %s",
+                  self.info.node_id, exc)
+        self.superseded = True
+        self.registered = False
+        if self.on_superseded is not None:
+            try:
+                self.on_superseded()
+            except Exception:  # the owner's bug must not hide the report above
+                log.exception("node %s: on_superseded failed", self.info.node_id)
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.client.timeout_s * 3 + 1)
-        if deregister and self.registered:
+        reg = self.registration
+        if deregister and self.registered and reg is not None:
             try:
-                self.client.deregister_node(self.info.node_id)
-            except MasterError as exc:
+                self.client.deregister_node(self.info.node_id, epoch=reg.epoch)
+            except MasterError as exc:  # superseded included: the newer registration stays
                 log.warning("node %s: deregister failed: %s", self.info.node_id, exc)
         self.registered = False
 

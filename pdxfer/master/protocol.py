@@ -39,6 +39,8 @@ MAGIC = b"PX"
 #   2        Issue 9 (fenced writers). Epochs are unique across master incarnations (random
 #            per-incarnation prefix). Lock TTLs are capped by the master: the register reply
 #            carries "max_lock_ttl", a lookup reply's "ttl" is the granted (capped) TTL.
+#            heartbeat, deregister, publish, unpublish carry "epoch" (the registration they belong
+#            to); a superseded one is refused with error "superseded".
 PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
@@ -85,6 +87,7 @@ ERR_AUTH = "auth"
 ERR_UNKNOWN_NODE = "unknown_node"
 ERR_NOT_LEADER = "not_leader"
 ERR_UNKNOWN_OP = "unknown_op"
+ERR_SUPERSEDED = "superseded"  # the call names a registration that a newer one of the node replaced
 ERR_INTERNAL = "internal"
 
 

@@ -156,14 +156,27 @@ def decode_node_description(node_id: str, d: Any) -> tuple[int, NodeInfo | None]
 
 
 # ---- heartbeat, deregister ------------------------------------------------------------------------
+# Every call of a node after registration names the registration ("epoch" from the register reply):
+# a registration superseded by a newer one of the same node id is refused (issue 9, hole 2).
+
+MAX_EPOCH = 1 << 62
 
 
-def encode_heartbeat(node_id: str) -> Request:
-    return Request(P.OP_HEARTBEAT, {"node_id": node_id}, b"")
+class NodeRef(NamedTuple):
+    node_id: str
+    epoch: int
 
 
-def decode_heartbeat(doc: dict[str, Any], blob: bytes | memoryview) -> str:
-    return P.get_str(doc, "node_id")
+def _node_ref(doc: dict[str, Any]) -> NodeRef:
+    return NodeRef(P.get_str(doc, "node_id"), P.get_int(doc, "epoch", 0, MAX_EPOCH))
+
+
+def encode_heartbeat(node_id: str, epoch: int) -> Request:
+    return Request(P.OP_HEARTBEAT, {"node_id": node_id, "epoch": epoch}, b"")
+
+
+def decode_heartbeat(doc: dict[str, Any], blob: bytes | memoryview) -> NodeRef:
+    return _node_ref(doc)
 
 
 def encode_heartbeat_reply(lease_left_s: float | None) -> dict[str, Any]:
@@ -175,11 +188,11 @@ def decode_heartbeat_reply(doc: dict[str, Any], blob: bytes | memoryview) -> boo
     return _get_bool(doc, "ok")
 
 
-def encode_deregister(node_id: str) -> Request:
-    return Request(P.OP_DEREGISTER, {"node_id": node_id}, b"")
+def encode_deregister(node_id: str, epoch: int) -> Request:
+    return Request(P.OP_DEREGISTER, {"node_id": node_id, "epoch": epoch}, b"")
 
 
-decode_deregister = decode_heartbeat  # the same single field
+decode_deregister = decode_heartbeat  # the same fields
 
 
 def encode_deregister_reply(known: bool) -> dict[str, Any]:
@@ -195,15 +208,16 @@ decode_deregister_reply = decode_heartbeat_reply  # {"ok": bool}
 @dataclass(frozen=True)
 class PublishRequest:
     node_id: str
+    epoch: int
     items: list[tuple[bytes, bytes]]  # (key, little-endian uint32 block ids)
     retention_s: float | None
 
 
 def encode_publish(node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]],
-                   retention_s: float | None) -> Request:
+                   retention_s: float | None, epoch: int) -> Request:
     counts = [len(b) for _, b in entries]
     blocks = P.pack_u32([int(x) for _, b in entries for x in b])
-    doc: dict[str, Any] = {"node_id": node_id, "n": len(entries)}
+    doc: dict[str, Any] = {"node_id": node_id, "epoch": epoch, "n": len(entries)}
     put_block_counts(doc, counts)
     if retention_s is not None:
         doc["ret"] = float(retention_s)
@@ -211,7 +225,7 @@ def encode_publish(node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]],
 
 
 def decode_publish(doc: dict[str, Any], blob: bytes | memoryview) -> PublishRequest:
-    node_id = P.get_str(doc, "node_id")
+    node_id, epoch = _node_ref(doc)
     n = P.get_int(doc, "n", 0, P.MAX_KEYS_PER_REQUEST)
     counts = get_block_counts(doc, n)
     keys = _keys_of(doc, blob, 4 * sum(counts))
@@ -223,7 +237,7 @@ def decode_publish(doc: dict[str, Any], blob: bytes | memoryview) -> PublishRequ
         items.append((key, blocks[start:end]))
         start = end
     retention = P.get_float(doc, "ret", 0.0, MAX_RETENTION_S, optional=True)
-    return PublishRequest(node_id, items, retention)
+    return PublishRequest(node_id, epoch, items, retention)
 
 
 def encode_publish_reply(accepted: int) -> dict[str, Any]:
@@ -333,12 +347,12 @@ decode_release_reply = decode_heartbeat_reply  # {"ok": bool}: True only if the 
 # ---- unpublish_if_unlocked ------------------------------------------------------------------------
 
 
-def encode_unpublish(node_id: str, keys: Sequence[bytes]) -> Request:
-    return Request(P.OP_UNPUBLISH, {"node_id": node_id, "n": len(keys)}, P.join_keys(keys))
+def encode_unpublish(node_id: str, keys: Sequence[bytes], epoch: int) -> Request:
+    return Request(P.OP_UNPUBLISH, {"node_id": node_id, "epoch": epoch, "n": len(keys)}, P.join_keys(keys))
 
 
-def decode_unpublish(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[str, list[bytes]]:
-    return P.get_str(doc, "node_id"), _keys_of(doc, blob)
+def decode_unpublish(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[NodeRef, list[bytes]]:
+    return _node_ref(doc), _keys_of(doc, blob)
 
 
 def encode_unpublish_reply(removed: list[int]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.coordinator import Coordinator, Standalone
 from pdxfer.master.httpd import serve_http
-from pdxfer.master.index import ChunkIndex, UnknownNodeError
+from pdxfer.master.index import ChunkIndex, SupersededError, UnknownNodeError
 from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats
 
 log = logging.getLogger("pdxfer.master")
@@ -193,6 +193,9 @@ class MasterService:
             return P.encode_frame(P.OP_ERROR, hdr.req_id, err), exc.code != P.ERR_AUTH
         except UnknownNodeError as exc:
             return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_UNKNOWN_NODE, "msg": str(exc)}), True
+        except SupersededError as exc:
+            log.warning("refused %s from %s: %s", P.OP_NAMES.get(hdr.op, hdr.op), peer, exc)
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_SUPERSEDED, "msg": str(exc)}), True
         except Exception as exc:  # a bug must not take the service down for everyone else
             log.exception("internal error on %s from %s", P.OP_NAMES.get(hdr.op, hdr.op), peer)
             return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_INTERNAL, "msg": repr(exc)}), False
@@ -220,15 +223,15 @@ class MasterService:
 
     def _publish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         req = ops.decode_publish(doc, blob)
-        return ops.encode_publish_reply(self.index.publish(req.node_id, req.items, req.retention_s, now))
+        return ops.encode_publish_reply(self.index.publish(req.node_id, req.items, req.retention_s, now, req.epoch))
 
     def _unpublish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        node_id, keys = ops.decode_unpublish(doc, blob)
-        return ops.encode_unpublish_reply(self.index.unpublish_if_unlocked(node_id, keys, now))
+        (node_id, epoch), keys = ops.decode_unpublish(doc, blob)
+        return ops.encode_unpublish_reply(self.index.unpublish_if_unlocked(node_id, keys, now, epoch))
 
     def _heartbeat(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        node_id = ops.decode_heartbeat(doc, blob)
-        left = self.index.heartbeat(node_id, now)
+        node_id, epoch = ops.decode_heartbeat(doc, blob)
+        left = self.index.heartbeat(node_id, now, epoch)
         if left is not None:
             self.coord.node_heartbeat(node_id)
         return ops.encode_heartbeat_reply(left)
@@ -243,7 +246,8 @@ class MasterService:
         return ops.encode_register_reply(epoch, req.ttl, self.max_lock_ttl_s)
 
     def _deregister(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        return ops.encode_deregister_reply(self.index.deregister(ops.decode_deregister(doc, blob)))
+        node_id, epoch = ops.decode_deregister(doc, blob)
+        return ops.encode_deregister_reply(self.index.deregister(node_id, epoch))
 
     def _stats(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         return self.stats()

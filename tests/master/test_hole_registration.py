@@ -32,7 +32,6 @@ def _second_process_registers(address: str, keys: list[bytes]) -> None:
                    timeout=30, check=True)
 
 
-@pytest.mark.xfail(strict=True, reason="hole 2")
 def test_superseded_registration_calls_are_refused(master, masters):
     first = masters.client(master.address)
     reader = masters.client(master.address)
@@ -60,7 +59,6 @@ def test_superseded_registration_calls_are_refused(master, masters):
     assert r.hit_chunks == 2 and r.nodes["dup"].transport_metadata == b"second"
 
 
-@pytest.mark.xfail(strict=True, reason="hole 2")
 def test_node_session_stops_when_superseded(master, masters, caplog):
     first = masters.client(master.address)
     superseded = threading.Event()
