@@ -41,6 +41,7 @@ from pdxfer.master.errors import (
     MasterError,
     MasterProtocolError,
     MasterUnavailable,
+    PublishFenced,
     RegistrationSuperseded,
     UnknownNode,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "MasterUnavailable",
     "NodeInfo",
     "NodeSession",
+    "PublishFenced",
     "Registration",
     "RegistrationSuperseded",
     "Registrations",

@@ -27,6 +27,7 @@ from pdxfer.master.errors import (
     MasterError,
     MasterProtocolError,
     MasterUnavailable,
+    PublishFenced,
     RegistrationSuperseded,
     UnknownNode,
 )
@@ -213,6 +214,8 @@ class MasterClient:
                     raise UnknownNode(msg)
                 if code == P.ERR_SUPERSEDED:
                     raise RegistrationSuperseded(msg)
+                if code == P.ERR_FENCED:
+                    raise PublishFenced(msg)
                 if code == P.ERR_INTERNAL:
                     raise MasterError(msg)
                 raise MasterProtocolError(msg)
@@ -260,15 +263,23 @@ class MasterClient:
 
     def publish(
         self, node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]], retention_s: float | None = None,
-        *, epoch: int | None = None,
+        *, epoch: int | None = None, seq: int | None = None,
     ) -> int:
+        """How many entries were accepted. ``seq``: this publish's sequence number (default: a new
+        one from ``next_publish_seq``; a holder that queues publishes takes it when it queues, so a
+        fence covers what is still queued). PublishFenced when ``seq`` is at or below the node's
+        fence: nothing was applied (a batch of a large publish before the fence may have been)."""
         epoch = self._regs.epoch(self._master, node_id, epoch)
+        if seq is None:
+            seq = self._regs.next_seq(self._master, node_id)
+        else:
+            self._regs.saw_seq(self._master, node_id, seq)
         accepted = 0
         # Batches bounded well below the frame limits.
         step = 4096
         for start in range(0, len(entries), step):
             batch = entries[start : start + step]
-            accepted += self._ask(ops.encode_publish(node_id, batch, retention_s, epoch), ops.decode_publish_reply,
+            accepted += self._ask(ops.encode_publish(node_id, batch, retention_s, epoch, seq), ops.decode_publish_reply,
                                   len(batch))
         return accepted
 
@@ -316,16 +327,37 @@ class MasterClient:
     def release(self, lock_id: str) -> bool:
         return self._ask(ops.encode_release(lock_id), ops.decode_release_reply)
 
-    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], *, epoch: int | None = None) -> list[bytes]:
+    def next_publish_seq(self, node_id: str) -> int:
+        """A new publish sequence number for the node (above all handed out in this process)."""
+        return self._regs.next_seq(self._master, node_id)
+
+    def last_publish_seq(self, node_id: str) -> int:
+        """The newest publish sequence number handed out for the node in this process (0: none)."""
+        return self._regs.last_seq(self._master, node_id)
+
+    def fence(self, node_id: str, upto_seq: int | None = None, *, epoch: int | None = None) -> int:
+        """Give up on every publish with seq <= ``upto_seq`` (default: the newest handed out): the
+        master refuses them from now on, wherever they are (queued here, in a socket, in flight).
+        Returns the node's fence. Entries already applied stay: unpublish them before freeing."""
+        epoch = self._regs.epoch(self._master, node_id, epoch)
+        upto = self.last_publish_seq(node_id) if upto_seq is None else upto_seq
+        return self._ask(ops.encode_fence(node_id, epoch, upto), ops.decode_fence_reply)
+
+    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], *, epoch: int | None = None,
+                              fence_seq: int | None = None) -> list[bytes]:
         """Keys this node no longer publishes (removed now or absent): their blocks may be reused.
-        Keys pinned by a valid reader lock stay published and are left out."""
+        Keys pinned by a valid reader lock stay published and are left out.
+
+        ``fence_seq``: first give up on every publish with seq <= it (see ``fence``), in the same
+        step. A holder frees a block only after its key came back from a call whose fence covers
+        every publish that carried the key; else a late publish could name a reused block."""
         epoch = self._regs.epoch(self._master, node_id, epoch)
         keys = list(keys)
         out: list[bytes] = []
         step = 16384
         for start in range(0, len(keys), step):
             batch = keys[start : start + step]
-            removed = self._ask(ops.encode_unpublish(node_id, batch, epoch), ops.decode_unpublish_reply, len(batch))
+            removed = self._ask(ops.encode_unpublish(node_id, batch, epoch, fence_seq), ops.decode_unpublish_reply, len(batch))
             out.extend(batch[i] for i in removed)
         return out
 

@@ -24,5 +24,10 @@ class RegistrationSuperseded(MasterError):
     this call names: the caller must stop serving as that node, not re-register over the newer one."""
 
 
+class PublishFenced(MasterError):
+    """The publish's sequence number is at or below the node's fence (the holder gave up on it):
+    nothing of it was applied."""
+
+
 class UnknownNode(MasterError):
     """The master does not know this node (never registered, deregistered, or its lease expired)."""

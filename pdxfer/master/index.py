@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 from pdxfer.master.index_records import (
     Counters,
     Entry,
+    FencedError,
     Lock,
     LookupOutcome,
     Node,
@@ -44,7 +45,7 @@ EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's b
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 
-__all__ = ["ChunkIndex", "LookupOutcome", "SupersededError", "UnknownNodeError"]
+__all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "SupersededError", "UnknownNodeError"]
 
 
 class ChunkIndex:
@@ -137,14 +138,18 @@ class ChunkIndex:
 
     def publish(
         self, node_id: str, items: Iterable[tuple[bytes, bytes]], retention_s: float | None, now: float,
-        epoch: int | None = None,
+        epoch: int | None = None, seq: int | None = None,
     ) -> int:
         """Add or refresh entries; returns how many were accepted.
 
-        Refused: re-publishing a key with *different* blocks while a valid lock pins the old ones
+        FencedError (nothing applied) when ``seq`` is at or below the node's fence. Refused per key:
+        re-publishing a key with *different* blocks while a valid lock pins the old ones
         (a reader is copying them), and anything beyond ``max_entries``.
         """
         node = self._live_node(node_id, now, epoch)
+        if seq is not None and seq <= node.fence_seq:
+            self.counters.publish_fenced += 1
+            raise FencedError(node_id, seq, node.fence_seq)
         hold_until = INF if retention_s is None else now + retention_s
         accepted = 0
         for key, blocks in items:
@@ -181,14 +186,26 @@ class ChunkIndex:
         self._reap_locks(now)
         return entry.pins > 0
 
+    def fence(self, node_id: str, upto: int, now: float, epoch: int | None = None) -> int:
+        """Refuse every later publish of the node with seq <= ``upto``; the node's fence (it never
+        goes back)."""
+        node = self._live_node(node_id, now, epoch)
+        if upto > node.fence_seq:
+            node.fence_seq = upto
+        return node.fence_seq
+
     def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], now: float,
-                              epoch: int | None = None) -> list[int]:
+                              epoch: int | None = None, fence: int | None = None) -> list[int]:
         """Indices (into ``keys``) the node no longer publishes: removed now, or already absent.
 
         Locked entries are kept and left out. Absent keys are reported so the holder can tell "locked"
         from "never arrived" (a publish that timed out unapplied) and free those blocks at once.
         """
         node = self._live_node(node_id, now, epoch)
+        if fence is not None and fence > node.fence_seq:
+            # First the fence, then the removal, in one step: no publish the holder gave up on can
+            # be applied after these keys are reported free.
+            node.fence_seq = fence
         removed: list[int] = []
         for i, key in enumerate(keys):
             entry = node.entries.get(key)
@@ -348,6 +365,7 @@ class ChunkIndex:
             "releases_expired": c.releases_expired,
             "published": c.published,
             "publish_refused": c.publish_refused,
+            "publish_fenced": c.publish_fenced,
             "unpublished": c.unpublished,
             "unpublish_refused": c.unpublish_refused,
             "nodes_expired": c.nodes_expired,

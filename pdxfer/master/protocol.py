@@ -40,7 +40,9 @@ MAGIC = b"PX"
 #            per-incarnation prefix). Lock TTLs are capped by the master: the register reply
 #            carries "max_lock_ttl", a lookup reply's "ttl" is the granted (capped) TTL.
 #            heartbeat, deregister, publish, unpublish carry "epoch" (the registration they belong
-#            to); a superseded one is refused with error "superseded".
+#            to); a superseded one is refused with error "superseded". Publishes carry "seq" (per
+#            node, increasing); op 10 "fence" {node_id, epoch, upto} and unpublish's optional
+#            "fence" make the master refuse (error "fenced") every later publish with seq <= upto.
 PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
@@ -66,6 +68,7 @@ OP_RELEASE = 6
 OP_UNPUBLISH = 7
 OP_STATS = 8
 OP_PING = 9
+OP_FENCE = 10
 
 OP_NAMES = {
     OP_REGISTER: "register",
@@ -77,6 +80,7 @@ OP_NAMES = {
     OP_UNPUBLISH: "unpublish_if_unlocked",
     OP_STATS: "stats",
     OP_PING: "ping",
+    OP_FENCE: "fence",
 }
 
 # Error codes carried in an OP_ERROR reply's JSON ("err").
@@ -88,6 +92,7 @@ ERR_UNKNOWN_NODE = "unknown_node"
 ERR_NOT_LEADER = "not_leader"
 ERR_UNKNOWN_OP = "unknown_op"
 ERR_SUPERSEDED = "superseded"  # the call names a registration that a newer one of the node replaced
+ERR_FENCED = "fenced"  # a publish whose seq the holder had already fenced (given up on)
 ERR_INTERNAL = "internal"
 
 

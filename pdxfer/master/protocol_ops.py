@@ -160,6 +160,7 @@ def decode_node_description(node_id: str, d: Any) -> tuple[int, NodeInfo | None]
 # a registration superseded by a newer one of the same node id is refused (issue 9, hole 2).
 
 MAX_EPOCH = 1 << 62
+MAX_SEQ = 1 << 62
 
 
 class NodeRef(NamedTuple):
@@ -211,13 +212,14 @@ class PublishRequest:
     epoch: int
     items: list[tuple[bytes, bytes]]  # (key, little-endian uint32 block ids)
     retention_s: float | None
+    seq: int  # per node, increasing; refused at or below the node's fence
 
 
 def encode_publish(node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]],
-                   retention_s: float | None, epoch: int) -> Request:
+                   retention_s: float | None, epoch: int, seq: int) -> Request:
     counts = [len(b) for _, b in entries]
     blocks = P.pack_u32([int(x) for _, b in entries for x in b])
-    doc: dict[str, Any] = {"node_id": node_id, "epoch": epoch, "n": len(entries)}
+    doc: dict[str, Any] = {"node_id": node_id, "epoch": epoch, "seq": seq, "n": len(entries)}
     put_block_counts(doc, counts)
     if retention_s is not None:
         doc["ret"] = float(retention_s)
@@ -226,6 +228,7 @@ def encode_publish(node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]],
 
 def decode_publish(doc: dict[str, Any], blob: bytes | memoryview) -> PublishRequest:
     node_id, epoch = _node_ref(doc)
+    seq = P.get_int(doc, "seq", 1, MAX_SEQ)
     n = P.get_int(doc, "n", 0, P.MAX_KEYS_PER_REQUEST)
     counts = get_block_counts(doc, n)
     keys = _keys_of(doc, blob, 4 * sum(counts))
@@ -237,7 +240,7 @@ def decode_publish(doc: dict[str, Any], blob: bytes | memoryview) -> PublishRequ
         items.append((key, blocks[start:end]))
         start = end
     retention = P.get_float(doc, "ret", 0.0, MAX_RETENTION_S, optional=True)
-    return PublishRequest(node_id, epoch, items, retention)
+    return PublishRequest(node_id, epoch, items, retention, seq)
 
 
 def encode_publish_reply(accepted: int) -> dict[str, Any]:
@@ -347,12 +350,22 @@ decode_release_reply = decode_heartbeat_reply  # {"ok": bool}: True only if the 
 # ---- unpublish_if_unlocked ------------------------------------------------------------------------
 
 
-def encode_unpublish(node_id: str, keys: Sequence[bytes], epoch: int) -> Request:
-    return Request(P.OP_UNPUBLISH, {"node_id": node_id, "epoch": epoch, "n": len(keys)}, P.join_keys(keys))
+class UnpublishRequest(NamedTuple):
+    node: NodeRef
+    keys: list[bytes]
+    fence: int | None  # first refuse every later publish with seq <= this
 
 
-def decode_unpublish(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[NodeRef, list[bytes]]:
-    return _node_ref(doc), _keys_of(doc, blob)
+def encode_unpublish(node_id: str, keys: Sequence[bytes], epoch: int, fence: int | None = None) -> Request:
+    doc: dict[str, Any] = {"node_id": node_id, "epoch": epoch, "n": len(keys)}
+    if fence is not None:
+        doc["fence"] = fence
+    return Request(P.OP_UNPUBLISH, doc, P.join_keys(keys))
+
+
+def decode_unpublish(doc: dict[str, Any], blob: bytes | memoryview) -> UnpublishRequest:
+    fence = P.get_int(doc, "fence", 0, MAX_SEQ) if "fence" in doc else None
+    return UnpublishRequest(_node_ref(doc), _keys_of(doc, blob), fence)
 
 
 def encode_unpublish_reply(removed: list[int]) -> dict[str, Any]:
@@ -365,6 +378,26 @@ def decode_unpublish_reply(doc: dict[str, Any], blob: bytes | memoryview, asked:
     if not isinstance(removed, list) or not all(type(i) is int and 0 <= i < asked for i in removed):
         raise _malformed(f"field 'removed' must be a list of key indices in [0, {asked})")
     return removed
+
+
+# ---- fence ----------------------------------------------------------------------------------------
+
+
+def encode_fence(node_id: str, epoch: int, upto: int) -> Request:
+    return Request(P.OP_FENCE, {"node_id": node_id, "epoch": epoch, "upto": upto}, b"")
+
+
+def decode_fence(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[NodeRef, int]:
+    return _node_ref(doc), P.get_int(doc, "upto", 0, MAX_SEQ)
+
+
+def encode_fence_reply(fence: int) -> dict[str, Any]:
+    return {"fence": fence}
+
+
+def decode_fence_reply(doc: dict[str, Any], blob: bytes | memoryview) -> int:
+    """The node's fence now (>= what was asked: it never goes back)."""
+    return P.get_int(doc, "fence", 0, MAX_SEQ)
 
 
 # ---- stats, ping ----------------------------------------------------------------------------------

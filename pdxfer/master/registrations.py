@@ -58,6 +58,12 @@ class Registrations:
             self._seq[(master, node_id)] = seq
             return seq
 
+    def saw_seq(self, master: str, node_id: str, seq: int) -> None:
+        """A caller chose ``seq`` itself: numbers handed out later stay above it."""
+        with self._lock:
+            if seq > self._seq.get((master, node_id), 0):
+                self._seq[(master, node_id)] = seq
+
     def last_seq(self, master: str, node_id: str) -> int:
         """The newest publish sequence number handed out for the node (0: none yet)."""
         with self._lock:

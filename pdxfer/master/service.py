@@ -18,7 +18,7 @@ from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.coordinator import Coordinator, Standalone
 from pdxfer.master.httpd import serve_http
-from pdxfer.master.index import ChunkIndex, SupersededError, UnknownNodeError
+from pdxfer.master.index import ChunkIndex, FencedError, SupersededError, UnknownNodeError
 from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats
 
 log = logging.getLogger("pdxfer.master")
@@ -65,6 +65,7 @@ class MasterService:
             P.OP_LOOKUP: self._lookup, P.OP_RELEASE: self._release, P.OP_PUBLISH: self._publish,
             P.OP_UNPUBLISH: self._unpublish, P.OP_HEARTBEAT: self._heartbeat, P.OP_REGISTER: self._register,
             P.OP_DEREGISTER: self._deregister, P.OP_STATS: self._stats, P.OP_PING: self._ping,
+            P.OP_FENCE: self._fence,
         }
 
     # ---- leadership -----------------------------------------------------------------------------
@@ -193,6 +194,9 @@ class MasterService:
             return P.encode_frame(P.OP_ERROR, hdr.req_id, err), exc.code != P.ERR_AUTH
         except UnknownNodeError as exc:
             return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_UNKNOWN_NODE, "msg": str(exc)}), True
+        except FencedError as exc:
+            log.info("refused publish from %s: %s", peer, exc)
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_FENCED, "msg": str(exc)}), True
         except SupersededError as exc:
             log.warning("refused %s from %s: %s", P.OP_NAMES.get(hdr.op, hdr.op), peer, exc)
             return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_SUPERSEDED, "msg": str(exc)}), True
@@ -223,11 +227,17 @@ class MasterService:
 
     def _publish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         req = ops.decode_publish(doc, blob)
-        return ops.encode_publish_reply(self.index.publish(req.node_id, req.items, req.retention_s, now, req.epoch))
+        accepted = self.index.publish(req.node_id, req.items, req.retention_s, now, req.epoch, req.seq)
+        return ops.encode_publish_reply(accepted)
 
     def _unpublish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        (node_id, epoch), keys = ops.decode_unpublish(doc, blob)
-        return ops.encode_unpublish_reply(self.index.unpublish_if_unlocked(node_id, keys, now, epoch))
+        req = ops.decode_unpublish(doc, blob)
+        removed = self.index.unpublish_if_unlocked(req.node.node_id, req.keys, now, req.node.epoch, req.fence)
+        return ops.encode_unpublish_reply(removed)
+
+    def _fence(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        (node_id, epoch), upto = ops.decode_fence(doc, blob)
+        return ops.encode_fence_reply(self.index.fence(node_id, upto, now, epoch))
 
     def _heartbeat(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         node_id, epoch = ops.decode_heartbeat(doc, blob)

@@ -22,6 +22,7 @@ _METRICS = (
     ("lookup_handler_seconds_total", "counter", "Time spent in the lookup handler.", "lookup_handler_s_exact"),
     ("releases_ok_total", "counter", "Releases of locks still valid.", "releases_ok"),
     ("releases_expired_total", "counter", "Releases of expired or unknown locks.", "releases_expired"),
+    ("publish_fenced_total", "counter", "Publishes refused at or below their node's fence.", "publish_fenced"),
     ("unpublish_refused_total", "counter", "Unpublishes refused by a valid lock.", "unpublish_refused"),
     ("nodes_expired_total", "counter", "Nodes dropped because their lease ran out.", "nodes_expired"),
     ("auth_failures_total", "counter", "Requests refused for a missing or wrong token.", "auth_failures"),

@@ -25,7 +25,6 @@ def slow_link(master):
         proxy.close()
 
 
-@pytest.mark.xfail(strict=True, reason="hole 1")
 def test_late_publish_after_unpublish_with_fence_is_refused(master, masters, slow_link):
     assert hasattr(MasterClient, "fence"), "a holder has no way to fence the publishes it gave up on"
     direct = masters.client(master.address, timeout_s=5.0)
@@ -42,7 +41,6 @@ def test_late_publish_after_unpublish_with_fence_is_refused(master, masters, slo
     assert direct.stats()["publish_fenced"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="hole 1")
 def test_fence_op_refuses_queued_publishes_up_to_seq(master, masters, slow_link):
     assert hasattr(MasterClient, "fence"), "a holder has no way to fence the publishes it gave up on"
     direct = masters.client(master.address, timeout_s=5.0)
