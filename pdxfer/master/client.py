@@ -148,9 +148,30 @@ class MasterClient:
                     return c
                 c.close()
         try:
-            return _Conn(addr, deadline - time.monotonic())
+            conn = _Conn(addr, deadline - time.monotonic())
         except OSError as exc:
             raise MasterUnavailable(f"cannot connect to master {addr[0]}:{addr[1]}: {exc}") from None
+        if self.token is not None:
+            self._hello(conn, deadline)
+        return conn
+
+    def _hello(self, conn: _Conn, deadline: float) -> None:
+        """Authenticate a new connection: its first frame carries the token (the master reads
+        nothing else from it before)."""
+        where = f"master {conn.addr[0]}:{conn.addr[1]}"
+        try:
+            rop, rdoc, _ = conn.request(*ops.encode_hello(self.token), deadline)
+        except (OSError, _Closed) as exc:
+            conn.close()
+            raise MasterUnavailable(f"hello to {where}: {exc!r}") from None
+        except P.ProtocolError as exc:
+            conn.close()
+            raise MasterProtocolError(f"bad hello reply from {where}: {exc}") from None
+        if rop == P.OP_ERROR:
+            conn.close()
+            msg = f"hello to {where}: {rdoc.get('msg', rdoc.get('err'))}"
+            raise MasterAuthError(msg) if rdoc.get("err") == P.ERR_AUTH else MasterProtocolError(msg)
+        conn.used = False  # the hello was its first use: a request that finds it closed is not retried
 
     def _give(self, conn: _Conn) -> None:
         with self._lock:
@@ -161,8 +182,6 @@ class MasterClient:
 
     def _call(self, req: ops.Request) -> tuple[dict[str, Any], bytes]:
         op, doc, blob = req
-        if self.token is not None:
-            doc["tok"] = self.token
         deadline = time.monotonic() + self.timeout_s
         last = "no attempt"
         for attempt in itertools.count():

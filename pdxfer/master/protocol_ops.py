@@ -400,6 +400,23 @@ def decode_fence_reply(doc: dict[str, Any], blob: bytes | memoryview) -> int:
     return P.get_int(doc, "fence", 0, MAX_SEQ)
 
 
+# ---- hello ----------------------------------------------------------------------------------------
+
+
+def encode_hello(token: str | None) -> Request:
+    return Request(P.OP_HELLO, {"tok": token} if token is not None else {}, b"")
+
+
+def decode_hello(doc: dict[str, Any], blob: bytes | memoryview) -> str | None:
+    """The token the peer presents (None: none); the service compares it."""
+    tok = doc.get("tok")
+    return tok if isinstance(tok, str) else None
+
+
+def decode_hello_reply(doc: dict[str, Any], blob: bytes | memoryview) -> bool:
+    return _get_bool(doc, "ok")
+
+
 # ---- stats, ping ----------------------------------------------------------------------------------
 
 

@@ -25,6 +25,10 @@ log = logging.getLogger("pdxfer.master")
 
 DEFAULT_MAX_LOCK_TTL_S = 30.0  # announced in register replies; readers asking for more get this
 _BODY_TIMEOUT_S = 10.0  # a client that sent a header must send the body within this
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0  # a new connection's first frame (hello) must arrive within this
+DEFAULT_IDLE_TIMEOUT_S = 600.0  # an authenticated connection idle this long is closed (clients reconnect)
+_REFUSAL_LOG_EVERY_S = 10.0
 
 
 class MasterService:
@@ -36,7 +40,21 @@ class MasterService:
         max_entries: int = 10_000_000,
         reap_interval_s: float = 0.1,
         max_lock_ttl_s: float = DEFAULT_MAX_LOCK_TTL_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
+        if max_connections < 1 or handshake_timeout_s <= 0 or idle_timeout_s <= 0:
+            raise ValueError(f"max_connections ({max_connections}), handshake_timeout_s ({handshake_timeout_s}) "
+                             f"and idle_timeout_s ({idle_timeout_s}) must be positive")
+        # A peer must not be able to stop the master: connections are capped, and every wait for a
+        # peer's bytes is bounded (issue 9, hole 9).
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.connections_refused = 0
+        self.handshake_timeouts = 0
+        self._refusal_logged_at = -_REFUSAL_LOG_EVERY_S
         if not ops.MIN_LOCK_TTL_S <= max_lock_ttl_s <= ops.MAX_TTL_S:
             raise ValueError(f"max_lock_ttl_s must be in [{ops.MIN_LOCK_TTL_S}, {ops.MAX_TTL_S}], got {max_lock_ttl_s}")
         # Holders force-free a refused key after this bound (plus their lease): no lock may outlive it.
@@ -124,20 +142,38 @@ class MasterService:
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        if len(self._conns) >= self.max_connections:
+            self._refuse_connection(peer, writer)
+            return
         self._conns.add(writer)
+        authed = self.token is None  # with a token, only a hello is read until one succeeds
+        first = True
         try:
             while True:
+                # The first frame must come soon (a peer that connects and sends nothing, or half
+                # a header, must not hold a connection); later ones within the idle timeout.
+                wait_s = self.handshake_timeout_s if first or not authed else self.idle_timeout_s
                 try:
-                    raw = await reader.readexactly(P.HEADER_BYTES)
+                    raw = await asyncio.wait_for(reader.readexactly(P.HEADER_BYTES), wait_s)
+                except asyncio.TimeoutError:
+                    if first or not authed:
+                        self.handshake_timeouts += 1
+                        log.info("closing %s: no complete first frame within %.1f s", peer, wait_s)
+                    return
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
+                first = False
                 req_id = int.from_bytes(raw[4:8], "big") if len(raw) >= 8 else 0
                 try:
                     hdr = P.parse_header(raw)
+                    if not authed:
+                        self._check_preauth(hdr, peer)
                 except P.ProtocolError as exc:
-                    # Framing cannot be trusted after a bad header: answer, then hang up.
-                    self.bad_frames += 1
-                    log.warning("bad frame from %s: %s", peer, exc)
+                    # Framing cannot be trusted after a bad header, and an unauthenticated peer's
+                    # body is never read: answer, then hang up.
+                    if exc.code != P.ERR_AUTH:
+                        self.bad_frames += 1
+                        log.warning("bad frame from %s: %s", peer, exc)
                     writer.write(P.encode_frame(P.OP_ERROR, req_id, {"err": exc.code, "msg": str(exc)}))
                     await writer.drain()
                     return
@@ -152,7 +188,11 @@ class MasterService:
                     self.bad_frames += 1
                     log.warning("client %s closed mid-frame (truncated message)", peer)
                     return
-                reply, keep = self._handle(hdr, body, peer)
+                if hdr.op == P.OP_HELLO:
+                    reply, keep = self._hello(hdr, body, peer)
+                    authed = authed or keep
+                else:
+                    reply, keep = self._handle(hdr, body, peer)
                 writer.write(reply)
                 await writer.drain()
                 if not keep:
@@ -163,17 +203,45 @@ class MasterService:
             self._conns.discard(writer)
             writer.close()
 
+    def _refuse_connection(self, peer: Any, writer: asyncio.StreamWriter) -> None:
+        self.connections_refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:  # one line per burst, not per peer
+            self._refusal_logged_at = now
+            log.warning("connection limit of %d reached (--max-connections): refused %s (%d refused so far)",
+                        self.max_connections, peer, self.connections_refused)
+        writer.close()
+
+    def _check_preauth(self, hdr: P.Header, peer: Any) -> None:
+        """Before a connection has authenticated: a small hello, nothing else (body not read)."""
+        if hdr.op != P.OP_HELLO:
+            self.auth_failures += 1
+            log.warning("refused %s request from %s: missing token (no hello on this connection)",
+                        P.OP_NAMES.get(hdr.op, hdr.op), peer)
+            raise P.ProtocolError(P.ERR_AUTH, "missing token: the first frame of a connection must be a hello "
+                                  "carrying the token")
+        if hdr.json_len + hdr.blob_len > P.MAX_PREAUTH_BYTES:
+            raise P.ProtocolError(P.ERR_OVERSIZED, f"hello of {hdr.json_len + hdr.blob_len} bytes exceeds "
+                                  f"{P.MAX_PREAUTH_BYTES}")
+
+    def _hello(self, hdr: P.Header, body: bytes, peer: Any) -> tuple[bytes, bool]:
+        """(reply, authenticated): a wrong or missing token is answered, counted, logged, and the
+        connection closed."""
+        try:
+            tok = ops.decode_hello(P.decode_json(body[: hdr.json_len]), b"")
+        except P.ProtocolError as exc:
+            self.bad_frames += 1
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": exc.code, "msg": str(exc)}), False
+        if self.token is not None and (tok is None or not hmac.compare_digest(tok.encode(), self.token)):
+            self.auth_failures += 1
+            log.warning("refused hello from %s: %s token", peer, "missing" if tok is None else "wrong")
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_AUTH, "msg": "missing or wrong token"}), False
+        return P.encode_frame(hdr.op | P.REPLY_BIT, hdr.req_id, {"ok": True}), True
+
     def _handle(self, hdr: P.Header, body: bytes, peer: Any) -> tuple[bytes, bool]:
         """One request -> (reply frame, keep the connection open)."""
         try:
-            doc = P.decode_json(body[: hdr.json_len])
-            if self.token is not None:
-                tok = doc.get("tok")
-                if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), self.token):
-                    self.auth_failures += 1
-                    log.warning("refused %s request from %s: %s token", P.OP_NAMES.get(hdr.op, hdr.op), peer,
-                                "missing" if tok is None else "wrong")
-                    raise P.ProtocolError(P.ERR_AUTH, "missing or wrong token")
+            doc = P.decode_json(body[: hdr.json_len])  # the connection is authenticated (hello)
             if hdr.op not in (P.OP_STATS, P.OP_PING) and not self.coord.is_leader:
                 leader = self.coord.leader_address
                 raise P.ProtocolError(P.ERR_NOT_LEADER, f"this master is a standby; leader is {leader}")

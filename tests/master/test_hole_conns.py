@@ -39,7 +39,6 @@ def _reply_header(s: socket.socket, timeout: float) -> P.Header:
     return P.parse_header(s.recv(P.HEADER_BYTES, socket.MSG_WAITALL))
 
 
-@pytest.mark.xfail(strict=True, reason="hole 9")
 def test_unauthenticated_peer_cannot_make_the_master_buffer_a_large_body(masters):
     m = masters.start(token="s3cret")
     with _raw(m.address) as s:
@@ -60,7 +59,6 @@ def test_unauthenticated_peer_cannot_make_the_master_buffer_a_large_body(masters
     assert c.publish("ok", [(keys_for("auth", 1)[0], [1])]) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="hole 9")
 def test_silent_and_slow_peers_are_dropped(masters):
     m = masters.start(token="s3cret", extra_args=("--handshake-timeout", "0.5"))
     with _raw(m.address) as silent, _raw(m.address) as slow:
@@ -69,7 +67,6 @@ def test_silent_and_slow_peers_are_dropped(masters):
         assert _closed_within(slow, 3.0), "a peer that sends half a header holds its connection forever"
 
 
-@pytest.mark.xfail(strict=True, reason="hole 9")
 def test_connection_cap_refuses_and_logs(masters):
     m = masters.start(extra_args=("--max-connections", "4", "--handshake-timeout", "30"))
     held = [_raw(m.address) for _ in range(4)]

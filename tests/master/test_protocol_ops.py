@@ -50,6 +50,8 @@ def test_requests_round_trip():
     assert ops.decode_unpublish(*_over_the_wire(ops.encode_unpublish("n1", keys[:2], 7))) == (("n1", 7), keys[:2], None)
     assert ops.decode_unpublish(*_over_the_wire(ops.encode_unpublish("n1", keys[:1], 7, 9))).fence == 9
     assert ops.decode_fence(*_over_the_wire(ops.encode_fence("n1", 7, 9))) == (("n1", 7), 9)
+    assert ops.decode_hello(*_over_the_wire(ops.encode_hello("s3cret"))) == "s3cret"
+    assert ops.decode_hello(*_over_the_wire(ops.encode_hello(None))) is None
     assert ops.decode_release(*_over_the_wire(ops.encode_release("ab-1"))) == "ab-1"
     assert ops.decode_heartbeat(*_over_the_wire(ops.encode_heartbeat("n1", 7))) == ("n1", 7)
     assert ops.decode_deregister(*_over_the_wire(ops.encode_deregister("n1", 7))) == ("n1", 7)
