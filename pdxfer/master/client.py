@@ -27,6 +27,7 @@ from pdxfer.master.errors import (
     MasterError,
     MasterProtocolError,
     MasterUnavailable,
+    NotLeader,
     PublishFenced,
     RegistrationSuperseded,
     UnknownNode,
@@ -226,7 +227,7 @@ class MasterClient:
                     last = msg
                     self._forget_leader(addr)
                     if not self._follows:
-                        raise MasterUnavailable(msg)
+                        raise NotLeader(msg)
                     _backoff(attempt, deadline)
                     continue
                 if code == P.ERR_UNKNOWN_NODE:

@@ -11,6 +11,11 @@ class MasterUnavailable(MasterError):
     """No master answered within the time budget (refused, reset, timed out, no leader)."""
 
 
+class NotLeader(MasterUnavailable):
+    """The master answered "not leader": a standby, or a leader whose lease may have run out (it
+    stops serving before a standby can take over). A lock it granted must be treated as lost."""
+
+
 class MasterProtocolError(MasterError):
     """The master refused a message as malformed, oversized or of another version (or vice versa)."""
 

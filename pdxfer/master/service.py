@@ -244,7 +244,8 @@ class MasterService:
             doc = P.decode_json(body[: hdr.json_len])  # the connection is authenticated (hello)
             if hdr.op not in (P.OP_STATS, P.OP_PING) and not self.coord.is_leader:
                 leader = self.coord.leader_address
-                raise P.ProtocolError(P.ERR_NOT_LEADER, f"this master is a standby; leader is {leader}")
+                raise P.ProtocolError(P.ERR_NOT_LEADER, "this master is not the leader (a standby, or a leader whose "
+                                      f"lease may have expired); leader is {leader or 'unknown'}")
             out = self._dispatch(hdr.op, doc, memoryview(body)[hdr.json_len :])
             if isinstance(out, tuple):  # (pre-encoded JSON, blob) from the hot path
                 body_json, blob_out = out

@@ -32,7 +32,6 @@ def _leads(address: str) -> bool:
         return False
 
 
-@pytest.mark.xfail(strict=True, reason="hole 4")
 def test_leader_cut_from_etcd_stops_serving_before_the_standby_leads(etcd, masters):
     link = TcpProxy("127.0.0.1", etcd.client_port).start()
     try:
