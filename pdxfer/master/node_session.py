@@ -27,6 +27,9 @@ class NodeSession:
     e.g. by a second process given the same id), it stops for good: no re-registration over the
     newer one, an ERROR log naming the node, ``superseded`` set and ``on_superseded()`` called so
     the owner stops serving as this node (its publishes would be refused anyway).
+
+    The thread survives any error (logged once per kind, retried): ``healthy`` (the last call
+    succeeded), ``last_error`` and ``last_ok_at`` are for the owner's /health.
     """
 
     def __init__(
@@ -45,6 +48,11 @@ class NodeSession:
         self.on_reregistered = on_reregistered
         self.on_superseded = on_superseded
         self.superseded = False
+        # Health, for the owner's /health: the last call's outcome. The thread never dies on an
+        # error (issue 9, hole 10): a dead lease keeper would let the lease lapse silently.
+        self.healthy = False
+        self.last_error: BaseException | None = None
+        self.last_ok_at: float | None = None  # monotonic time of the last successful heartbeat/registration
         self.registered = False
         self.reregistrations = 0
         self.registration: Registration | None = None  # the current one (epoch, master's bounds)
@@ -62,8 +70,9 @@ class NodeSession:
         try:
             self.registration = self.client.register_node(self.info, self.lease_ttl_s)
             self.registered = True
-            self._sent_at = time.monotonic()
+            self._ok()
         except MasterError as exc:
+            self.last_error = exc
             log.warning("node %s: first registration failed (%s); retrying in the background", self.info.node_id, exc)
         self._thread = threading.Thread(target=self._run, name=f"pdxfer-node-{self.info.node_id}", daemon=True)
         self._thread.start()
@@ -76,6 +85,7 @@ class NodeSession:
             try:
                 if self.registered and self.registration is not None:
                     if self.client.heartbeat(self.info.node_id, epoch=self.registration.epoch):
+                        self._ok()
                         next_at = sent + ttl / 3
                         continue
                     log.warning("node %s: master forgot this node; re-registering", self.info.node_id)
@@ -83,6 +93,7 @@ class NodeSession:
                 self.registration = self.client.register_node(self.info, ttl)
                 self.registered = True
                 self.reregistrations += 1
+                self._ok()
                 next_at = sent + ttl / 3
                 if self.on_reregistered is not None:
                     try:
@@ -94,7 +105,21 @@ class NodeSession:
                 return
             except MasterError as exc:
                 log.debug("node %s: master unreachable: %s", self.info.node_id, exc)
+                self._failed(exc)
                 next_at = time.monotonic() + min(0.2, ttl / 10) * (0.5 + random.random())
+            except Exception as exc:  # a bug or a library surprise: report it, keep the lease alive
+                if self.healthy or type(exc) is not type(self.last_error):
+                    log.exception("node %s: heartbeat failed unexpectedly; retrying", self.info.node_id)
+                self._failed(exc)
+                next_at = time.monotonic() + min(0.2, ttl / 10) * (0.5 + random.random())
+
+    def _ok(self) -> None:
+        self.healthy = True
+        self.last_ok_at = time.monotonic()
+
+    def _failed(self, exc: BaseException) -> None:
+        self.healthy = False
+        self.last_error = exc
 
     def _superseded(self, exc: RegistrationSuperseded) -> None:
         log.error("node %s: this registration was superseded by a newer registration of the same node id "
@@ -102,6 +127,7 @@ class NodeSession:
                   self.info.node_id, exc)
         self.superseded = True
         self.registered = False
+        self._failed(exc)
         if self.on_superseded is not None:
             try:
                 self.on_superseded()
