@@ -33,8 +33,8 @@ from pdxfer.master.errors import (
     UnknownNode,
 )
 from pdxfer.master.locator import locator_for
-from pdxfer.master.registrations import SHARED, Registrations
 from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
+from pdxfer.master.registrations import SHARED, Registrations
 
 log = logging.getLogger("pdxfer.master.client")
 
@@ -394,7 +394,7 @@ class MasterClient:
         for c in pool:
             c.close()
 
-    def __enter__(self) -> "MasterClient":
+    def __enter__(self) -> MasterClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

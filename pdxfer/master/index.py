@@ -190,8 +190,7 @@ class ChunkIndex:
         """Refuse every later publish of the node with seq <= ``upto``; the node's fence (it never
         goes back)."""
         node = self._live_node(node_id, now, epoch)
-        if upto > node.fence_seq:
-            node.fence_seq = upto
+        node.fence_seq = max(node.fence_seq, upto)
         return node.fence_seq
 
     def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], now: float,

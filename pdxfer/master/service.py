@@ -18,7 +18,12 @@ from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.coordinator import Coordinator, Standalone
 from pdxfer.master.httpd import serve_http
-from pdxfer.master.index import ChunkIndex, FencedError, SupersededError, UnknownNodeError
+from pdxfer.master.index import (
+    ChunkIndex,
+    FencedError,
+    SupersededError,
+    UnknownNodeError,
+)
 from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats
 
 log = logging.getLogger("pdxfer.master")
@@ -155,7 +160,7 @@ class MasterService:
                 wait_s = self.handshake_timeout_s if first or not authed else self.idle_timeout_s
                 try:
                     raw = await asyncio.wait_for(reader.readexactly(P.HEADER_BYTES), wait_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if first or not authed:
                         self.handshake_timeouts += 1
                         log.info("closing %s: no complete first frame within %.1f s", peer, wait_s)
@@ -179,7 +184,7 @@ class MasterService:
                     return
                 try:
                     body = await asyncio.wait_for(reader.readexactly(hdr.json_len + hdr.blob_len), _BODY_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self.bad_frames += 1
                     log.warning("client %s sent a header but not its %d-byte body within %.0f s", peer,
                                 hdr.json_len + hdr.blob_len, _BODY_TIMEOUT_S)

@@ -27,7 +27,7 @@ class TcpProxy:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "TcpProxy":
+    def start(self) -> TcpProxy:
         self._spawn(self._accept_loop)
         return self
 
@@ -40,7 +40,7 @@ class TcpProxy:
         while not self._stop.is_set():
             try:
                 client, _ = self._srv.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -59,7 +59,7 @@ class TcpProxy:
         while not self._stop.is_set():
             try:
                 data = src.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 break

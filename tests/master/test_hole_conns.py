@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,7 @@ def _closed_within(s: socket.socket, seconds: float) -> bool:
         try:
             if not s.recv(65536):
                 return True
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionError:
             return True
@@ -48,7 +49,7 @@ def test_unauthenticated_peer_cannot_make_the_master_buffer_a_large_body(masters
         t0 = time.monotonic()
         try:
             hdr = _reply_header(s, 3.0)
-        except socket.timeout:
+        except TimeoutError:
             pytest.fail("the master waited for the 17 MiB body of an unauthenticated peer")
         assert time.monotonic() - t0 < 2.0
         assert hdr.op == P.OP_ERROR
@@ -74,7 +75,7 @@ def test_connection_cap_refuses_and_logs(masters):
         time.sleep(0.2)
         with _raw(m.address) as fifth:
             assert _closed_within(fifth, 2.0), "a connection beyond --max-connections was kept"
-        wait_until(lambda: "connection limit" in open(m.log_path).read(), 3, "a log line about the limit")
+        wait_until(lambda: "connection limit" in Path(m.log_path).read_text(), 3, "a log line about the limit")
     finally:
         for s in held:
             s.close()
