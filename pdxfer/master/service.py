@@ -184,12 +184,13 @@ class MasterService:
                     writer.write(P.encode_frame(P.OP_ERROR, req_id, {"err": exc.code, "msg": str(exc)}))
                     await writer.drain()
                     return
+                body_wait_s = _BODY_TIMEOUT_S if authed else min(_BODY_TIMEOUT_S, self.handshake_timeout_s)
                 try:
-                    body = await asyncio.wait_for(reader.readexactly(hdr.json_len + hdr.blob_len), _BODY_TIMEOUT_S)
+                    body = await asyncio.wait_for(reader.readexactly(hdr.json_len + hdr.blob_len), body_wait_s)
                 except TimeoutError:
                     self.bad_frames += 1
-                    log.warning("client %s sent a header but not its %d-byte body within %.0f s", peer,
-                                hdr.json_len + hdr.blob_len, _BODY_TIMEOUT_S)
+                    log.warning("client %s sent a header but not its %d-byte body within %.1f s", peer,
+                                hdr.json_len + hdr.blob_len, body_wait_s)
                     return
                 except (asyncio.IncompleteReadError, ConnectionError):
                     self.bad_frames += 1
