@@ -52,12 +52,14 @@ def test_leader_cut_from_etcd_stops_serving_before_the_standby_leads(etcd, maste
         overlap = []
         while time.monotonic() - t_cut < 12:
             now = time.monotonic() - t_cut
+            # B first: A serving *after* B was seen leading proves two leaders at once, however
+            # slowly this loop runs.
+            b_leads = _leads(b.address)
             try:
                 a_serves = ca.lookup_and_lock(keys, reader="during").hit_chunks == 2
             except MasterUnavailable as exc:
                 a_serves = False
                 assert "leader" in str(exc)
-            b_leads = _leads(b.address)
             if a_serves and b_leads:
                 overlap.append(round(now, 2))
             if not a_serves and a_stopped is None:
