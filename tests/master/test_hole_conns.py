@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,15 @@ def _closed_within(s: socket.socket, seconds: float) -> bool:
         except ConnectionError:
             return True
     return False
+
+
+def _open_connections(http_address: str) -> int:
+    """The master's open client connections, read over HTTP (a wire connection would count itself)."""
+    with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=2) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pdxfer_master_connections "):
+                return int(float(line.split()[1]))
+    return -1
 
 
 def _reply_header(s: socket.socket, timeout: float) -> P.Header:
@@ -72,7 +82,7 @@ def test_connection_cap_refuses_and_logs(masters):
     m = masters.start(extra_args=("--max-connections", "4", "--handshake-timeout", "30"))
     held = [_raw(m.address) for _ in range(4)]
     try:
-        time.sleep(0.2)
+        wait_until(lambda: _open_connections(m.http_address) == 4, 5, "the master to hold 4 connections")
         with _raw(m.address) as fifth:
             assert _closed_within(fifth, 2.0), "a connection beyond --max-connections was kept"
         wait_until(lambda: "connection limit" in Path(m.log_path).read_text(), 3, "a log line about the limit")
