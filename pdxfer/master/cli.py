@@ -12,7 +12,13 @@ import sys
 
 from pdxfer.master import etcd_layout
 from pdxfer.master.coordinator import coordinator_for
-from pdxfer.master.service import MasterService
+from pdxfer.master.service import (
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_LOCK_TTL_S,
+    MasterService,
+)
 
 log = logging.getLogger("pdxfer.master")
 
@@ -39,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd-timeout", type=float, default=1.0, help="per-call etcd timeout in seconds")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (for hit_tokens only)")
     p.add_argument("--max-entries", type=int, default=10_000_000, help="refuse publishes beyond this")
+    p.add_argument("--max-lock-ttl", type=float, default=DEFAULT_MAX_LOCK_TTL_S,
+                   help="cap on reader lock TTLs in seconds, announced to holders at registration")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="concurrent client connections; more are refused (and logged)")
+    p.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT_S,
+                   help="seconds a new connection has to send its first frame (hello)")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                   help="seconds an authenticated connection may stay idle")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -65,12 +79,19 @@ async def _amain(args: argparse.Namespace) -> None:
         raise SystemExit(f"pdxfer-master: --etcd needs the aetcd package ({exc})") from None
     except ValueError as exc:
         raise SystemExit(f"pdxfer-master: --etcd {args.etcd!r}: {exc}") from None
-    svc = MasterService(
-        token=_read_token(args.token_file) if args.token_file else None,
-        coordinator=coordinator,
-        chunk_tokens=args.chunk_tokens,
-        max_entries=args.max_entries,
-    )
+    try:
+        svc = MasterService(
+            token=_read_token(args.token_file) if args.token_file else None,
+            coordinator=coordinator,
+            chunk_tokens=args.chunk_tokens,
+            max_entries=args.max_entries,
+            max_lock_ttl_s=args.max_lock_ttl,
+            max_connections=args.max_connections,
+            handshake_timeout_s=args.handshake_timeout,
+            idle_timeout_s=args.idle_timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"pdxfer-master: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

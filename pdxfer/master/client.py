@@ -28,10 +28,14 @@ from pdxfer.master.errors import (
     MasterError,
     MasterProtocolError,
     MasterUnavailable,
+    NotLeader,
+    PublishFenced,
+    RegistrationSuperseded,
     UnknownNode,
 )
 from pdxfer.master.locator import locator_for
-from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
+from pdxfer.master.registrations import SHARED, Registrations
 
 log = logging.getLogger("pdxfer.master.client")
 
@@ -85,7 +89,8 @@ class MasterClient:
     """Every call finishes within ``timeout_s`` (plus at most one socket timeout granularity) or
     raises a MasterError: MasterUnavailable when no master answered."""
 
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0) -> None:
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0,
+                 registrations: Registrations | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -97,6 +102,10 @@ class MasterClient:
         self._node_cache: dict[tuple[str, int], NodeInfo] = {}
         self._have: dict[str, int] = {}
         self._locator = locator_for(address)
+        # This process's registrations (epochs) and publish sequence numbers, per node: shared by
+        # the clients of one process unless given (registrations.py).
+        self._regs = registrations if registrations is not None else SHARED
+        self._master = str(self._locator)
         self._follows = self._locator.follows_leader
         self._addr: tuple[str, int] | None = None if self._follows else self._locator.locate(timeout_s)
 
@@ -133,9 +142,30 @@ class MasterClient:
                     return c
                 c.close()
         try:
-            return _Conn(addr, deadline - time.monotonic())
+            conn = _Conn(addr, deadline - time.monotonic())
         except OSError as exc:
             raise MasterUnavailable(f"cannot connect to master {addr[0]}:{addr[1]}: {exc}") from None
+        if self.token is not None:
+            self._hello(conn, deadline)
+        return conn
+
+    def _hello(self, conn: _Conn, deadline: float) -> None:
+        """Authenticate a new connection: its first frame carries the token (the master reads
+        nothing else from it before)."""
+        where = f"master {conn.addr[0]}:{conn.addr[1]}"
+        try:
+            rop, rdoc, _ = conn.request(*ops.encode_hello(self.token), deadline)
+        except (OSError, _Closed) as exc:
+            conn.close()
+            raise MasterUnavailable(f"hello to {where}: {exc!r}") from None
+        except P.ProtocolError as exc:
+            conn.close()
+            raise MasterProtocolError(f"bad hello reply from {where}: {exc}") from None
+        if rop == P.OP_ERROR:
+            conn.close()
+            msg = f"hello to {where}: {rdoc.get('msg', rdoc.get('err'))}"
+            raise MasterAuthError(msg) if rdoc.get("err") == P.ERR_AUTH else MasterProtocolError(msg)
+        conn.used = False  # the hello was its first use: a request that finds it closed is not retried
 
     def _give(self, conn: _Conn) -> None:
         with self._lock:
@@ -146,8 +176,6 @@ class MasterClient:
 
     def _call(self, req: ops.Request) -> tuple[dict[str, Any], bytes]:
         op, doc, blob = req
-        if self.token is not None:
-            doc["tok"] = self.token
         deadline = time.monotonic() + self.timeout_s
         last = "no attempt"
         for attempt in itertools.count():
@@ -192,11 +220,15 @@ class MasterClient:
                     last = msg
                     self._forget_leader(addr)
                     if not self._follows:
-                        raise MasterUnavailable(msg)
+                        raise NotLeader(msg)
                     _backoff(attempt, deadline)
                     continue
                 if code == P.ERR_UNKNOWN_NODE:
                     raise UnknownNode(msg)
+                if code == P.ERR_SUPERSEDED:
+                    raise RegistrationSuperseded(msg)
+                if code == P.ERR_FENCED:
+                    raise PublishFenced(msg)
                 if code == P.ERR_INTERNAL:
                     raise MasterError(msg)
                 raise MasterProtocolError(msg)
@@ -217,27 +249,56 @@ class MasterClient:
         except P.ProtocolError as exc:
             raise MasterProtocolError(f"bad {P.OP_NAMES.get(req.op, req.op)} reply from master: {exc}") from None
 
-    def register_node(self, info: NodeInfo, lease_ttl_s: float = 10.0) -> None:
-        self._ask(ops.encode_register(info, lease_ttl_s), ops.decode_register_reply)
+    def register_node(self, info: NodeInfo, lease_ttl_s: float = 10.0) -> Registration:
+        """Register (or re-register: a new incarnation) the node. The returned registration says
+        its epoch and the master's lock TTL cap (``max_lock_ttl_s``): no reader lock pins the
+        node's entries longer, so a holder derives every force-free bound from it."""
+        reg = self._ask(ops.encode_register(info, lease_ttl_s), ops.decode_register_reply, info.node_id)
+        self._regs.put(self._master, reg)
+        return reg
 
-    def heartbeat(self, node_id: str) -> bool:
-        return self._ask(ops.encode_heartbeat(node_id), ops.decode_heartbeat_reply)
+    def registration(self, node_id: str) -> Registration | None:
+        """This process's current registration of the node at this master (None: none)."""
+        return self._regs.get(self._master, node_id)
 
-    def deregister_node(self, node_id: str) -> None:
-        self._ask(ops.encode_deregister(node_id), ops.decode_deregister_reply)
+    # Calls of a node name its registration: ``epoch`` (default: this process's registration of the
+    # node). RegistrationSuperseded when the node id was registered again since.
+
+    def heartbeat(self, node_id: str, epoch: int | None = None) -> bool:
+        """False: the master does not know the node (restart, failover, lease lost): re-register."""
+        return self._ask(ops.encode_heartbeat(node_id, self._regs.epoch(self._master, node_id, epoch)),
+                         ops.decode_heartbeat_reply)
+
+    def deregister_node(self, node_id: str, epoch: int | None = None) -> None:
+        epoch = self._regs.epoch(self._master, node_id, epoch)
+        self._ask(ops.encode_deregister(node_id, epoch), ops.decode_deregister_reply)
+        self._regs.forget(self._master, node_id, epoch)
 
     def publish(
-        self, node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]], retention_s: float | None = None
+        self, node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]], retention_s: float | None = None,
+        *, epoch: int | None = None, seq: int | None = None,
     ) -> int:
+        """How many entries were accepted. ``seq``: this publish's sequence number (default: a new
+        one from ``next_publish_seq``; a holder that queues publishes takes it when it queues, so a
+        fence covers what is still queued). PublishFenced when ``seq`` is at or below the node's
+        fence: nothing was applied (a batch of a large publish before the fence may have been)."""
+        epoch = self._regs.epoch(self._master, node_id, epoch)
+        if seq is None:
+            seq = self._regs.next_seq(self._master, node_id)
+        else:
+            self._regs.saw_seq(self._master, node_id, seq)
         accepted = 0
         # Batches bounded well below the frame limits.
         step = 4096
         for start in range(0, len(entries), step):
             batch = entries[start : start + step]
-            accepted += self._ask(ops.encode_publish(node_id, batch, retention_s), ops.decode_publish_reply, len(batch))
+            accepted += self._ask(ops.encode_publish(node_id, batch, retention_s, epoch, seq), ops.decode_publish_reply,
+                                  len(batch))
         return accepted
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, lock_ttl_s: float = 10.0) -> LookupResult:
+        """The longest held prefix of ``keys``, locked. The lock's TTL is ``lock_ttl_s`` capped by
+        the master's ``max_lock_ttl_s``: the result's ``lock_ttl_s`` is the one granted."""
         keys = list(keys)
         if not keys:
             return LookupResult(None, 0, [], {}, lock_ttl_s)
@@ -279,15 +340,37 @@ class MasterClient:
     def release(self, lock_id: str) -> bool:
         return self._ask(ops.encode_release(lock_id), ops.decode_release_reply)
 
-    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes]) -> list[bytes]:
+    def next_publish_seq(self, node_id: str) -> int:
+        """A new publish sequence number for the node (above all handed out in this process)."""
+        return self._regs.next_seq(self._master, node_id)
+
+    def last_publish_seq(self, node_id: str) -> int:
+        """The newest publish sequence number handed out for the node in this process (0: none)."""
+        return self._regs.last_seq(self._master, node_id)
+
+    def fence(self, node_id: str, upto_seq: int | None = None, *, epoch: int | None = None) -> int:
+        """Give up on every publish with seq <= ``upto_seq`` (default: the newest handed out): the
+        master refuses them from now on, wherever they are (queued here, in a socket, in flight).
+        Returns the node's fence. Entries already applied stay: unpublish them before freeing."""
+        epoch = self._regs.epoch(self._master, node_id, epoch)
+        upto = self.last_publish_seq(node_id) if upto_seq is None else upto_seq
+        return self._ask(ops.encode_fence(node_id, epoch, upto), ops.decode_fence_reply)
+
+    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], *, epoch: int | None = None,
+                              fence_seq: int | None = None) -> list[bytes]:
         """Keys this node no longer publishes (removed now or absent): their blocks may be reused.
-        Keys pinned by a valid reader lock stay published and are left out."""
+        Keys pinned by a valid reader lock stay published and are left out.
+
+        ``fence_seq``: first give up on every publish with seq <= it (see ``fence``), in the same
+        step. A holder frees a block only after its key came back from a call whose fence covers
+        every publish that carried the key; else a late publish could name a reused block."""
+        epoch = self._regs.epoch(self._master, node_id, epoch)
         keys = list(keys)
         out: list[bytes] = []
         step = 16384
         for start in range(0, len(keys), step):
             batch = keys[start : start + step]
-            removed = self._ask(ops.encode_unpublish(node_id, batch), ops.decode_unpublish_reply, len(batch))
+            removed = self._ask(ops.encode_unpublish(node_id, batch, epoch, fence_seq), ops.decode_unpublish_reply, len(batch))
             out.extend(batch[i] for i in removed)
         return out
 
@@ -304,7 +387,7 @@ class MasterClient:
         for c in pool:
             c.close()
 
-    def __enter__(self) -> "MasterClient":
+    def __enter__(self) -> MasterClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -10,9 +10,12 @@
 - Membership: the leader mirrors each registered node as ``<prefix>/nodes/<id>`` under a per-node
   etcd lease (refreshed on heartbeats, revoked on deregister/drop). The in-memory index stays the
   authority for the hot path; etcd writes are queued and never block a request.
-- etcd unreachable: the leader keeps serving from memory and reports ``degraded``; when etcd
-  answers again it re-asserts (or re-acquires) leadership and re-mirrors the nodes, or steps down
-  (clearing its index) if another replica took over meanwhile.
+- etcd unreachable: the leader keeps serving from memory and reports ``degraded``, but only while
+  its lease cannot have expired by its own clock: from the send time of the last successful
+  keepalive plus the lease TTL minus a margin (``lease_margin``). Past that a standby may hold the
+  key, so it stops serving (``is_leader`` is False at once: requests get "not leader"), then steps
+  down (clearing its index) and campaigns again when etcd answers (issue 9, hole 4). Measuring from
+  the *send* time is conservative: etcd starts the TTL when it receives the request, later.
 - After a failover the new leader starts empty; nodes find out through ``heartbeat -> False``,
   re-register and re-publish what they hold (``NodeSession`` does this).
 """
@@ -56,6 +59,7 @@ class EtcdCoordinator:
         self._lease: Any = None
         self._lease_sent = 0.0  # when the last successful refresh (or the grant) was sent
         self._lease_ttl = float(self.leader_ttl)
+        self._stale_lease: Any = None  # our lease after a clock step-down: re-adopted if etcd kept it
         self._task: asyncio.Task[None] | None = None
         # membership mirror
         self._pending: dict[str, tuple[str, float, str]] = {}  # node id -> ("put", ttl, json) | ("del", 0, "")
@@ -67,9 +71,20 @@ class EtcdCoordinator:
 
     # ---- what the service reads -----------------------------------------------------------------
 
+    @staticmethod
+    def lease_margin(ttl: float) -> float:
+        """How long before its lease could run out (by our clock) a leader stops serving: covers
+        clock-rate differences and a standby's poll. A quarter of the TTL, at most 1 s."""
+        return min(ttl / 4, 1.0)
+
+    def _lease_may_have_expired(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return now >= self._lease_sent + self._lease_ttl - self.lease_margin(self._lease_ttl)
+
     @property
     def is_leader(self) -> bool:
-        return self._leader
+        # Checked on every request: the background loop may sit in a stuck etcd call meanwhile.
+        return self._leader and not self._lease_may_have_expired()
 
     @property
     def degraded(self) -> str | None:
@@ -77,12 +92,14 @@ class EtcdCoordinator:
 
     @property
     def leader_address(self) -> str | None:
-        return self.advertise if self._leader else self._leader_addr
+        if self._leader:
+            return None if self._lease_may_have_expired() else self.advertise
+        return self._leader_addr
 
     def status(self) -> dict[str, Any]:
         return {
             "store": self.kind,
-            "leader": self._leader,
+            "leader": self.is_leader,
             "leader_address": self.leader_address,
             "degraded": self._degraded,
             "replica_id": self.replica_id,
@@ -172,9 +189,17 @@ class EtcdCoordinator:
             except Exception as exc:
                 reason = f"etcd unreachable: {type(exc).__name__}: {exc}"[:300]
                 if self._degraded is None:
-                    log.warning("%s; %s", reason, "serving from memory" if self._leader else "standby waits")
+                    log.warning("%s; %s", reason, "serving from memory while the leader lease lasts"
+                                if self._leader else "standby waits")
                 self._degraded = reason
                 await self._reset_client()
+            if self._leader and self._lease_may_have_expired():
+                # Already refusing requests (is_leader); now forget what we knew: another replica
+                # may lead, and holders may have moved to it and freed blocks.
+                self._stale_lease = self._lease
+                self._step_down(f"leader lease may have expired: no successful keepalive for "
+                                f"{time.monotonic() - self._lease_sent:.1f} s (lease ttl {self._lease_ttl:.0f} s)",
+                                None)
             await asyncio.sleep(_POLL_S if not self._leader else min(_POLL_S, self._lease_ttl / 6))
 
     async def _create_leader_key(self, client: aetcd.Client, lease: Any) -> bool:
@@ -189,8 +214,8 @@ class EtcdCoordinator:
 
     async def _take_leader_key(self, client: aetcd.Client) -> bool:
         """Create the leader key under a fresh lease if nobody holds it; on success adopt the lease."""
+        sent = time.monotonic()  # before the grant: etcd's TTL starts later than this, never earlier
         lease = await self._call(client.lease(self.leader_ttl))
-        sent = time.monotonic()
         if not await self._create_leader_key(client, lease):
             await self._call(lease.revoke())
             return False
@@ -200,9 +225,12 @@ class EtcdCoordinator:
     async def _campaign(self, client: aetcd.Client) -> None:
         got = await self._call(client.get(self.leader_key))
         if got is not None:
-            self._leader_addr = _addr_of(got)
-            return
-        if not await self._take_leader_key(client):
+            if self._holds_key(got) and await self._readopt_stale_lease():
+                pass  # our key under our lease survived the outage: nobody else led meanwhile
+            else:
+                self._leader_addr = _addr_of(got)
+                return
+        elif not await self._take_leader_key(client):
             return
         self._leader = True
         self._leader_addr = self.advertise
@@ -212,6 +240,20 @@ class EtcdCoordinator:
                  self.advertise)
         if self.on_become_leader is not None:
             self.on_become_leader()
+
+    async def _readopt_stale_lease(self) -> bool:
+        """After a clock step-down: if etcd still keeps our lease, lead again under it (with the
+        empty index the step-down left) instead of waiting for it to run out."""
+        lease, self._stale_lease = self._stale_lease, None
+        if lease is None:
+            return False
+        sent = time.monotonic()
+        reply = await self._call(lease.refresh())
+        ttl = getattr(reply, "TTL", 0) if reply is not None else 0
+        if ttl <= 0:
+            return False
+        self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(ttl)
+        return True
 
     async def _keep_leadership(self, client: aetcd.Client) -> None:
         now = time.monotonic()

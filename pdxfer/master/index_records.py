@@ -17,8 +17,33 @@ class UnknownNodeError(KeyError):
         return f"node {self.node_id!r} is not registered (unknown, deregistered, or its lease expired)"
 
 
+class SupersededError(KeyError):
+    """A call names a registration of the node that a newer registration (same node id, maybe
+    another process) has replaced: it must not be applied to the newer one (issue 9, hole 2)."""
+
+    def __init__(self, node_id: str, epoch: int, current: int) -> None:
+        super().__init__(node_id)
+        self.node_id, self.epoch, self.current = node_id, epoch, current
+
+    def __str__(self) -> str:
+        return (f"registration {self.epoch:#x} of node {self.node_id!r} was superseded by registration "
+                f"{self.current:#x} (the node id was registered again, by another process or a restart)")
+
+
+class FencedError(ValueError):
+    """A publish whose sequence number the holder had fenced: it gave up on it (issue 9, hole 1)."""
+
+    def __init__(self, node_id: str, seq: int, fence: int) -> None:
+        super().__init__(node_id)
+        self.node_id, self.seq, self.fence = node_id, seq, fence
+
+    def __str__(self) -> str:
+        return (f"publish seq {self.seq} of node {self.node_id!r} is at or below its fence {self.fence}: "
+                "the holder gave up on it, nothing of it was applied")
+
+
 class Node:
-    __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks")
+    __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks", "fence_seq")
 
     def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int) -> None:
         self.node_id = node_id
@@ -28,6 +53,9 @@ class Node:
         self.epoch = epoch
         self.entries: dict[bytes, Entry] = {}
         self.locks: set[str] = set()
+        # Publishes with seq <= this are refused: the holder gave up on them (and may have freed
+        # their blocks). Per registration: a new registration starts with a new Node.
+        self.fence_seq = 0
 
 
 class Entry:
@@ -71,6 +99,7 @@ class Counters:
     releases_expired: int = 0
     published: int = 0
     publish_refused: int = 0
+    publish_fenced: int = 0
     unpublished: int = 0
     unpublish_refused: int = 0
     nodes_expired: int = 0

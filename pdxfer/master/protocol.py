@@ -36,7 +36,17 @@ MAGIC = b"PX"
 #            Also in 1, before any release: lookups carry "have" {node id: epoch} and replies send
 #            a node's description only when the client lacks that epoch; unpublish replies list
 #            keys the node never published as removed (the holder may reuse their blocks).
-PROTOCOL_VERSION = 1
+#   2        Issue 9 (fenced writers). Epochs are unique across master incarnations (random
+#            per-incarnation prefix). Lock TTLs are capped by the master: the register reply
+#            carries "max_lock_ttl", a lookup reply's "ttl" is the granted (capped) TTL.
+#            heartbeat, deregister, publish, unpublish carry "epoch" (the registration they belong
+#            to); a superseded one is refused with error "superseded". Publishes carry "seq" (per
+#            node, increasing); op 10 "fence" {node_id, epoch, upto} and unpublish's optional
+#            "fence" make the master refuse (error "fenced") every later publish with seq <= upto.
+#            Op 11 "hello" {tok}: with a token configured, the first frame of every connection
+#            (<= MAX_PREAUTH_BYTES; anything else is refused before its body is read); requests
+#            no longer carry "tok".
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
 
@@ -45,7 +55,10 @@ MAX_BLOB_BYTES = 16 << 20  # 16 MiB: 512k keys, or 4M block ids
 MAX_KEYS_PER_REQUEST = 65536
 MAX_BLOCKS_PER_CHUNK = 65536
 MAX_ID_CHARS = 256  # node ids, reader names, lock ids
-MAX_METADATA_BYTES = 1 << 20  # a transport metadata blob (NIXL's is ~550 bytes)
+MAX_METADATA_BYTES = 1 << 20
+# Before a connection has authenticated (hello with the token), nothing but a hello of at most
+# this many bytes is read: a peer without the token never makes the master buffer a large body.
+MAX_PREAUTH_BYTES = 4096  # a transport metadata blob (NIXL's is ~550 bytes)
 _U32_MAX = 0xFFFFFFFF
 
 REPLY_BIT = 0x80
@@ -61,6 +74,8 @@ OP_RELEASE = 6
 OP_UNPUBLISH = 7
 OP_STATS = 8
 OP_PING = 9
+OP_FENCE = 10
+OP_HELLO = 11  # first frame of a connection to a master with a token: authenticates the connection
 
 OP_NAMES = {
     OP_REGISTER: "register",
@@ -72,6 +87,8 @@ OP_NAMES = {
     OP_UNPUBLISH: "unpublish_if_unlocked",
     OP_STATS: "stats",
     OP_PING: "ping",
+    OP_FENCE: "fence",
+    OP_HELLO: "hello",
 }
 
 # Error codes carried in an OP_ERROR reply's JSON ("err").
@@ -82,6 +99,8 @@ ERR_AUTH = "auth"
 ERR_UNKNOWN_NODE = "unknown_node"
 ERR_NOT_LEADER = "not_leader"
 ERR_UNKNOWN_OP = "unknown_op"
+ERR_SUPERSEDED = "superseded"  # the call names a registration that a newer one of the node replaced
+ERR_FENCED = "fenced"  # a publish whose seq the holder had already fenced (given up on)
 ERR_INTERNAL = "internal"
 
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 from pdxfer.keys import KEY_BYTES
 from pdxfer.master import protocol as P
-from pdxfer.master.records import NodeInfo
+from pdxfer.master.records import NodeInfo, Registration
 
 MAX_TTL_S = 3600.0  # node leases and reader locks
 MAX_RETENTION_S = 30 * 24 * 3600.0
@@ -117,13 +117,14 @@ def decode_register(doc: dict[str, Any], blob: bytes | memoryview) -> RegisterRe
     return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob))
 
 
-def encode_register_reply(epoch: int, ttl: float) -> dict[str, Any]:
-    return {"ok": True, "epoch": epoch, "ttl": ttl}
+def encode_register_reply(epoch: int, ttl: float, max_lock_ttl: float) -> dict[str, Any]:
+    return {"ok": True, "epoch": epoch, "ttl": ttl, "max_lock_ttl": max_lock_ttl}
 
 
-def decode_register_reply(doc: dict[str, Any], blob: bytes | memoryview) -> int:
-    """The registration's epoch."""
-    return P.get_int(doc, "epoch", 0, 1 << 62)
+def decode_register_reply(doc: dict[str, Any], blob: bytes | memoryview, node_id: str) -> Registration:
+    """The registration: its epoch, lease TTL and the master's lock TTL cap."""
+    return Registration(node_id, P.get_int(doc, "epoch", 0, 1 << 62), P.get_float(doc, "ttl", 0.0, MAX_TTL_S),
+                        P.get_float(doc, "max_lock_ttl", MIN_LOCK_TTL_S, MAX_TTL_S))
 
 
 def encode_node_description(req: RegisterRequest, epoch: int) -> str:
@@ -155,14 +156,28 @@ def decode_node_description(node_id: str, d: Any) -> tuple[int, NodeInfo | None]
 
 
 # ---- heartbeat, deregister ------------------------------------------------------------------------
+# Every call of a node after registration names the registration ("epoch" from the register reply):
+# a registration superseded by a newer one of the same node id is refused (issue 9, hole 2).
+
+MAX_EPOCH = 1 << 62
+MAX_SEQ = 1 << 62
 
 
-def encode_heartbeat(node_id: str) -> Request:
-    return Request(P.OP_HEARTBEAT, {"node_id": node_id}, b"")
+class NodeRef(NamedTuple):
+    node_id: str
+    epoch: int
 
 
-def decode_heartbeat(doc: dict[str, Any], blob: bytes | memoryview) -> str:
-    return P.get_str(doc, "node_id")
+def _node_ref(doc: dict[str, Any]) -> NodeRef:
+    return NodeRef(P.get_str(doc, "node_id"), P.get_int(doc, "epoch", 0, MAX_EPOCH))
+
+
+def encode_heartbeat(node_id: str, epoch: int) -> Request:
+    return Request(P.OP_HEARTBEAT, {"node_id": node_id, "epoch": epoch}, b"")
+
+
+def decode_heartbeat(doc: dict[str, Any], blob: bytes | memoryview) -> NodeRef:
+    return _node_ref(doc)
 
 
 def encode_heartbeat_reply(lease_left_s: float | None) -> dict[str, Any]:
@@ -174,11 +189,11 @@ def decode_heartbeat_reply(doc: dict[str, Any], blob: bytes | memoryview) -> boo
     return _get_bool(doc, "ok")
 
 
-def encode_deregister(node_id: str) -> Request:
-    return Request(P.OP_DEREGISTER, {"node_id": node_id}, b"")
+def encode_deregister(node_id: str, epoch: int) -> Request:
+    return Request(P.OP_DEREGISTER, {"node_id": node_id, "epoch": epoch}, b"")
 
 
-decode_deregister = decode_heartbeat  # the same single field
+decode_deregister = decode_heartbeat  # the same fields
 
 
 def encode_deregister_reply(known: bool) -> dict[str, Any]:
@@ -194,15 +209,17 @@ decode_deregister_reply = decode_heartbeat_reply  # {"ok": bool}
 @dataclass(frozen=True)
 class PublishRequest:
     node_id: str
+    epoch: int
     items: list[tuple[bytes, bytes]]  # (key, little-endian uint32 block ids)
     retention_s: float | None
+    seq: int  # per node, increasing; refused at or below the node's fence
 
 
 def encode_publish(node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]],
-                   retention_s: float | None) -> Request:
+                   retention_s: float | None, epoch: int, seq: int) -> Request:
     counts = [len(b) for _, b in entries]
     blocks = P.pack_u32([int(x) for _, b in entries for x in b])
-    doc: dict[str, Any] = {"node_id": node_id, "n": len(entries)}
+    doc: dict[str, Any] = {"node_id": node_id, "epoch": epoch, "seq": seq, "n": len(entries)}
     put_block_counts(doc, counts)
     if retention_s is not None:
         doc["ret"] = float(retention_s)
@@ -210,7 +227,8 @@ def encode_publish(node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]],
 
 
 def decode_publish(doc: dict[str, Any], blob: bytes | memoryview) -> PublishRequest:
-    node_id = P.get_str(doc, "node_id")
+    node_id, epoch = _node_ref(doc)
+    seq = P.get_int(doc, "seq", 1, MAX_SEQ)
     n = P.get_int(doc, "n", 0, P.MAX_KEYS_PER_REQUEST)
     counts = get_block_counts(doc, n)
     keys = _keys_of(doc, blob, 4 * sum(counts))
@@ -222,7 +240,7 @@ def decode_publish(doc: dict[str, Any], blob: bytes | memoryview) -> PublishRequ
         items.append((key, blocks[start:end]))
         start = end
     retention = P.get_float(doc, "ret", 0.0, MAX_RETENTION_S, optional=True)
-    return PublishRequest(node_id, items, retention)
+    return PublishRequest(node_id, epoch, items, retention, seq)
 
 
 def encode_publish_reply(accepted: int) -> dict[str, Any]:
@@ -332,12 +350,22 @@ decode_release_reply = decode_heartbeat_reply  # {"ok": bool}: True only if the 
 # ---- unpublish_if_unlocked ------------------------------------------------------------------------
 
 
-def encode_unpublish(node_id: str, keys: Sequence[bytes]) -> Request:
-    return Request(P.OP_UNPUBLISH, {"node_id": node_id, "n": len(keys)}, P.join_keys(keys))
+class UnpublishRequest(NamedTuple):
+    node: NodeRef
+    keys: list[bytes]
+    fence: int | None  # first refuse every later publish with seq <= this
 
 
-def decode_unpublish(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[str, list[bytes]]:
-    return P.get_str(doc, "node_id"), _keys_of(doc, blob)
+def encode_unpublish(node_id: str, keys: Sequence[bytes], epoch: int, fence: int | None = None) -> Request:
+    doc: dict[str, Any] = {"node_id": node_id, "epoch": epoch, "n": len(keys)}
+    if fence is not None:
+        doc["fence"] = fence
+    return Request(P.OP_UNPUBLISH, doc, P.join_keys(keys))
+
+
+def decode_unpublish(doc: dict[str, Any], blob: bytes | memoryview) -> UnpublishRequest:
+    fence = P.get_int(doc, "fence", 0, MAX_SEQ) if "fence" in doc else None
+    return UnpublishRequest(_node_ref(doc), _keys_of(doc, blob), fence)
 
 
 def encode_unpublish_reply(removed: list[int]) -> dict[str, Any]:
@@ -350,6 +378,43 @@ def decode_unpublish_reply(doc: dict[str, Any], blob: bytes | memoryview, asked:
     if not isinstance(removed, list) or not all(type(i) is int and 0 <= i < asked for i in removed):
         raise _malformed(f"field 'removed' must be a list of key indices in [0, {asked})")
     return removed
+
+
+# ---- fence ----------------------------------------------------------------------------------------
+
+
+def encode_fence(node_id: str, epoch: int, upto: int) -> Request:
+    return Request(P.OP_FENCE, {"node_id": node_id, "epoch": epoch, "upto": upto}, b"")
+
+
+def decode_fence(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[NodeRef, int]:
+    return _node_ref(doc), P.get_int(doc, "upto", 0, MAX_SEQ)
+
+
+def encode_fence_reply(fence: int) -> dict[str, Any]:
+    return {"fence": fence}
+
+
+def decode_fence_reply(doc: dict[str, Any], blob: bytes | memoryview) -> int:
+    """The node's fence now (>= what was asked: it never goes back)."""
+    return P.get_int(doc, "fence", 0, MAX_SEQ)
+
+
+# ---- hello ----------------------------------------------------------------------------------------
+
+
+def encode_hello(token: str | None) -> Request:
+    return Request(P.OP_HELLO, {"tok": token} if token is not None else {}, b"")
+
+
+def decode_hello(doc: dict[str, Any], blob: bytes | memoryview) -> str | None:
+    """The token the peer presents (None: none); the service compares it."""
+    tok = doc.get("tok")
+    return tok if isinstance(tok, str) else None
+
+
+def decode_hello_reply(doc: dict[str, Any], blob: bytes | memoryview) -> bool:
+    return _get_bool(doc, "ok")
 
 
 # ---- stats, ping ----------------------------------------------------------------------------------

@@ -15,6 +15,17 @@ class NodeInfo:
     layout_fingerprint: str
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What a register call returns: the registration's epoch (named by every later call of the
+    node) and the bounds the master enforces, which the holder derives its timers from."""
+
+    node_id: str
+    epoch: int
+    lease_ttl_s: float
+    max_lock_ttl_s: float  # no reader lock on this node's entries outlives this (issue 9, hole 6)
+
+
 @dataclass(slots=True)
 class ChunkLocation:
     key: bytes

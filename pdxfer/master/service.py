@@ -11,6 +11,7 @@ import asyncio
 import gc
 import hmac
 import logging
+import socket
 import time
 from typing import Any, Callable
 
@@ -18,12 +19,22 @@ from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.coordinator import Coordinator, Standalone
 from pdxfer.master.httpd import serve_http
-from pdxfer.master.index import ChunkIndex, UnknownNodeError
+from pdxfer.master.index import (
+    ChunkIndex,
+    FencedError,
+    SupersededError,
+    UnknownNodeError,
+)
 from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats
 
 log = logging.getLogger("pdxfer.master")
 
+DEFAULT_MAX_LOCK_TTL_S = 30.0  # announced in register replies; readers asking for more get this
 _BODY_TIMEOUT_S = 10.0  # a client that sent a header must send the body within this
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0  # a new connection's first frame (hello) must arrive within this
+DEFAULT_IDLE_TIMEOUT_S = 600.0  # an authenticated connection idle this long is closed (clients reconnect)
+_REFUSAL_LOG_EVERY_S = 10.0
 
 
 class MasterService:
@@ -34,7 +45,26 @@ class MasterService:
         chunk_tokens: int = 256,
         max_entries: int = 10_000_000,
         reap_interval_s: float = 0.1,
+        max_lock_ttl_s: float = DEFAULT_MAX_LOCK_TTL_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
+        if max_connections < 1 or handshake_timeout_s <= 0 or idle_timeout_s <= 0:
+            raise ValueError(f"max_connections ({max_connections}), handshake_timeout_s ({handshake_timeout_s}) "
+                             f"and idle_timeout_s ({idle_timeout_s}) must be positive")
+        # A peer must not be able to stop the master: connections are capped, and every wait for a
+        # peer's bytes is bounded (issue 9, hole 9).
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.connections_refused = 0
+        self.handshake_timeouts = 0
+        self._refusal_logged_at = -_REFUSAL_LOG_EVERY_S
+        if not ops.MIN_LOCK_TTL_S <= max_lock_ttl_s <= ops.MAX_TTL_S:
+            raise ValueError(f"max_lock_ttl_s must be in [{ops.MIN_LOCK_TTL_S}, {ops.MAX_TTL_S}], got {max_lock_ttl_s}")
+        # Holders force-free a refused key after this bound (plus their lease): no lock may outlive it.
+        self.max_lock_ttl_s = float(max_lock_ttl_s)
         self.token = token.encode() if token else None
         self.index = ChunkIndex(max_entries=max_entries)
         self.coord = coordinator or Standalone()
@@ -59,6 +89,7 @@ class MasterService:
             P.OP_LOOKUP: self._lookup, P.OP_RELEASE: self._release, P.OP_PUBLISH: self._publish,
             P.OP_UNPUBLISH: self._unpublish, P.OP_HEARTBEAT: self._heartbeat, P.OP_REGISTER: self._register,
             P.OP_DEREGISTER: self._deregister, P.OP_STATS: self._stats, P.OP_PING: self._ping,
+            P.OP_FENCE: self._fence,
         }
 
     # ---- leadership -----------------------------------------------------------------------------
@@ -117,35 +148,59 @@ class MasterService:
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        if len(self._conns) >= self.max_connections:
+            self._refuse_connection(peer, writer)
+            return
         self._conns.add(writer)
+        _keepalive(writer.get_extra_info("socket"))
+        authed = self.token is None  # with a token, only a hello is read until one succeeds
+        first = True
         try:
             while True:
+                # The first frame must come soon (a peer that connects and sends nothing, or half
+                # a header, must not hold a connection); later ones within the idle timeout.
+                wait_s = self.handshake_timeout_s if first or not authed else self.idle_timeout_s
                 try:
-                    raw = await reader.readexactly(P.HEADER_BYTES)
+                    raw = await asyncio.wait_for(reader.readexactly(P.HEADER_BYTES), wait_s)
+                except TimeoutError:
+                    if first or not authed:
+                        self.handshake_timeouts += 1
+                        log.info("closing %s: no complete first frame within %.1f s", peer, wait_s)
+                    return
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
+                first = False
                 req_id = int.from_bytes(raw[4:8], "big") if len(raw) >= 8 else 0
                 try:
                     hdr = P.parse_header(raw)
+                    if not authed:
+                        self._check_preauth(hdr, peer)
                 except P.ProtocolError as exc:
-                    # Framing cannot be trusted after a bad header: answer, then hang up.
-                    self.bad_frames += 1
-                    log.warning("bad frame from %s: %s", peer, exc)
+                    # Framing cannot be trusted after a bad header, and an unauthenticated peer's
+                    # body is never read: answer, then hang up.
+                    if exc.code != P.ERR_AUTH:
+                        self.bad_frames += 1
+                        log.warning("bad frame from %s: %s", peer, exc)
                     writer.write(P.encode_frame(P.OP_ERROR, req_id, {"err": exc.code, "msg": str(exc)}))
                     await writer.drain()
                     return
+                body_wait_s = _BODY_TIMEOUT_S if authed else min(_BODY_TIMEOUT_S, self.handshake_timeout_s)
                 try:
-                    body = await asyncio.wait_for(reader.readexactly(hdr.json_len + hdr.blob_len), _BODY_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                    body = await asyncio.wait_for(reader.readexactly(hdr.json_len + hdr.blob_len), body_wait_s)
+                except TimeoutError:
                     self.bad_frames += 1
-                    log.warning("client %s sent a header but not its %d-byte body within %.0f s", peer,
-                                hdr.json_len + hdr.blob_len, _BODY_TIMEOUT_S)
+                    log.warning("client %s sent a header but not its %d-byte body within %.1f s", peer,
+                                hdr.json_len + hdr.blob_len, body_wait_s)
                     return
                 except (asyncio.IncompleteReadError, ConnectionError):
                     self.bad_frames += 1
                     log.warning("client %s closed mid-frame (truncated message)", peer)
                     return
-                reply, keep = self._handle(hdr, body, peer)
+                if hdr.op == P.OP_HELLO:
+                    reply, keep = self._hello(hdr, body, peer)
+                    authed = authed or keep
+                else:
+                    reply, keep = self._handle(hdr, body, peer)
                 writer.write(reply)
                 await writer.drain()
                 if not keep:
@@ -156,20 +211,49 @@ class MasterService:
             self._conns.discard(writer)
             writer.close()
 
+    def _refuse_connection(self, peer: Any, writer: asyncio.StreamWriter) -> None:
+        self.connections_refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:  # one line per burst, not per peer
+            self._refusal_logged_at = now
+            log.warning("connection limit of %d reached (--max-connections): refused %s (%d refused so far)",
+                        self.max_connections, peer, self.connections_refused)
+        writer.close()
+
+    def _check_preauth(self, hdr: P.Header, peer: Any) -> None:
+        """Before a connection has authenticated: a small hello, nothing else (body not read)."""
+        if hdr.op != P.OP_HELLO:
+            self.auth_failures += 1
+            log.warning("refused %s request from %s: missing token (no hello on this connection)",
+                        P.OP_NAMES.get(hdr.op, hdr.op), peer)
+            raise P.ProtocolError(P.ERR_AUTH, "missing token: the first frame of a connection must be a hello "
+                                  "carrying the token")
+        if hdr.json_len + hdr.blob_len > P.MAX_PREAUTH_BYTES:
+            raise P.ProtocolError(P.ERR_OVERSIZED, f"hello of {hdr.json_len + hdr.blob_len} bytes exceeds "
+                                  f"{P.MAX_PREAUTH_BYTES}")
+
+    def _hello(self, hdr: P.Header, body: bytes, peer: Any) -> tuple[bytes, bool]:
+        """(reply, authenticated): a wrong or missing token is answered, counted, logged, and the
+        connection closed."""
+        try:
+            tok = ops.decode_hello(P.decode_json(body[: hdr.json_len]), b"")
+        except P.ProtocolError as exc:
+            self.bad_frames += 1
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": exc.code, "msg": str(exc)}), False
+        if self.token is not None and (tok is None or not hmac.compare_digest(tok.encode(), self.token)):
+            self.auth_failures += 1
+            log.warning("refused hello from %s: %s token", peer, "missing" if tok is None else "wrong")
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_AUTH, "msg": "missing or wrong token"}), False
+        return P.encode_frame(hdr.op | P.REPLY_BIT, hdr.req_id, {"ok": True}), True
+
     def _handle(self, hdr: P.Header, body: bytes, peer: Any) -> tuple[bytes, bool]:
         """One request -> (reply frame, keep the connection open)."""
         try:
-            doc = P.decode_json(body[: hdr.json_len])
-            if self.token is not None:
-                tok = doc.get("tok")
-                if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), self.token):
-                    self.auth_failures += 1
-                    log.warning("refused %s request from %s: %s token", P.OP_NAMES.get(hdr.op, hdr.op), peer,
-                                "missing" if tok is None else "wrong")
-                    raise P.ProtocolError(P.ERR_AUTH, "missing or wrong token")
+            doc = P.decode_json(body[: hdr.json_len])  # the connection is authenticated (hello)
             if hdr.op not in (P.OP_STATS, P.OP_PING) and not self.coord.is_leader:
                 leader = self.coord.leader_address
-                raise P.ProtocolError(P.ERR_NOT_LEADER, f"this master is a standby; leader is {leader}")
+                raise P.ProtocolError(P.ERR_NOT_LEADER, "this master is not the leader (a standby, or a leader whose "
+                                      f"lease may have expired); leader is {leader or 'unknown'}")
             out = self._dispatch(hdr.op, doc, memoryview(body)[hdr.json_len :])
             if isinstance(out, tuple):  # (pre-encoded JSON, blob) from the hot path
                 body_json, blob_out = out
@@ -187,6 +271,12 @@ class MasterService:
             return P.encode_frame(P.OP_ERROR, hdr.req_id, err), exc.code != P.ERR_AUTH
         except UnknownNodeError as exc:
             return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_UNKNOWN_NODE, "msg": str(exc)}), True
+        except FencedError as exc:
+            log.info("refused publish from %s: %s", peer, exc)
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_FENCED, "msg": str(exc)}), True
+        except SupersededError as exc:
+            log.warning("refused %s from %s: %s", P.OP_NAMES.get(hdr.op, hdr.op), peer, exc)
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_SUPERSEDED, "msg": str(exc)}), True
         except Exception as exc:  # a bug must not take the service down for everyone else
             log.exception("internal error on %s from %s", P.OP_NAMES.get(hdr.op, hdr.op), peer)
             return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_INTERNAL, "msg": repr(exc)}), False
@@ -202,9 +292,10 @@ class MasterService:
     def _lookup(self, doc: dict[str, Any], blob: memoryview, now: float) -> tuple[bytes, bytes]:
         t0 = time.perf_counter()
         req = ops.decode_lookup(doc, blob)
-        out = self.index.lookup_and_lock(req.keys, req.reader, req.ttl, now)
+        ttl = min(req.ttl, self.max_lock_ttl_s)
+        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now)
         nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
-        head = ops.encode_lookup_reply(out.lock_id, out.hit, req.ttl, out.runs, out.counts, nodes, req.have)
+        head = ops.encode_lookup_reply(out.lock_id, out.hit, ttl, out.runs, out.counts, nodes, req.have)
         self.lookup_seconds += time.perf_counter() - t0
         return head, out.blocks
 
@@ -213,15 +304,21 @@ class MasterService:
 
     def _publish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         req = ops.decode_publish(doc, blob)
-        return ops.encode_publish_reply(self.index.publish(req.node_id, req.items, req.retention_s, now))
+        accepted = self.index.publish(req.node_id, req.items, req.retention_s, now, req.epoch, req.seq)
+        return ops.encode_publish_reply(accepted)
 
     def _unpublish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        node_id, keys = ops.decode_unpublish(doc, blob)
-        return ops.encode_unpublish_reply(self.index.unpublish_if_unlocked(node_id, keys, now))
+        req = ops.decode_unpublish(doc, blob)
+        removed = self.index.unpublish_if_unlocked(req.node.node_id, req.keys, now, req.node.epoch, req.fence)
+        return ops.encode_unpublish_reply(removed)
+
+    def _fence(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        (node_id, epoch), upto = ops.decode_fence(doc, blob)
+        return ops.encode_fence_reply(self.index.fence(node_id, upto, now, epoch))
 
     def _heartbeat(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        node_id = ops.decode_heartbeat(doc, blob)
-        left = self.index.heartbeat(node_id, now)
+        node_id, epoch = ops.decode_heartbeat(doc, blob)
+        left = self.index.heartbeat(node_id, now, epoch)
         if left is not None:
             self.coord.node_heartbeat(node_id)
         return ops.encode_heartbeat_reply(left)
@@ -233,10 +330,11 @@ class MasterService:
         self.index.nodes[req.node_id].info_json = info_json
         self.coord.node_registered(req.node_id, req.ttl, info_json)
         log.info("registered node %s (rank %d, %s, ttl %.1fs)", req.node_id, req.rank, req.transport, req.ttl)
-        return ops.encode_register_reply(epoch, req.ttl)
+        return ops.encode_register_reply(epoch, req.ttl, self.max_lock_ttl_s)
 
     def _deregister(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        return ops.encode_deregister_reply(self.index.deregister(ops.decode_deregister(doc, blob)))
+        node_id, epoch = ops.decode_deregister(doc, blob)
+        return ops.encode_deregister_reply(self.index.deregister(node_id, epoch))
 
     def _stats(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         return self.stats()
@@ -246,6 +344,20 @@ class MasterService:
 
     def stats(self) -> dict[str, Any]:
         return stats(self)
+
+
+def _keepalive(sock: socket.socket | None) -> None:
+    """TCP keepalive on a client connection: a peer that vanished (host down, cable cut) is noticed
+    within about a minute instead of holding its connection until the idle timeout."""
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):  # Linux names; other systems keep their defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

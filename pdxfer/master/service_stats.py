@@ -22,9 +22,13 @@ _METRICS = (
     ("lookup_handler_seconds_total", "counter", "Time spent in the lookup handler.", "lookup_handler_s_exact"),
     ("releases_ok_total", "counter", "Releases of locks still valid.", "releases_ok"),
     ("releases_expired_total", "counter", "Releases of expired or unknown locks.", "releases_expired"),
+    ("publish_fenced_total", "counter", "Publishes refused at or below their node's fence.", "publish_fenced"),
     ("unpublish_refused_total", "counter", "Unpublishes refused by a valid lock.", "unpublish_refused"),
     ("nodes_expired_total", "counter", "Nodes dropped because their lease ran out.", "nodes_expired"),
     ("auth_failures_total", "counter", "Requests refused for a missing or wrong token.", "auth_failures"),
+    ("connections", "gauge", "Open client connections.", "connections"),
+    ("connections_refused_total", "counter", "Connections refused at --max-connections.", "connections_refused"),
+    ("handshake_timeouts_total", "counter", "Connections closed for no first frame in time.", "handshake_timeouts"),
     ("bad_frames_total", "counter", "Malformed, oversized or wrong-version messages.", "bad_frames"),
     ("leader", "gauge", "1 when this replica serves as leader.", "leader_flag"),
     ("degraded", "gauge", "1 when the store (etcd) is unreachable.", "degraded_flag"),
@@ -56,6 +60,9 @@ def stats(svc: MasterService) -> dict[str, Any]:
     s["lookup_handler_s"] = round(svc.lookup_seconds, 6)
     s["auth_failures"] = svc.auth_failures
     s["bad_frames"] = svc.bad_frames
+    s["connections"] = len(svc._conns)
+    s["connections_refused"] = svc.connections_refused
+    s["handshake_timeouts"] = svc.handshake_timeouts
     s["uptime_s"] = round(time.time() - svc.started, 3)
     s.update(svc.coord.status())
     return s

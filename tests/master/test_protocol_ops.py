@@ -37,29 +37,35 @@ def test_requests_round_trip():
 
     keys = keys_for("ops", 3)
     pub = ops.decode_publish(*_over_the_wire(ops.encode_publish("n1", [(keys[0], [1, 2]), (keys[1], []),
-                                                                     (keys[2], [7])], 30.0)))
-    assert pub.node_id == "n1" and pub.retention_s == 30.0
+                                                                     (keys[2], [7])], 30.0, 5, 3)))
+    assert pub.node_id == "n1" and pub.epoch == 5 and pub.seq == 3 and pub.retention_s == 30.0
     assert [(k, P.unpack_u32(b)) for k, b in pub.items] == [(keys[0], [1, 2]), (keys[1], []), (keys[2], [7])]
-    uniform = ops.encode_publish("n1", [(k, [i, i]) for i, k in enumerate(keys)], None)
+    uniform = ops.encode_publish("n1", [(k, [i, i]) for i, k in enumerate(keys)], None, 5, 1)
     assert uniform.doc["per"] == 2 and "counts" not in uniform.doc and "ret" not in uniform.doc
     assert ops.decode_publish(*_over_the_wire(uniform)).retention_s is None
 
     look = ops.decode_lookup(*_over_the_wire(ops.encode_lookup(P.join_keys(keys), "r", 2.0, {"n1": 4})))
     assert (look.keys, look.reader, look.ttl, look.have) == (keys, "r", 2.0, {"n1": 4})
 
-    assert ops.decode_unpublish(*_over_the_wire(ops.encode_unpublish("n1", keys[:2]))) == ("n1", keys[:2])
+    assert ops.decode_unpublish(*_over_the_wire(ops.encode_unpublish("n1", keys[:2], 7))) == (("n1", 7), keys[:2], None)
+    assert ops.decode_unpublish(*_over_the_wire(ops.encode_unpublish("n1", keys[:1], 7, 9))).fence == 9
+    assert ops.decode_fence(*_over_the_wire(ops.encode_fence("n1", 7, 9))) == (("n1", 7), 9)
+    assert ops.decode_hello(*_over_the_wire(ops.encode_hello("s3cret"))) == "s3cret"
+    assert ops.decode_hello(*_over_the_wire(ops.encode_hello(None))) is None
     assert ops.decode_release(*_over_the_wire(ops.encode_release("ab-1"))) == "ab-1"
-    assert ops.decode_heartbeat(*_over_the_wire(ops.encode_heartbeat("n1"))) == "n1"
-    assert ops.decode_deregister(*_over_the_wire(ops.encode_deregister("n1"))) == "n1"
+    assert ops.decode_heartbeat(*_over_the_wire(ops.encode_heartbeat("n1", 7))) == ("n1", 7)
+    assert ops.decode_deregister(*_over_the_wire(ops.encode_deregister("n1", 7))) == ("n1", 7)
 
 
 def test_replies_round_trip():
-    assert ops.decode_register_reply(ops.encode_register_reply(5, 2.0), b"") == 5
+    reg = ops.decode_register_reply(ops.encode_register_reply(5, 2.0, 30.0), b"", "n1")
+    assert (reg.node_id, reg.epoch, reg.lease_ttl_s, reg.max_lock_ttl_s) == ("n1", 5, 2.0, 30.0)
     assert ops.decode_heartbeat_reply(ops.encode_heartbeat_reply(None), b"") is False
     assert ops.decode_heartbeat_reply(ops.encode_heartbeat_reply(3.0), b"") is True
     assert ops.decode_release_reply(ops.encode_release_reply(True), b"") is True
     assert ops.decode_publish_reply(ops.encode_publish_reply(3), b"", 3) == 3
     assert ops.decode_unpublish_reply(ops.encode_unpublish_reply([0, 2]), b"", 3) == [0, 2]
+    assert ops.decode_fence_reply(ops.encode_fence_reply(9), b"") == 9
     assert ops.decode_ping_reply(ops.encode_ping_reply(False, "h:1"), b"")["leader_address"] == "h:1"
 
     reg = ops.RegisterRequest("p", 0, "nixl", {"v": 1}, "fp", 5.0, b"m" * 10)
@@ -78,16 +84,21 @@ def test_replies_round_trip():
 
 
 @pytest.mark.parametrize("decode,doc,blob,field", [
-    (ops.decode_publish, {"node_id": "n", "n": 2, "counts": [1]}, b"", "'counts'"),
-    (ops.decode_publish, {"node_id": "n", "n": 1, "per": -1}, b"", "'per'"),
-    (ops.decode_publish, {"node_id": "n", "n": 1, "per": 1, "ret": "long"}, b"k" * 32 + b"\0" * 4, "'ret'"),
+    (ops.decode_publish, {"node_id": "n", "epoch": 1, "seq": 1, "n": 2, "counts": [1]}, b"", "'counts'"),
+    (ops.decode_publish, {"node_id": "n", "epoch": 1, "seq": 1, "n": 1, "per": -1}, b"", "'per'"),
+    (ops.decode_publish, {"node_id": "n", "epoch": 1, "seq": 1, "n": 1, "per": 1, "ret": "long"}, b"k" * 32 + b"\0" * 4,
+     "'ret'"),
+    (ops.decode_publish, {"node_id": "n", "n": 1, "per": 1}, b"k" * 32 + b"\0" * 4, "'epoch'"),
+    (ops.decode_publish, {"node_id": "n", "epoch": 1, "seq": 0, "n": 0}, b"", "'seq'"),
+    (ops.decode_fence, {"node_id": "n", "epoch": 1, "upto": "x"}, b"", "'upto'"),
+    (ops.decode_heartbeat, {"node_id": "n", "epoch": -1}, b"", "'epoch'"),
     (ops.decode_register, {"node_id": "n", "rank": 0, "transport": "t", "fp": "f", "layout": [], "ttl": 1},
      b"", "'layout'"),
     (ops.decode_register, {"node_id": "n", "rank": -1}, b"", "'rank'"),
     (ops.decode_lookup, {"n": 1, "reader": "", "ttl": 1}, b"k" * 32, "'reader'"),
     (ops.decode_lookup, {"n": 1, "reader": "r", "ttl": 0}, b"k" * 32, "'ttl'"),
     (ops.decode_release, {"lock": 5}, b"", "'lock'"),
-    (ops.decode_unpublish, {"node_id": "n", "n": 2}, b"k" * 32, "announce 64"),
+    (ops.decode_unpublish, {"node_id": "n", "epoch": 1, "n": 2}, b"k" * 32, "announce 64"),
 ])
 def test_bad_request_fields_are_named(decode, doc, blob, field):
     with pytest.raises(P.ProtocolError, match=field) as info:
@@ -127,7 +138,7 @@ def test_client_names_the_bad_field_of_a_misbehaving_master():
     try:
         with MasterClient("127.0.0.1:%d" % srv.getsockname()[1], timeout_s=5) as c:
             with pytest.raises(MasterProtocolError, match="bad publish reply.*'accepted'"):
-                c.publish("n", [(keys_for("bad", 1)[0], [1])])
+                c.publish("n", [(keys_for("bad", 1)[0], [1])], epoch=1)
     finally:
         t.join(5)
         srv.close()
