@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from pdxfer.keys import IncrementalHasher
-from pdxfer.master import MasterError, MasterUnavailable, NodeInfo, NodeSession
+from pdxfer.master import MasterError, MasterUnavailable, NodeInfo, NodeSession, PublishFenced
 from pdxfer.plan import chunk_span
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
@@ -82,7 +82,8 @@ class HolderPath:
         self._reaper: threading.Thread | None = None
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-publish")  # keeps order
         self._master_unreachable_since: float | None = None
-        self.stale_after_s = max(10 * cfg.lock_ttl_s, 60.0)
+        self._superseded = False
+        self.stale_after_s_override: float | None = None  # tests shorten the last-resort bound
 
     def bind_block_pool(self, pool: Any) -> None:
         self._pool = pool if isinstance(pool, BlockPoolHolder) else BlockPoolHolder(pool)
@@ -91,12 +92,31 @@ class HolderPath:
         """Register the node under a lease and start the reaper."""
         self.node_id = info.node_id
         self._session = NodeSession(self._bg, info, lease_ttl_s=self.cfg.lease_ttl_s,
-                                    on_reregistered=self._republish)
+                                    on_reregistered=self._republish, on_superseded=self._on_superseded)
         self._session.start()
         self._reaper = threading.Thread(target=self._reap_loop, name="pdxfer-reaper", daemon=True)
         self._reaper.start()
         log.info("pdxfer: holder node %s registered with master %s (transport %s)",
                  info.node_id, self.cfg.master, info.transport)
+
+    def _on_superseded(self) -> None:
+        """Another process registered our node id: stop publishing (NodeSession logged the ERROR).
+        What we hold drains through the reaper, whose calls now fail, on the unreachable bound."""
+        self._superseded = True
+
+    @property
+    def max_lock_ttl_s(self) -> float:
+        """The longest reader lock the master grants on our entries: every force-free waits at
+        least this long (our own lock_ttl_s says nothing about other readers' locks)."""
+        reg = self._hot.registration(self.node_id) if self.node_id else None
+        return float(reg.max_lock_ttl_s) if reg is not None else max(self.cfg.lock_ttl_s, 3600.0)
+
+    @property
+    def stale_after_s(self) -> float:
+        """After this long past retention, a key the master never confirmed gone is freed anyway."""
+        if self.stale_after_s_override is not None:
+            return self.stale_after_s_override
+        return max(10 * self.max_lock_ttl_s, 60.0)
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
                          hasher: IncrementalHasher | None,
@@ -139,6 +159,8 @@ class HolderPath:
 
     def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> None:
         assert self._pool is not None and self.node_id is not None
+        if self._superseded:
+            return
         now = time.monotonic()
         retain = test_hook_float("retention_s") or self.cfg.retention_s
         with self._lock:
@@ -168,7 +190,12 @@ class HolderPath:
                     self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
             self._wake.notify()
         entries = [(k, list(b)) for k, b in refresh + new]
-        fut = self._publisher.submit(self._send_publish, entries, [k for k, _ in new], len(refresh), retain)
+        # Sequence number and registration are fixed now, when the publish is queued: a fence
+        # (every free goes through one) or a newer registration then refuses it wherever it is.
+        seq = self._hot.next_publish_seq(self.node_id)
+        reg = self._hot.registration(self.node_id)
+        fut = self._publisher.submit(self._send_publish, entries, [k for k, _ in new], len(refresh), retain,
+                                     seq, reg.epoch if reg is not None else None)
         # Wait briefly so the chunks are at the master before the response reaches the proxy
         # (and the decode's lookup); a slow master only delays the publish, never the prefill.
         try:
@@ -177,10 +204,21 @@ class HolderPath:
             self.stats.late_publishes += 1
 
     def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
-                      retain: float) -> None:
+                      retain: float, seq: int, epoch: int | None) -> None:
         assert self.node_id is not None
         try:
-            accepted = self._hot.publish(self.node_id, entries, retention_s=retain)
+            try:
+                accepted = self._hot.publish(self.node_id, entries, retention_s=retain, seq=seq, epoch=epoch)
+            except PublishFenced:
+                # A free elsewhere fenced everything queued before it, this publish too. What we
+                # still hold may be published again under a new number: a later free fences that.
+                with self._lock:
+                    entries = [(k, b) for k, b in entries
+                               if k in self._held and list(self._held[k].blocks) == list(b)]
+                if not entries:
+                    return
+                accepted = self._hot.publish(self.node_id, entries, retention_s=retain,
+                                             seq=self._hot.next_publish_seq(self.node_id), epoch=epoch)
         except MasterUnavailable as exc:
             # A timeout may hide an applied publish: keep the blocks as if published, so the
             # reaper unpublishes (or, failing that, frees) them through the normal path.
@@ -227,7 +265,7 @@ class HolderPath:
             return
         # Through the publisher thread: an unpublish must not overtake a queued publish of the
         # same key (that publish would land after we freed the blocks).
-        fut = self._publisher.submit(self._hot.unpublish_if_unlocked, self.node_id, candidates)
+        fut = self._publisher.submit(self._unpublish, self._hot, candidates)
         try:
             done = fut.result(timeout=self.cfg.master_timeout_s + self.cfg.lookup_timeout_s + 1.0)
         except (MasterError, FutureTimeout) as exc:
@@ -295,7 +333,7 @@ class HolderPath:
                     continue
             assert self.node_id is not None
             try:
-                done = self._bg.unpublish_if_unlocked(self.node_id, due)
+                done = self._unpublish(self._bg, due)
                 self._master_unreachable_since = None
                 # The master reports keys it never had as gone, so "not removed" means locked.
                 # Past its retention an entry is never served, so no lock on it can be newer than
@@ -314,7 +352,7 @@ class HolderPath:
                 t0 = self._master_unreachable_since = self._master_unreachable_since or now
                 # After lease + lock TTL without the master, it has dropped our entries and every
                 # lock it granted has expired: freeing can no longer hand a reader wrong bytes.
-                if now - t0 > self.cfg.lease_ttl_s + self.cfg.lock_ttl_s:
+                if now - t0 > self.cfg.lease_ttl_s + self.max_lock_ttl_s:
                     log.warning("pdxfer: master unreachable for %.0f s (%s): freeing %d held chunks",
                                 now - t0, exc, len(due))
                     done = due
@@ -330,6 +368,14 @@ class HolderPath:
                 if self._closing:
                     return
                 self._wake.wait(0.05 if done else 0.0)
+
+    def _unpublish(self, client: Any, keys: list[bytes]) -> list[bytes]:
+        """Keys the master no longer serves for us, after fencing every publish queued so far: a
+        publish that timed out here, or still waits in a queue or a socket, can never land after
+        we free the blocks it names."""
+        assert self.node_id is not None
+        return client.unpublish_if_unlocked(self.node_id, keys,
+                                            fence_seq=client.last_publish_seq(self.node_id))
 
     def _republish(self) -> None:
         """The master forgot us (restart, failover, lost lease): publish again what we hold, each

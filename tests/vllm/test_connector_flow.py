@@ -261,7 +261,7 @@ def test_chunks_the_master_lost_are_freed_after_the_stale_bound(pair, master):
     from pdxfer.master import MasterClient
 
     holder, _ = pair(retention_s=0.3)
-    holder.sched.holder.stale_after_s = 1.0  # normally max(10 x lock TTL, 60 s)
+    holder.sched.holder.stale_after_s_override = 1.0  # normally max(10 x the master's lock TTL cap, 60 s)
     toks = _tokens(2 * C + 1, 9)
     free_before = holder.pool.get_num_free_blocks()
     holder.run_request("p", toks)
