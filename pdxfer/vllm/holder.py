@@ -83,6 +83,7 @@ class HolderPath:
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-publish")  # keeps order
         self._master_unreachable_since: float | None = None
         self._superseded = False
+        self._reclaiming = False
         self.stale_after_s_override: float | None = None  # tests shorten the last-resort bound
 
     def bind_block_pool(self, pool: Any) -> None:
@@ -242,9 +243,9 @@ class HolderPath:
             held_now = set(self._held_block_refs)
         extra = len({x for _, b in new for x in b} - held_now)
         if len(held_now) + extra > cap:
-            self._reclaim(len(held_now) + extra - cap)
-            with self._lock:
-                held_now = set(self._held_block_refs)
+            # Room comes from the master's compare-and-unpublish: ask in the background and
+            # publish what fits now; later requests find the room (never block the step).
+            self._reclaim_async(len(held_now) + extra - cap)
         out: list[tuple[bytes, tuple[int, ...]]] = []
         seen: set[int] = set()
         for k, b in new:
@@ -255,25 +256,36 @@ class HolderPath:
             out.append((k, b))
         return out
 
-    def _reclaim(self, want_blocks: int) -> None:
-        """Unpublish the oldest held chunks (synchronously; pressure path) until enough blocks free."""
-
+    def _reclaim_async(self, want_blocks: int) -> None:
+        """Unpublish the oldest held chunks in the background until enough blocks free; their
+        blocks return to vLLM at the scheduler's next hook (one reclaim at a time)."""
         assert self._pool is not None and self.node_id is not None
         with self._lock:
+            if self._reclaiming:
+                return
             candidates = list(self._held)[: max(8, want_blocks)]
-        if not candidates:
-            return
-        # Through the publisher thread: an unpublish must not overtake a queued publish of the
-        # same key (that publish would land after we freed the blocks).
-        fut = self._publisher.submit(self._unpublish, self._hot, candidates)
+            if not candidates:
+                return
+            self._reclaiming = True
+
+        def run() -> None:
+            try:
+                done = self._unpublish(self._hot, candidates)
+            except MasterError as exc:
+                log.debug("pdxfer: pressure unpublish failed: %s", exc)
+                return
+            finally:
+                with self._lock:
+                    self._reclaiming = False
+            self.stats.pressure_reclaims += len(done)
+            self._forget(done)
+
+        # On the publisher thread: an unpublish must not overtake a queued publish of the same key.
         try:
-            done = fut.result(timeout=self.cfg.master_timeout_s + self.cfg.lookup_timeout_s + 1.0)
-        except (MasterError, FutureTimeout) as exc:
-            log.debug("pdxfer: pressure unpublish failed: %s", exc)
-            return
-        self.stats.pressure_reclaims += len(done)
-        self._forget(done)
-        self.drain_frees()
+            self._publisher.submit(run)
+        except RuntimeError:  # closing
+            with self._lock:
+                self._reclaiming = False
 
     def _forget(self, keys: Iterable[bytes], only_if_due: bool = False) -> None:
         """Keys no reader can lock any more: queue their blocks for release on the scheduler thread.

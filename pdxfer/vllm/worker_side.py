@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -25,6 +26,10 @@ from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
 
 log = logging.getLogger("pdxfer.vllm.worker")
+
+# How long get_finished waits for a release answer before leaving it to the next step: a
+# master on the same rack answers in well under this; a slow one costs a step, never a stall.
+_INLINE_RELEASE_WAIT_S = 0.003
 
 
 class LayoutMismatch(RuntimeError):
@@ -39,6 +44,7 @@ class _Inflight:
     nbytes: int
     error: str | None = None
     pending: list[tuple[HolderRef, Any]] = field(default_factory=list)  # reads awaiting a connection
+    validation: Future | None = None  # the master's answer to release(): did the lock hold?
     cancelled: bool = False
 
 
@@ -82,6 +88,7 @@ class WorkerSide:
         self._peers_lock = threading.Lock()
         self._connecting: dict[str, Future] = {}
         self._connect_pool = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-connect")
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-validate")
         self._inflight: dict[str, _Inflight] = {}
         self._done_ok: set[str] = set()
         self._load_errors: set[int] = set()
@@ -225,13 +232,43 @@ class WorkerSide:
             return out
         delay = test_hook_float("read_delay_s")
         for req_id, inf in list(self._inflight.items()):
-            state = self._state(inf, delay)
-            if state is None:
+            if inf.validation is None:
+                state = self._state(inf, delay)
+                if state is None:
+                    continue
+                if state == "failed" or not inf.spec.lock_id:
+                    self._release_unused(inf.spec.lock_id)
+                    self._conclude(inf, False)
+                    del self._inflight[req_id]
+                    out.add(req_id)
+                    continue
+                # The bytes are in; only the master can say whether the lock held throughout.
+                # Ask off the step path; a quick answer is still taken in this same step.
+                inf.validation = self._releaser.submit(self._master().release, inf.spec.lock_id)
+                wait = _INLINE_RELEASE_WAIT_S
+            else:
+                wait = 0.0
+            try:
+                valid = bool(inf.validation.result(timeout=wait))
+                if not valid:
+                    inf.error = "lock expired during the read (master refused the release)"
+            except FutureTimeout:
                 continue
+            except Exception as exc:
+                valid = False
+                inf.error = f"release failed, bytes cannot be validated: {exc}"
+            self._conclude(inf, valid)
             del self._inflight[req_id]
-            self._finish(inf)
             out.add(req_id)
         return out
+
+    def _release_unused(self, lock_id: str) -> None:
+        """A failed load still pins its holder's entries at the master: let go, off the step path."""
+        if lock_id:
+            try:
+                self._releaser.submit(self._master().release, lock_id)
+            except RuntimeError:  # closing
+                pass
 
     def _state(self, inf: _Inflight, delay: float | None) -> str | None:
         """"done", "failed", or None while the load goes on. A failed load is reported only once
@@ -302,18 +339,10 @@ class WorkerSide:
                 return False
         return True
 
-    def _finish(self, inf: _Inflight) -> None:
+    def _conclude(self, inf: _Inflight, valid: bool) -> None:
+        """Count and log a load that ended; a load not validated at the master fails its blocks."""
         spec = inf.spec
         elapsed = time.monotonic() - inf.started
-        valid = False
-        if spec.lock_id:
-            try:
-                valid = bool(self._master().release(spec.lock_id))
-                if not valid and inf.error is None:
-                    inf.error = "lock expired during the read (master refused the release)"
-            except Exception as exc:
-                if inf.error is None:
-                    inf.error = f"release failed, bytes cannot be validated: {exc}"
         if inf.error is None and valid:
             self.stats.loads_ok += 1
             self.stats.tokens_loaded += spec.num_tokens
@@ -336,6 +365,7 @@ class WorkerSide:
             self._cancel(inf)
         self._inflight.clear()
         self._connect_pool.shutdown(wait=False, cancel_futures=True)
+        self._releaser.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             try:
                 self.transport.close()

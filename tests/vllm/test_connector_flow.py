@@ -313,7 +313,6 @@ def frozen_master_pair():
         m.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="hole 10: release runs on the step path")
 def test_a_frozen_master_never_blocks_the_workers_step(frozen_master_pair):
     """Issue 9, hole 10: validating a load at the master (release) must not hold vLLM's step."""
     m, make = frozen_master_pair
@@ -339,7 +338,6 @@ def test_a_frozen_master_never_blocks_the_workers_step(frozen_master_pair):
     assert reader.worker.take_load_errors()  # unvalidated bytes are never used
 
 
-@pytest.mark.xfail(strict=True, reason="hole 10: pressure reclaim runs on the step path")
 def test_a_frozen_master_never_blocks_request_finished_at_the_cap(frozen_master_pair):
     """Issue 9, hole 10: making room under the held cap (an unpublish) must not hold the step."""
     m, make = frozen_master_pair
