@@ -11,7 +11,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 # Counters summed across workers and the scheduler; lists concatenated.
 _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
              "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes",
-             "unkeyable_requests")
+             "unkeyable_requests", "background_errors")
 _LISTS = ("transfer_s",)
 
 
@@ -53,6 +53,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Master errors": d["master_errors"],
             "Late publishes": d["late_publishes"],
             "Unkeyable requests (kept out)": d["unkeyable_requests"],
+            "Background errors": d["background_errors"],
         }
 
 
@@ -71,6 +72,7 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
             "master_errors": "Master calls that failed on the scheduler hot path",
             "unkeyable_requests": "Requests kept out of the connector: their KV is not named by their "
                                   "tokens (LoRA, multimodal inputs, prompt embeddings)",
+            "background_errors": "Unexpected errors the holder's reaper or publisher survived (see the log)",
         }
         for key, doc in docs.items():
             c = self._counter_cls(name=f"vllm:pdxfer_{key}", documentation=doc, labelnames=labelnames)

@@ -229,6 +229,11 @@ class HolderPath:
             self._publish_log.fail(exc)
             self._forget(new_keys)
             return
+        except Exception as exc:
+            # Unknown outcome, as for a timeout: keep the blocks; the reaper unpublishes them.
+            self.stats.background_errors += 1
+            log.exception("pdxfer: publishing failed unexpectedly: %s", exc)
+            return
         self._publish_log.ok()
         # Entries the master did not accept stay held until retention: freeing them early would
         # be unsafe if the master accepted a different subset than we think.
@@ -331,55 +336,69 @@ class HolderPath:
             return len(self._held_block_refs)
 
     def _reap_loop(self) -> None:
-        """Unpublish chunks whose retention is over; sleeps until the next deadline (no polling)."""
-
+        """Unpublish chunks whose retention is over; sleeps until the next deadline (no polling).
+        Survives any error: a dead reaper would never return held blocks to vLLM."""
         while True:
-            with self._lock:
-                if self._closing:
-                    return
-                now = time.monotonic()
-                due = [k for k, h in self._held.items() if h.retain_until <= now]
-                if not due:
-                    nxt = min((h.retain_until for h in self._held.values()), default=None)
-                    self._wake.wait(None if nxt is None else max(nxt - now, 0.01))
-                    continue
-            assert self.node_id is not None
             try:
-                done = self._unpublish(self._bg, due)
-                self._master_unreachable_since = None
-                # The master reports keys it never had as gone, so "not removed" means locked.
-                # Past its retention an entry is never served, so no lock on it can be newer than
-                # its retention end: after a generous multiple of the lock TTL the key is freed
-                # anyway, a last resort should a master misbehave.
-                gone = set(done)
-                with self._lock:
-                    stale = [k for k in due if k not in gone and k in self._held
-                             and now - (self._held[k].retention_end or now) > self.stale_after_s]
-                if stale:
-                    log.warning("pdxfer: %d held chunks were never confirmed unpublished; freeing them",
-                                len(stale))
-                    done = list(done) + stale
-            except MasterError as exc:
-                done = []
-                t0 = self._master_unreachable_since = self._master_unreachable_since or now
-                # After lease + lock TTL without the master, it has dropped our entries and every
-                # lock it granted has expired: freeing can no longer hand a reader wrong bytes.
-                if now - t0 > self.cfg.lease_ttl_s + self.max_lock_ttl_s:
-                    log.warning("pdxfer: master unreachable for %.0f s (%s): freeing %d held chunks",
-                                now - t0, exc, len(due))
-                    done = due
-            self._forget(done, only_if_due=True)
-            with self._lock:
-                # Locked (or not yet unpublishable) chunks: try again shortly, not in a tight loop.
-                retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)
-                for k in due:
-                    h = self._held.get(k)
-                    if h is not None and h.retain_until <= now:  # not re-published meanwhile
-                        h.retention_end = h.retention_end or now
-                        h.retain_until = retry
-                if self._closing:
+                if self._reap_step():
                     return
-                self._wake.wait(0.05 if done else 0.0)
+            except Exception as exc:
+                self.stats.background_errors += 1
+                log.exception("pdxfer: the holder's reaper hit an unexpected error (retrying in 1 s): %s", exc)
+                with self._lock:
+                    if self._closing:
+                        return
+                    self._wake.wait(1.0)
+
+    def _reap_step(self) -> bool:
+        """One round of the reaper; True when the holder is closing."""
+        with self._lock:
+            if self._closing:
+                return True
+            now = time.monotonic()
+            due = [k for k, h in self._held.items() if h.retain_until <= now]
+            if not due:
+                nxt = min((h.retain_until for h in self._held.values()), default=None)
+                self._wake.wait(None if nxt is None else max(nxt - now, 0.01))
+                return False
+        assert self.node_id is not None
+        try:
+            done = self._unpublish(self._bg, due)
+            self._master_unreachable_since = None
+            # The master reports keys it never had as gone, so "not removed" means locked.
+            # Past its retention an entry is never served, so no lock on it can be newer than
+            # its retention end: after a generous multiple of the lock TTL the key is freed
+            # anyway, a last resort should a master misbehave.
+            gone = set(done)
+            with self._lock:
+                stale = [k for k in due if k not in gone and k in self._held
+                         and now - (self._held[k].retention_end or now) > self.stale_after_s]
+            if stale:
+                log.warning("pdxfer: %d held chunks were never confirmed unpublished; freeing them",
+                            len(stale))
+                done = list(done) + stale
+        except MasterError as exc:
+            done = []
+            t0 = self._master_unreachable_since = self._master_unreachable_since or now
+            # After lease + lock TTL without the master, it has dropped our entries and every
+            # lock it granted has expired: freeing can no longer hand a reader wrong bytes.
+            if now - t0 > self.cfg.lease_ttl_s + self.max_lock_ttl_s:
+                log.warning("pdxfer: master unreachable for %.0f s (%s): freeing %d held chunks",
+                            now - t0, exc, len(due))
+                done = due
+        self._forget(done, only_if_due=True)
+        with self._lock:
+            # Locked (or not yet unpublishable) chunks: try again shortly, not in a tight loop.
+            retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)
+            for k in due:
+                h = self._held.get(k)
+                if h is not None and h.retain_until <= now:  # not re-published meanwhile
+                    h.retention_end = h.retention_end or now
+                    h.retain_until = retry
+            if self._closing:
+                return True
+            self._wake.wait(0.05 if done else 0.0)
+        return False
 
     def _unpublish(self, client: Any, keys: list[bytes]) -> list[bytes]:
         """Keys the master no longer serves for us, after fencing every publish queued so far: a

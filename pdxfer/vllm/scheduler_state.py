@@ -19,6 +19,7 @@ class SchedulerStats:
     pressure_reclaims: int = 0
     late_publishes: int = 0  # publishes still in flight when the request's wait ran out
     unkeyable_requests: int = 0  # kept out: LoRA, multimodal inputs or prompt embeddings
+    background_errors: int = 0  # unexpected errors in the reaper or publisher (logged, survived)
 
 
 class EpisodeLog:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from pdxfer.layout import KVLayout, describe_kv_caches
 from pdxfer.plan import PeerPlanner
 from pdxfer.transport import create_transport, transport_options
-from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion
+from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
@@ -45,6 +45,7 @@ class _Inflight:
     error: str | None = None
     pending: list[tuple[HolderRef, Any]] = field(default_factory=list)  # reads awaiting a connection
     validation: Future | None = None  # the master's answer to release(): did the lock hold?
+    handle_nodes: list[str] = field(default_factory=list)  # holder of each handle, in order
     cancelled: bool = False
 
 
@@ -164,6 +165,7 @@ class WorkerSide:
             plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
             inf.nbytes += plan.total_bytes
             inf.handles.append(self.transport.read(peer, plan))
+            inf.handle_nodes.append(ref.node_id)
         except Exception as exc:
             inf.error = f"{type(exc).__name__}: {exc}"
 
@@ -237,6 +239,7 @@ class WorkerSide:
                 if state is None:
                     continue
                 if state == "failed" or not inf.spec.lock_id:
+                    self._drop_departed(inf)
                     self._release_unused(inf.spec.lock_id)
                     self._conclude(inf, False)
                     del self._inflight[req_id]
@@ -261,6 +264,25 @@ class WorkerSide:
             del self._inflight[req_id]
             out.add(req_id)
         return out
+
+    def connected_holders(self) -> list[str]:
+        """Holder node ids this reader keeps a transport connection to."""
+        with self._peers_lock:
+            return sorted(self._peers)
+
+    def _drop_departed(self, inf: _Inflight) -> None:
+        """Forget holders whose read failed because they are gone (their sockets, NIXL agents):
+        a reader must not keep one per holder that ever left. A later load reconnects."""
+        for h, node_id in zip(inf.handles, inf.handle_nodes):
+            if isinstance(h.error, (PeerDied, PeerUnreachable)):
+                with self._peers_lock:
+                    cached = self._peers.pop(node_id, None)
+                if cached is not None:
+                    try:
+                        self.transport.disconnect(cached[1])
+                    except Exception as exc:
+                        log.debug("pdxfer: disconnect from departed holder %s: %s", node_id, exc)
+                    log.info("pdxfer: dropped the connection to holder %s (%s)", node_id, h.error)
 
     def _release_unused(self, lock_id: str) -> None:
         """A failed load still pins its holder's entries at the master: let go, off the step path."""

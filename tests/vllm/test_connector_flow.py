@@ -352,7 +352,6 @@ def test_a_frozen_master_never_blocks_request_finished_at_the_cap(frozen_master_
     assert holder.sched.held_blocks <= 8
 
 
-@pytest.mark.xfail(strict=True, reason="hole 10: the reaper dies on unexpected errors")
 def test_the_reaper_survives_an_unexpected_error(pair, monkeypatch):
     """Issue 9, hole 10: one unexpected exception in the reaper must not stop held blocks from
     ever being returned (it used to end the thread silently)."""
@@ -375,7 +374,6 @@ def test_the_reaper_survives_an_unexpected_error(pair, monkeypatch):
     assert len(calls) >= 2 and holder.sched.stats.background_errors == 1
 
 
-@pytest.mark.xfail(strict=True, reason="hole 10: departed holders' connections are kept")
 def test_a_departed_holders_connection_is_dropped(pair):
     """Issue 9, hole 10: a reader keeps no connection (socket, NIXL agent) to a holder whose
     read failed because it is gone; a later load reconnects on its own."""
