@@ -5,6 +5,12 @@ chained BLAKE3 digest ``h_i = BLAKE3(h_{i-1} || tokens[i*C:(i+1)*C] as big-endia
 ``h_{-1}`` is the *root*, which is the digest of a :class:`Namespace`: two prompts only share
 keys when model, KV layout, tensor-parallel placement, chunk size and cache salt all agree.
 
+The partial chunk at the end of a prompt (1 to C-1 tokens) has a *tail key*
+``BLAKE3("pdxfer.tail" || h_last || count as big-endian uint32 || tokens)``: it names exactly
+those tokens after exactly that prefix, so only a request with the very same prompt finds it
+(what P/D needs: the decode reads everything the prefill computed), while prefix reuse across
+requests stays with full chunks.
+
 The builtin ``hash()`` is never used: it is seeded per process (LMCache's classic P/D bug).
 """
 
@@ -87,6 +93,20 @@ def _chain(prev: bytes, data: np.ndarray, chunk_tokens: int) -> list[bytes]:
     return out
 
 
+def tail_key(prev: bytes, tail_tokens: Any) -> bytes:
+    """Key of a prompt's partial last chunk: ``tail_tokens`` (1 or more tokens) after the chunk
+    (or root) whose key is ``prev``. Distinct from every full-chunk key (own domain, the count)."""
+    _check_root(prev)
+    data = _as_uint32_be(tail_tokens)
+    if len(data) == 0:
+        raise ValueError("a tail key names at least one token")
+    h = blake3.blake3(b"pdxfer.tail\x00")
+    h.update(bytes(prev))
+    h.update(len(data).to_bytes(4, "big"))
+    h.update(data.tobytes())
+    return h.digest()
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Everything that must match for two holders' KV bytes to be interchangeable.
@@ -167,6 +187,16 @@ class IncrementalHasher:
             self._hashes.extend(new)
             self._hashed_tokens = np.array(data[:full], copy=True)
         return list(self._hashes)
+
+    def tail(self, tokens: Any) -> bytes | None:
+        """Tail key of ``tokens`` (the whole prompt, as for ``update``), None when it ends on a
+        chunk boundary."""
+        data = _as_uint32_be(tokens)
+        hashes = self.update(data)
+        full = len(data) // self.chunk_tokens * self.chunk_tokens
+        if full == len(data):
+            return None
+        return tail_key(hashes[-1] if hashes else self.root, data[full:])
 
 
 def validate_keys(keys: Sequence[bytes]) -> None:

@@ -190,28 +190,38 @@ def build_plan(remote: KVLayout, remote_blocks: Sequence[int], local: KVLayout, 
 
 def pair_hit_blocks(first_chunk: int, chunk_holders: Sequence[tuple[str, Sequence[int]]], chunk_tokens: int,
                     block_size: int, start: int, end: int, local_blocks: Sequence[int],
-                    ) -> dict[str, tuple[list[int], list[int]]]:
+                    tail_tokens: int = 0) -> dict[str, tuple[list[int], list[int]]]:
     """Per holder node, (holder block ids, reader block ids) covering tokens ``[start, end)``.
 
-    ``chunk_holders[i]`` is (node id, that holder's block ids) of chunk ``first_chunk + i``;
-    ``local_blocks`` is the reader request's whole block table. ``start`` and ``end`` must be
-    block aligned and inside the hit: only whole blocks are copied.
+    ``chunk_holders[i]`` is (node id, that holder's block ids) of chunk ``first_chunk + i``; with
+    ``tail_tokens`` > 0 the last entry is a prompt's partial last chunk of that many tokens.
+    ``local_blocks`` is the reader request's whole block table. ``start`` must be block aligned;
+    an ``end`` inside a block copies that block whole: the caller computes the tokens past
+    ``end`` itself and never uses those bytes (that is how the prompt's last token is left out).
     """
     bs = block_size
-    if start % bs or end % bs or start < first_chunk * chunk_tokens or end < start:
-        raise LayoutError(f"token range [{start}, {end}) is not block aligned within the hit starting at "
-                          f"chunk {first_chunk}")
+    hit_end = (first_chunk + len(chunk_holders) - (1 if tail_tokens else 0)) * chunk_tokens + tail_tokens
+    if start % bs or start < first_chunk * chunk_tokens or end < start or end > hit_end:
+        raise LayoutError(f"token range [{start}, {end}) is not block aligned or lies outside the hit "
+                          f"[{first_chunk * chunk_tokens}, {hit_end})")
+    if tail_tokens and (chunk_tokens % bs or not 0 < tail_tokens < chunk_tokens):
+        raise LayoutError(f"a tail of {tail_tokens} tokens needs block size {bs} to divide chunk_tokens "
+                          f"{chunk_tokens} and fewer tokens than a chunk")
     remote_of: dict[int, tuple[str, int]] = {}
     for i, (node_id, ids) in enumerate(chunk_holders):
         span = chunk_span(first_chunk + i, chunk_tokens, bs)
-        if len(ids) != span.num_blocks:
-            raise LayoutError(f"chunk {first_chunk + i} has {len(ids)} holder blocks, expected {span.num_blocks}")
+        is_tail = tail_tokens and i == len(chunk_holders) - 1
+        want = -(-tail_tokens // bs) if is_tail else span.num_blocks
+        if len(ids) != want:
+            what = f"tail of chunk {first_chunk + i}" if is_tail else f"chunk {first_chunk + i}"
+            raise LayoutError(f"{what} has {len(ids)} holder blocks, expected {want}")
         for j, rb in enumerate(ids):
             remote_of[span.first_block + j] = (node_id, int(rb))
-    if end // bs > len(local_blocks):
-        raise LayoutError(f"tokens up to {end} need {end // bs} reader blocks, the request has {len(local_blocks)}")
+    last = -(-end // bs)
+    if last > len(local_blocks):
+        raise LayoutError(f"tokens up to {end} need {last} reader blocks, the request has {len(local_blocks)}")
     per_node: dict[str, tuple[list[int], list[int]]] = {}
-    for tb in range(start // bs, end // bs):
+    for tb in range(start // bs, last):
         if tb not in remote_of:
             raise LayoutError(f"block {tb} of the token range has no holder block in the hit")
         node_id, rb = remote_of[tb]

@@ -137,12 +137,20 @@ class HolderPath:
                     break
                 chunk_blocks.append(blocks)
             n_chunks = len(chunk_blocks)
-            if n_chunks == 0:
+            tail_blocks = self._tail_blocks(len(tokens), n_chunks, block_ids)
+            if n_chunks == 0 and tail_blocks is None:
                 return
             if hasher is None:
                 hasher = new_hasher()
             t0 = time.perf_counter()
-            keys = hasher.update(list(tokens[: n_chunks * C]))[:n_chunks]
+            keys = hasher.update(list(tokens))[:n_chunks]
+            if tail_blocks is not None:
+                # The partial last chunk: a decode of this very prompt then loads everything but
+                # its last token, not just the full chunks.
+                tail = hasher.tail(list(tokens))
+                if tail is not None:
+                    keys.append(tail)
+                    chunk_blocks.append(tail_blocks)
             t1 = time.perf_counter()
             self._publish(keys, chunk_blocks)
             t2 = time.perf_counter()
@@ -151,6 +159,18 @@ class HolderPath:
                             req_id, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
         except Exception as exc:  # publishing is best effort; never fail vLLM's request
             log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
+
+    def _tail_blocks(self, n_tokens: int, n_chunks: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
+        """Blocks of the tokens after the last full chunk, when they are the whole rest of the
+        request and blocks tile chunks (the last block is partly filled), else None."""
+        C, bs = self.cfg.chunk_tokens, self.block_size
+        start = n_chunks * C
+        if C % bs or n_tokens <= start or n_tokens - start >= C:
+            return None
+        end_block = -(-n_tokens // bs)
+        if end_block > len(block_ids):
+            return None
+        return tuple(int(b) for b in block_ids[start // bs:end_block])
 
     def _chunk_blocks(self, chunk: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
         span = chunk_span(chunk, self.cfg.chunk_tokens, self.block_size)

@@ -32,6 +32,7 @@ class _Lookup:
     locations: list[Any]
     nodes: dict[str, Any]
     expires_at: float  # wall clock
+    tail_tokens: int = 0  # > 0: the last location is the prompt's partial last chunk
 
 
 class ReaderPath:
@@ -57,6 +58,8 @@ class ReaderPath:
         self._lookup_log = EpisodeLog("master lookups")
         self._backoff_until = 0.0
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-release")
+        # Tails are whole blocks after the last full chunk: only when blocks tile chunks.
+        self._tails = cfg.chunk_tokens % block_size == 0
 
     # ------------------------------------------------------------------ lookup
 
@@ -81,20 +84,27 @@ class ReaderPath:
             if prev.local_tokens == local and prev.expires_at - time.time() > self.cfg.lookup_timeout_s + 0.5:
                 return max(prev.hit_end - local, 0), prev.hit_end > local
             self.drop_lookup(req_id)
-        # At least one token must be computed here: never offer the whole prompt.
-        max_chunks = (num_tokens - 1) // C
+        # At least one token must be computed here (vLLM samples from it): never the whole prompt.
+        last = num_tokens - 1
         first = local // C
-        if max_chunks <= first:
+        if last <= local:
             return 0, False
         now_mono = time.monotonic()
         if now_mono < self._backoff_until:
             return 0, False
-        keys = self._hasher(req_id, cache_salt).update(list(tokens[: max_chunks * C]))
+        hasher = self._hasher(req_id, cache_salt)
+        prompt = list(tokens[:num_tokens])
+        keys = hasher.update(prompt)  # every full chunk of the prompt
+        # The partial last chunk too: the prefill that computed this very prompt published it.
+        tail = hasher.tail(prompt) if self._tails else None
+        want = keys[first:] + ([tail] if tail is not None else [])
+        if not want:
+            return 0, False
         ttl = test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s
 
         self.stats.lookups += 1
         try:
-            res = self._hot.lookup_and_lock(keys[first:max_chunks], self.reader_id, lock_ttl_s=ttl)
+            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl)
         except MasterError as exc:
             self.stats.master_errors += 1
             self._lookup_log.fail(exc)
@@ -106,8 +116,14 @@ class ReaderPath:
         lk = _Lookup(res.lock_id, local, first, 0, list(res.locations), dict(res.nodes),
                      time.time() + res.lock_ttl_s)
         usable = self._usable_chunks(lk)
-        hit_end = (first + usable) * C
-        hit_end -= hit_end % self.block_size  # only whole local blocks can be filled
+        hit_end = (first + min(usable, len(keys) - first)) * C
+        if tail is not None and usable == len(want):
+            lk.tail_tokens = num_tokens - len(keys) * C
+            hit_end = num_tokens
+        if hit_end >= last:
+            hit_end = last  # the last block is read whole; the last token is computed here
+        else:
+            hit_end -= hit_end % self.block_size  # only whole local blocks can be filled
         if hit_end <= local:
             self._release_async(res.lock_id)
             return 0, False
@@ -152,7 +168,8 @@ class ReaderPath:
         covered = tuple(int(b) for b in block_ids[max(start, 0) // bs: -(-lk.hit_end // bs)])
         try:
             per_node = pair_hit_blocks(lk.first_chunk, [(loc.node_id, loc.block_ids) for loc in lk.locations],
-                                       self.cfg.chunk_tokens, bs, start, lk.hit_end, block_ids)
+                                       self.cfg.chunk_tokens, bs, start, lk.hit_end, block_ids,
+                                       tail_tokens=lk.tail_tokens)
             for node_id in per_node:
                 n = lk.nodes[node_id]
                 self._pending_nodes[node_id] = HolderRef(node_id, n.transport, bytes(n.transport_metadata),

@@ -149,3 +149,24 @@ def test_validate_keys():
     validate_keys([bytes(32)])
     with pytest.raises(ValueError, match="key 1"):
         validate_keys([bytes(32), b"x"])
+
+
+def test_tail_key_names_exactly_those_tokens_after_that_prefix():
+    import struct
+
+    import blake3
+
+    from pdxfer.keys import IncrementalHasher, chunk_hashes, tail_key
+
+    toks = list(range(1000, 1000 + 2 * 256 + 7))
+    full = chunk_hashes(toks, 256)
+    want = blake3.blake3(b"pdxfer.tail\x00" + full[-1] + struct.pack(">I", 7)
+                         + struct.pack(">7I", *toks[512:])).digest()
+    assert tail_key(full[-1], toks[512:]) == want  # an independent computation of the format
+    assert IncrementalHasher(256).tail(toks) == want
+    assert IncrementalHasher(256).tail(toks[:512]) is None  # on a chunk boundary: no tail
+    assert tail_key(full[-1], toks[512:-1]) != want  # one token fewer: another key
+    assert tail_key(full[0], toks[512:]) != want  # the same tokens after another prefix
+    assert want not in full and tail_key(bytes(32), toks[:256]) != full[0]  # never a chunk key
+    with pytest.raises(ValueError, match="at least one token"):
+        tail_key(full[-1], [])

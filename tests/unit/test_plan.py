@@ -23,9 +23,11 @@ def test_pair_hit_blocks_refuses_what_it_cannot_place():
     holders = [("a", [10, 11])]
     with pytest.raises(LayoutError, match="not block aligned"):
         pair_hit_blocks(0, holders, 256, 128, 100, 256, list(range(4)))
+    # An end inside a block copies that block whole (the reader computes the rest itself).
+    assert pair_hit_blocks(0, holders, 256, 128, 0, 200, list(range(4))) == {"a": ([10, 11], [0, 1])}
     with pytest.raises(LayoutError, match="has 1 holder blocks, expected 2"):
         pair_hit_blocks(0, [("a", [10])], 256, 128, 0, 256, list(range(4)))
-    with pytest.raises(LayoutError, match="no holder block"):
+    with pytest.raises(LayoutError, match="outside the hit"):
         pair_hit_blocks(0, holders, 256, 128, 0, 512, list(range(4)))
     with pytest.raises(LayoutError, match="the request has 1"):
         pair_hit_blocks(0, holders, 256, 128, 0, 256, [7])
@@ -38,3 +40,18 @@ def test_peer_planner_checks_the_pair_once_and_plans_like_build_plan():
     other = describe_kv_caches(make_caches(CPU, 3, 16, 16, dtype=torch.float32))
     with pytest.raises(LayoutError, match="layouts differ"):
         PeerPlanner(lay, other)  # refused at connect, before any read is planned
+
+
+def test_a_tail_copies_its_last_block_whole_and_only_to_the_prompts_end():
+    # Chunk 0 full on node a, then a 200-token tail (2 blocks of 128, the last one partial).
+    holders = [("a", [10, 11]), ("a", [12, 13])]
+    local = list(range(100, 110))
+    # The reader needs tokens [0, 455): every prompt token (456) but the last.
+    pairs = pair_hit_blocks(0, holders, 256, 128, 0, 455, local, tail_tokens=200)
+    assert pairs == {"a": ([10, 11, 12, 13], [100, 101, 102, 103])}
+    # A prompt shorter than one chunk: the tail alone, chained from the root.
+    assert pair_hit_blocks(0, [("b", [7])], 256, 128, 0, 99, local, tail_tokens=100) == {"b": ([7], [100])}
+    with pytest.raises(LayoutError, match="tail of chunk 1 has 1 holder blocks, expected 2"):
+        pair_hit_blocks(0, [("a", [10, 11]), ("a", [12])], 256, 128, 0, 455, local, tail_tokens=200)
+    with pytest.raises(LayoutError, match="outside the hit"):  # past the tail's last token
+        pair_hit_blocks(0, holders, 256, 128, 0, 457, local, tail_tokens=200)
