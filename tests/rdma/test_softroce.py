@@ -1,0 +1,60 @@
+"""The rdma tier: boots the soft-RoCE guest once (tools/softroce) and runs the ``guest_*.py``
+modules inside it, where NIXL/UCX READs cross between two rxe devices over rc_verbs.
+
+Runs (never skips) as root on a machine with apt-get: the testbed installs what it needs. Skips
+with the reason otherwise. Takes 3-6 minutes on a loaded 2-core host (QEMU TCG, no KVM).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "softroce"))
+import testbed  # noqa: E402
+
+GUEST_MODULES = ("tests/rdma/guest_devices.py", "tests/rdma/guest_conformance.py", "tests/rdma/guest_e2e.py")
+GUEST_TIMEOUT = 1200.0
+# NIXL's bundled libibverbs only searches /usr/lib64/libibverbs for providers and cannot load the
+# distribution's rxe provider; preloading the distribution's libibverbs lets UCX's verbs calls
+# resolve to a copy that can (docs/softroce.md).
+GUEST_PRELUDE = "export LD_PRELOAD=$(ldconfig -p | awk '/libibverbs.so.1 .*x86-64/{print $NF; exit}')"
+
+
+def _why_not_runnable() -> str | None:
+    if os.geteuid() != 0:
+        return "the soft-RoCE guest needs root (QEMU, apt-get for its packages)"
+    if testbed.missing_packages() and not shutil.which("apt-get"):
+        return f"missing Debian packages {testbed.missing_packages()} and no apt-get to install them"
+    return None
+
+
+@pytest.mark.rdma
+@pytest.mark.timeout(GUEST_TIMEOUT + 120)
+def test_rdma_tier_inside_the_softroce_guest():
+    reason = _why_not_runnable()
+    if reason:
+        pytest.skip(reason)
+    modules = [m for m in GUEST_MODULES if (REPO / m).exists()]
+    cmd = f"{GUEST_PRELUDE}\nexec python -m pytest {' '.join(modules)} -v -rA -p no:cacheprovider --durations=10"
+    out = io.StringIO()
+    t0 = time.monotonic()
+    rc = testbed.run_in_guest(cmd, REPO, Path(sys.prefix), timeout=GUEST_TIMEOUT, sink=out)
+    text = out.getvalue()
+    log = testbed.cache_dir(REPO) / "last-rdma-tier.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(text)
+    print(f"guest tier took {time.monotonic() - t0:.0f} s; full output in {log}")
+    summary = re.findall(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s", text, re.M)
+    assert rc == 0, f"guest pytest rc {rc} ({summary}); tail of {log}:\n{text[-6000:]}"
+    assert summary and "passed" in summary[-1], f"no pytest summary from the guest:\n{text[-3000:]}"
+    for word in ("failed", "skipped", "error", "deselected"):
+        assert word not in summary[-1], f"guest tier: {summary[-1]}\n{text[-6000:]}"
