@@ -37,12 +37,53 @@ def _why_not_runnable() -> str | None:
     return None
 
 
-@pytest.mark.rdma
-@pytest.mark.timeout(GUEST_TIMEOUT + 120)
-def test_rdma_tier_inside_the_softroce_guest():
+def _needs_guest() -> None:
     reason = _why_not_runnable()
     if reason:
         pytest.skip(reason)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text.encode() in (d / "cmdline").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.rdma
+@pytest.mark.timeout(300)
+def test_testbed_returns_the_commands_output_and_status():
+    _needs_guest()
+    out = io.StringIO()
+    rc = testbed.run_in_guest("echo from-the-guest $(cat /sys/class/infiniband/rxe1/ports/1/state); exit 7",
+                              REPO, Path(sys.prefix), timeout=240, sink=out)
+    assert rc == 7, out.getvalue()[-3000:]
+    assert "from-the-guest 4: ACTIVE" in out.getvalue()
+
+
+@pytest.mark.rdma
+@pytest.mark.timeout(120)
+def test_testbed_kills_the_guest_when_its_time_is_up():
+    _needs_guest()
+    out = io.StringIO()
+    t0 = time.monotonic()
+    rc = testbed.run_in_guest("sleep 600", REPO, Path(sys.prefix), timeout=4, sink=out)
+    assert rc == 124 and time.monotonic() - t0 < 30, out.getvalue()[-3000:]
+    rundir = re.search(r"run directory kept: (\S+)", out.getvalue())
+    assert rundir, out.getvalue()[-3000:]
+    assert _processes_mentioning(rundir.group(1)) == [], "qemu survived the timeout"
+    shutil.rmtree(rundir.group(1), ignore_errors=True)
+
+
+@pytest.mark.rdma
+@pytest.mark.timeout(GUEST_TIMEOUT + 120)
+def test_rdma_tier_inside_the_softroce_guest():
+    _needs_guest()
     modules = [m for m in GUEST_MODULES if (REPO / m).exists()]
     cmd = f"{GUEST_PRELUDE}\nexec python -m pytest {' '.join(modules)} -v -rA -p no:cacheprovider --durations=10"
     out = io.StringIO()

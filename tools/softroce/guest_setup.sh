@@ -28,8 +28,9 @@ ip rule add pref 100 iif lo to 192.168.77.2 table 77
 ip rule add pref 101 iif lo to 192.168.77.1 table 78
 ip rule add pref 1000 table local
 ip rule del pref 0
-for c in all default sr0 sr1; do
-  sysctl -qw "net.ipv4.conf.$c.rp_filter=0" "net.ipv4.conf.$c.accept_local=1"
+for c in all default sr0 sr1; do  # /proc directly: procps (sysctl) may not be installed
+  echo 0 >"/proc/sys/net/ipv4/conf/$c/rp_filter"
+  echo 1 >"/proc/sys/net/ipv4/conf/$c/accept_local"
 done
 mac() { cat "/sys/class/net/$1/address"; }
 ip neigh replace 192.168.77.2 lladdr "$(mac sr1)" dev sr0 nud permanent

@@ -15,6 +15,7 @@ Stdlib only: it runs with the system python3, before any venv exists.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shlex
 import shutil
@@ -92,6 +93,14 @@ def cache_dir(repo: Path) -> Path:
     return Path(env) if env else repo / ".pdxfer-run" / "softroce"
 
 
+def _die_with_runner() -> None:
+    """In the qemu child: SIGKILL when the runner dies (a killed runner must not leave a guest)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """Kill qemu's whole process group and reap it (bounded)."""
     if proc.poll() is None:
@@ -157,8 +166,9 @@ def run_in_guest(command: str, repo: Path, venv: Path | None = None, timeout: fl
         "-virtfs", f"local,path={rundir},mount_tag=xfer,security_model=none",
     ]
     t0 = time.monotonic()
-    proc = subprocess.Popen(qemu, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with open(rundir / "qemu.log", "wb") as qlog:  # a file, not a pipe: nothing can block qemu
+        proc = subprocess.Popen(qemu, stdin=subprocess.DEVNULL, stdout=qlog, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_die_with_runner)
     pos = 0
     try:
         while proc.poll() is None:
@@ -170,11 +180,9 @@ def run_in_guest(command: str, repo: Path, venv: Path | None = None, timeout: fl
             pos = _tail(rundir / "out", pos, sink)
             time.sleep(0.5)
         pos = _tail(rundir / "out", pos, sink)
-        qemu_out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
     finally:
         _kill_group(proc)
-        if proc.stdout:
-            proc.stdout.close()
+    qemu_out = (rundir / "qemu.log").read_text(errors="replace")
     rc_file = rundir / "rc"
     if not rc_file.exists():
         sink.write(f"\nsoftroce: the guest stopped without a result (qemu rc {proc.returncode}) {qemu_out[-2000:]}\n")
@@ -190,7 +198,7 @@ def run_in_guest(command: str, repo: Path, venv: Path | None = None, timeout: fl
 
 
 def _report_boot(rundir: Path, sink) -> None:
-    for name in ("setup.log", "console.log"):
+    for name in ("qemu.log", "setup.log", "console.log"):
         p = rundir / name
         if p.exists():
             sink.write(f"--- softroce {name} (last 3000 chars) ---\n{p.read_text(errors='replace')[-3000:]}\n")
