@@ -42,7 +42,7 @@ def ib_read_bw(size: int, iters: int, port: int, timeout: float = 120.0) -> floa
         except subprocess.TimeoutExpired:
             srv.kill()
             srv.wait(10)
-    m = re.search(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", cli.stdout, re.M)
+    m = re.search(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", cli.stdout, re.MULTILINE)
     if cli.returncode != 0 or not m:
         raise RuntimeError(f"ib_read_bw -s {size} failed (rc {cli.returncode}): {cli.stdout[-1500:]} {cli.stderr[-500:]}")
     return float(m.group(4)) / 8.0  # Gb/s -> GB/s
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.inside:
         return inside(a.repeats)
     sys.path.insert(0, str(REPO / "tools" / "softroce"))
-    import testbed  # noqa: PLC0415 - stdlib-only runner next to this repo
+    import testbed
 
     prelude = "export LD_PRELOAD=$(ldconfig -p | awk '/libibverbs.so.1 .*x86-64/{print $NF; exit}')"
     sink = io.StringIO()
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text[-5000:], file=sys.stderr)
         return rc or 1
     rows = json.loads(found[-1][len(MARK):])
-    from pdxfer.probe import report  # noqa: PLC0415 - the probe's own columns, as on TCP
+    from pdxfer.probe import report
 
     print(report.HEADER)
     for row in rows:

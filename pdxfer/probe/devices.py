@@ -23,9 +23,10 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 # Where Debian's python3-pyverbs lives. It is built for the system Python; a venv of the same
 # minor version can import it, but adding the whole directory to sys.path would also shadow the

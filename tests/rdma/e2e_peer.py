@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-id", required=True)
     ap.add_argument("--seed", type=int, default=7)
     a = ap.parse_args(argv)
-    whole, caches = kv_cache(a.seed)
+    _whole, caches = kv_cache(a.seed)  # the views keep the allocation alive
     layout = layout_of(caches)
     t = create_transport("nixl")
     t.register([RegisteredRegion(r.index, r.ptr, r.nbytes) for r in layout.regions])

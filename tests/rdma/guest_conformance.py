@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.transport.conftest import REPO, HOLDER_SIZES, MiB, Holder, Reader, child_env, read_line, start_holder, stop
+from tests.transport.conftest import HOLDER_SIZES, REPO, Holder, MiB, Reader, child_env, read_line, start_holder, stop
 from tests.transport.test_conformance import (  # noqa: F401  (collected here, with these fixtures)
     test_4096_scattered_runs_exact,
     test_holder_killed_mid_read_gives_typed_error_in_time,

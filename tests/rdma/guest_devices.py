@@ -5,10 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from pdxfer.probe import devices
 
 from .conftest import HOLDER_DEV, READER_DEV
+
+
+def _wait_active(dev: str, timeout: float = 20.0) -> None:
+    state = Path(f"/sys/class/infiniband/{dev}/ports/1/state")
+    deadline = time.monotonic() + timeout
+    while "ACTIVE" not in state.read_text():
+        assert time.monotonic() < deadline, f"{dev} port 1 not ACTIVE {timeout} s after its netdev came up"
+        time.sleep(0.1)
 
 
 def test_pyverbs_sees_two_active_rxe_devices_with_roce_v2_gids():
@@ -49,5 +59,6 @@ def test_probe_devices_warns_when_a_port_goes_down():
                              capture_output=True, text=True, timeout=120)
     finally:
         subprocess.run(["ip", "link", "set", netdev, "up"], check=True, timeout=30)
+        _wait_active(HOLDER_DEV)  # the conformance cases after this one need the port back
     assert res.returncode == 1, res.stdout
     assert f"WARNING: {HOLDER_DEV} port 1: state DOWN" in res.stdout, res.stdout

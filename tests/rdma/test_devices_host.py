@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 from pdxfer.probe import devices
-
 from tests.transport.conftest import REPO, child_env
 
 

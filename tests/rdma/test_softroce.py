@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "softroce"))
-import testbed  # noqa: E402
+import testbed
 
 GUEST_MODULES = ("tests/rdma/guest_devices.py", "tests/rdma/guest_conformance.py", "tests/rdma/guest_e2e.py")
 GUEST_TIMEOUT = 1200.0
@@ -94,7 +94,7 @@ def test_rdma_tier_inside_the_softroce_guest():
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(text)
     print(f"guest tier took {time.monotonic() - t0:.0f} s; full output in {log}")
-    summary = re.findall(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s", text, re.M)
+    summary = re.findall(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s", text, re.MULTILINE)
     assert rc == 0, f"guest pytest rc {rc} ({summary}); tail of {log}:\n{text[-6000:]}"
     assert summary and "passed" in summary[-1], f"no pytest summary from the guest:\n{text[-3000:]}"
     for word in ("failed", "skipped", "error", "deselected"):

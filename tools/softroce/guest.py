@@ -62,9 +62,9 @@ class Kernel:
 
 
 def find_kernel(boot: str = "/boot", modroot: str = "/lib/modules") -> Kernel | None:
-    """The newest installed Debian 6.1 kernel package with rdma_rxe, or None."""
+    """The newest installed kernel package that has rdma_rxe (Debian 12: 6.1), or None."""
     found = []
-    for vmlinuz in glob.glob(os.path.join(boot, "vmlinuz-6.1.*")):
+    for vmlinuz in glob.glob(os.path.join(boot, "vmlinuz-*")):
         ver = os.path.basename(vmlinuz)[len("vmlinuz-"):]
         mods = Path(modroot, ver)
         if (mods / "modules.dep").exists() and list(mods.rglob("rdma_rxe.ko*")):

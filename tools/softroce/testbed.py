@@ -28,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import guest  # noqa: E402  (sibling module; this file also runs as a plain script)
+import guest
 
 # Debian package -> a file it provides that proves it is installed.
 PACKAGES = {
@@ -140,7 +140,8 @@ def run_in_guest(command: str, repo: Path, venv: Path | None = None, timeout: fl
     kernel = guest.find_kernel()
     busybox = guest.static_busybox()
     if kernel is None or busybox is None:
-        raise TestbedError("no Debian 6.1 kernel with rdma_rxe in /boot + /lib/modules, or no static busybox")
+        raise TestbedError("no kernel with rdma_rxe in /boot + /lib/modules (apt-get install linux-image-amd64), "
+                          "or no static busybox (apt-get install busybox-static)")
     cache = cache_dir(repo)
     initrd = guest.build_initramfs(kernel, busybox, cache)
     cache.mkdir(parents=True, exist_ok=True)
