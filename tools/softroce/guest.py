@@ -34,6 +34,9 @@ mkdir -p /host
 if ! mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,cache=loose,ro hostroot /host; then
   echo "softroce-init: cannot mount the host root over 9p"; reboot -f
 fi
+# A second view of the host root, taken before the tmpfs mounts hide /tmp, /var/tmp and /run.
+mkdir -p /ro
+mount --bind /host /ro
 for d in tmp var/tmp run; do mount -t tmpfs -o mode=1777 tmpfs /host/$d; done
 mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
@@ -45,6 +48,10 @@ mkdir -p /host/run/softroce
 if ! mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 xfer /host/run/softroce; then
   echo "softroce-init: cannot mount the run directory over 9p"; reboot -f
 fi
+# Paths the command needs that live under a hidden directory (a CI clone in /tmp, say).
+for p in $(cat /host/run/softroce/binds); do
+  mkdir -p "/host$p" && mount --bind "/ro$p" "/host$p" || echo "softroce-init: cannot bind $p"
+done
 echo "softroce-init: chroot"
 chroot /host /bin/sh /run/softroce/guest_setup.sh
 echo "softroce-init: done rc=$?"
@@ -152,3 +159,17 @@ def static_busybox() -> Path | None:
 
 def copy_setup_script(src: Path, rundir: Path) -> None:
     shutil.copy(src, rundir / "guest_setup.sh")
+
+
+# Directories the guest covers with tmpfs (writable there, but the host's content is hidden).
+HIDDEN = ("/tmp", "/var/tmp", "/run")
+
+
+def binds_for(paths: list[Path]) -> list[str]:
+    """Those of ``paths`` (resolved) that lie under a hidden directory: the guest binds them back."""
+    out: list[str] = []
+    for p in paths:
+        r = str(p.resolve())
+        if any(r == h or r.startswith(h + "/") for h in HIDDEN) and r not in out:
+            out.append(r)
+    return out

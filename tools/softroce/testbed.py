@@ -155,6 +155,8 @@ def run_in_guest(command: str, repo: Path, venv: Path | None = None, timeout: fl
         "SOFTROCE_VENV": str(venv or ""),
         "SOFTROCE_REPO": str(repo),
     }
+    needed = [repo] + ([venv, (venv / "bin" / "python").resolve().parent.parent] if venv else [])
+    (rundir / "binds").write_text("".join(f"{b}\n" for b in guest.binds_for(needed)))
     (rundir / "env").write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env_lines.items()))
     (rundir / "cmd").write_text(f"export PATH={shlex.quote(path)}\"$PATH\"\n{command}\n")
     qemu = [
