@@ -38,7 +38,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def master_worker(address: str, prompt: int, n_keys: int, iters: int, warmup: int, barrier, out) -> None:
-    from pdxfer.master.client import MasterClient
+    from pdxfer.master import MasterClient
 
     keys = _keys(prompt, n_keys)
     c = MasterClient(address, timeout_s=5.0)
@@ -159,7 +159,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from pdxfer.master.client import MasterClient, NodeInfo, start_local_master
+    from pdxfer.master import MasterClient, NodeInfo, start_local_master
     from pdxfer.master.local_etcd import LocalEtcd
 
     ctx = mp.get_context("spawn")  # grpc (aetcd) must not be forked

@@ -38,20 +38,17 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdxfer.procs import default_run_dir, free_port  # noqa: E402
+from pdxfer.transport import KINDS  # noqa: E402
 from pdxfer.vllm.launch import (  # noqa: E402
-    Component,
     Stack,
     TRANSFER_COUNTER,
-    default_run_dir,
-    default_tiny_model_dir,
-    free_port,
-    make_tiny_model,
     pdxfer_kv_config,
     read_prom_counter,
-    start_master,
     split_cores,
-    start_vllm,
 )
+from pdxfer.vllm.serve_shim import served_model_name  # noqa: E402
+from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PDXFER_HIST = "vllm:pdxfer_load_seconds"
@@ -172,16 +169,12 @@ def start_config(name: str, args: argparse.Namespace, model_dir: Path, log_dir: 
     vargs = list(args.vllm_arg)
     try:
         if name == "plain":
-            port = free_port()
-            proc = start_vllm(model_dir, port, None, args.prefill_cpus, log_dir, vargs, env,
-                              name="plain")
-            urls["plain"] = f"http://127.0.0.1:{port}"
-            stack.add(Component("plain", proc, urls["plain"] + "/health", url=urls["plain"]))
+            urls["plain"] = stack.add_vllm("plain", model_dir, log_dir, None, args.prefill_cpus,
+                                           vargs, env)
             return stack, urls
         roles: list[tuple[str, dict, str, dict[str, str]]] = []
         if name == "pdxfer":
-            mproc, master = start_master(log_dir)
-            stack.add(Component("master", mproc, None, url=master))
+            master = stack.add_master(log_dir)
             roles = [("prefill", pdxfer_kv_config("kv_producer", master, args.transport),
                       args.prefill_cpus, {}),
                      ("decode", pdxfer_kv_config("kv_consumer", master, args.transport),
@@ -196,11 +189,8 @@ def start_config(name: str, args: argparse.Namespace, model_dir: Path, log_dir: 
         else:
             raise ValueError(f"unknown configuration {name!r}")
         for role, cfg, cpus, role_env in roles:
-            port = free_port()
-            proc = start_vllm(model_dir, port, cfg, cpus, log_dir, vargs, {**env, **role_env},
-                              name=f"{name}-{role}")
-            urls[role] = f"http://127.0.0.1:{port}"
-            stack.add(Component(f"{name}-{role}", proc, urls[role] + "/health", url=urls[role]))
+            urls[role] = stack.add_vllm(f"{name}-{role}", model_dir, log_dir, cfg, cpus, vargs,
+                                        {**env, **role_env})
         return stack, urls
     except BaseException:
         stack.stop(5)
@@ -316,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="measurements per length and config")
     ap.add_argument("--warmup", type=int, default=2, help="discarded rounds over all lengths")
     ap.add_argument("--configs", default="plain,pdxfer,nixl")
-    ap.add_argument("--transport", choices=("tcp", "nixl"), default="tcp", help="pdxfer transport")
+    ap.add_argument("--transport", choices=KINDS, default="tcp", help="pdxfer transport")
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=2.0, help="pause before the idle window")
     ap.add_argument("--prefill-cpus", default=None, help="plain + prefill cores (default: first half)")
@@ -338,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model or make_tiny_model(default_tiny_model_dir())
     cfg = json.loads((model_dir / "config.json").read_text())
-    model = "tiny" if (model_dir / ".pdxfer-tiny-model").exists() else model_dir.name
+    model = served_model_name(model_dir)
     if max(args.lengths) + 2 > cfg.get("max_position_embeddings", 1 << 30):
         ap.error("a prompt length exceeds the model's max_position_embeddings")
     log_dir = (args.log_dir or default_run_dir() / time.strftime("bench-pd-%Y%m%d-%H%M%S")).resolve()

@@ -17,7 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
-from pdxfer.layout import CPU, KVLayout, Region, Segment, build_plan, blocks_for_chunks
+from pdxfer.layout import CPU, KVLayout, Region, Segment
+from pdxfer.plan import build_plan, blocks_for_chunks
 
 
 def synthetic_layout(layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> KVLayout:

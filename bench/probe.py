@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pdxfer.transport import KINDS  # noqa: E402
+from pdxfer.transport.nixl.env import apply_ucx_env  # noqa: E402
 STANDARD_BLOCKS = "4KiB,16KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB"
 STANDARD_BATCHES = "1,64,4096"
 QUICK_BLOCKS = "32KiB,1MiB,16MiB"
@@ -38,10 +42,17 @@ QUICK_BATCHES = "1,4096"
 
 
 def available(kind: str) -> bool:
-    env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"))
-    r = subprocess.run([sys.executable, "-c", f"import pdxfer.transport.{kind}"], env=env, cwd=REPO,
-                       capture_output=True, timeout=120)
+    """The registry's check, in a child (it may load NIXL, which this process never needs)."""
+    code = f"import sys; from pdxfer.transport import unavailable_reason as u; sys.exit(u({kind!r}) is not None)"
+    r = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO, capture_output=True, timeout=120)
     return r.returncode == 0
+
+
+def child_env(extra: dict | None = None) -> dict:
+    """This environment plus ``extra``, the UCX rule applied and this checkout importable."""
+    env = apply_ucx_env(dict(os.environ, **(extra or {})))
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
 
 
 def probe(kind: str, blocks: str, batches: str, label: str | None = None, env_extra: dict | None = None,
@@ -56,11 +67,8 @@ def probe(kind: str, blocks: str, batches: str, label: str | None = None, env_ex
         cmd.append("--cpu")
     if label:
         cmd += ["--label", label]
-    env = dict(os.environ, **(env_extra or {}))
-    env.setdefault("UCX_MODULES", "^ib")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     try:
-        subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=timeout)
+        subprocess.run(cmd, env=child_env(env_extra), cwd=REPO, check=True, timeout=timeout)
         with open(out) as f:
             return json.load(f)
     finally:
@@ -125,7 +133,7 @@ def main() -> int:
     args = ap.parse_args()
     blocks, batches = (QUICK_BLOCKS, QUICK_BATCHES) if args.quick else (STANDARD_BLOCKS, STANDARD_BATCHES)
     t0 = time.monotonic()
-    kinds = [k for k in ("tcp", "nixl") if available(k)]
+    kinds = [k for k in KINDS if available(k)]
     rows: list[dict] = []
     for kind in kinds:
         print(f"== {kind}: matrix {blocks} x {batches}", flush=True)
@@ -164,7 +172,6 @@ def main() -> int:
             print(f"  {name:<40} {val:.2f}  (CPU s/GB reader+holder; > 1 favours pdxfer tcp)")
     print(f"wrote {args.json} ({len(rows)} rows, {doc['seconds']}s)")
     if args.plot:
-        sys.path.insert(0, str(REPO))
         from pdxfer.probe.report import plot
 
         plot([r for r in rows if r["batch"] in (1, 4096)], args.plot)

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pdxfer.transport import KINDS
+
 # name -> ("module:function", help). The function takes an argv list (or None) and returns an int.
 FORWARDED: dict[str, tuple[str, str]] = {
     "master": ("pdxfer.master.service:main", "run the pdxfer master (same as pdxfer-master)"),
@@ -36,7 +38,7 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", help="model directory (config.json, weights, tokenizer)")
     p.add_argument("--make-tiny-model", metavar="DIR",
                    help="build (or reuse) the tiny random Llama in DIR and serve it")
-    p.add_argument("--transport", choices=("tcp", "nixl"), default="tcp",
+    p.add_argument("--transport", choices=KINDS, default="tcp",
                    help="KV transport between the instances (default tcp)")
     p.add_argument("--port", type=int, default=8000, help="proxy port on 127.0.0.1 (0: any free)")
     p.add_argument("--no-connector", action="store_true",
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(rc or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "make-tiny-model":
-        from pdxfer.vllm.launch import make_tiny_model
+        from pdxfer.vllm.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.out_dir, seed=args.seed))
         return 0

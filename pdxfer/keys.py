@@ -169,11 +169,6 @@ class IncrementalHasher:
         return list(self._hashes)
 
 
-def format_key(key: bytes) -> str:
-    """Short printable form for logs."""
-    return key[:8].hex()
-
-
 def validate_keys(keys: Sequence[bytes]) -> None:
     for i, k in enumerate(keys):
         if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:

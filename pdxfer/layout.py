@@ -1,4 +1,4 @@
-"""KV cache layouts, chunk-to-block maps and transfer plans.
+"""KV cache layouts: what vLLM's KV tensors look like as registered memory.
 
 A vLLM KV cache is described as *regions* (distinct registered allocations; layer tensors that
 are views of one allocation share a region) and *segments* (one per layer, or two per layer
@@ -6,11 +6,8 @@ when K and V live apart): block ``b`` of a segment is the byte range
 ``[base + b*block_stride, base + b*block_stride + block_bytes)`` of its region. Blocks are
 opaque bytes: the order of tokens inside a block is never assumed (on CPU, K is transposed).
 
-A transfer plan is a list of runs ``(remote region, offset) -> (local region, offset, nbytes)``
-in region-relative offsets, so it is independent of where either side mapped its memory; each
-transport turns region indices into whatever its wire needs. Runs that are adjacent on both
-sides are coalesced, which is what keeps descriptor counts (the limit NixlConnector hits)
-low when vLLM hands out consecutive blocks.
+Which blocks hold which tokens, and how bytes move between two layouts, is
+:mod:`pdxfer.plan`.
 """
 
 from __future__ import annotations
@@ -22,10 +19,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 # Formats. The names are part of the layout fingerprint: change them only with the wire version.
 CPU = "cpu"  # per layer [num_blocks, kv_heads, block_size, 2*head_dim] (vLLM CPU backend)
+# The same tensor shape on hosts where vLLM's CPU attention packs blocks for AMX tiles: not byte
+# compatible with CPU blocks, so it must never share a fingerprint with them.
+CPU_AMX = "cpu_amx"
 FLASH_NHD = "flash_nhd"  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
 FLASH_HND = "flash_hnd"  # per layer [2, num_blocks, kv_heads, block_size, head_dim]
 BLOCKS_FIRST_NHD = "blocks_first_nhd"  # per layer [num_blocks, 2, block_size, kv_heads, head_dim]
-FORMATS = (CPU, FLASH_NHD, FLASH_HND, BLOCKS_FIRST_NHD)
+FORMATS = (CPU, CPU_AMX, FLASH_NHD, FLASH_HND, BLOCKS_FIRST_NHD)
 
 LAYOUT_WIRE_VERSION = 1
 
@@ -154,6 +154,7 @@ class KVLayout:
 _FORMAT_SHAPES = {
     # format -> (rank, index of num_blocks, index of block_size, index of kv_heads, K/V split dim or None)
     CPU: (4, 0, 2, 1, None),
+    CPU_AMX: (4, 0, 2, 1, None),
     FLASH_NHD: (5, 1, 2, 3, 0),
     FLASH_HND: (5, 1, 3, 2, 0),
     BLOCKS_FIRST_NHD: (5, 0, 2, 3, 1),
@@ -167,6 +168,8 @@ def _dtype_name(t: Any) -> str:
 def _candidate_formats(shape: tuple[int, ...], block_size: int | None) -> list[str]:
     out = []
     for fmt, (rank, nb_dim, bs_dim, _h, kv_dim) in _FORMAT_SHAPES.items():
+        if fmt == CPU_AMX:
+            continue  # the shape of CPU: only the caller (who knows the ISA) can name it
         if len(shape) != rank or (kv_dim is not None and shape[kv_dim] != 2):
             continue
         if block_size is not None and shape[bs_dim] != block_size:
@@ -252,159 +255,8 @@ def describe_kv_caches(
                 segments.append(Segment(name, part, ridx, base + i * t.stride(kv_dim) * esize,
                                         block_stride, block_bytes))
 
-    head_dim = ref_shape[-1] // 2 if fmt == CPU else ref_shape[-1]
+    head_dim = ref_shape[-1] // 2 if fmt in (CPU, CPU_AMX) else ref_shape[-1]
     layout = KVLayout(fmt, _dtype_name(first), ref_shape[nb_dim], ref_shape[bs_dim], ref_shape[h_dim],
                       head_dim, tuple(regions), tuple(segments))
     layout.validate()
     return layout
-
-
-# --------------------------------------------------------------------------- tokens and blocks
-
-def blocks_for_tokens(start: int, end: int, block_size: int) -> range:
-    """Block indices (within a request's block table) that hold tokens ``[start, end)``."""
-    if block_size <= 0:
-        raise LayoutError(f"block_size must be positive, got {block_size}")
-    if start < 0 or end < start:
-        raise LayoutError(f"token range [{start}, {end}) is invalid")
-    if start == end:
-        return range(0)
-    return range(start // block_size, (end - 1) // block_size + 1)
-
-
-@dataclass(frozen=True)
-class ChunkSpan:
-    """Where chunk ``chunk`` lives in a request's block table."""
-
-    chunk: int
-    first_block: int
-    num_blocks: int
-    chunks_per_block: int  # > 1 when one block holds several chunks: the block moves as a whole
-
-
-def chunk_span(chunk: int, chunk_tokens: int, block_size: int) -> ChunkSpan:
-    """Map a chunk to blocks, for block sizes that divide or are a multiple of ``chunk_tokens``.
-
-    Any other ratio would put a chunk boundary inside a block whose inner token order pdxfer
-    cannot assume, so it is refused.
-    """
-    if chunk < 0:
-        raise LayoutError(f"chunk index must be >= 0, got {chunk}")
-    if chunk_tokens <= 0 or block_size <= 0:
-        raise LayoutError(f"chunk_tokens and block_size must be positive, got {chunk_tokens}, {block_size}")
-    if chunk_tokens % block_size == 0:
-        per = chunk_tokens // block_size
-        return ChunkSpan(chunk, chunk * per, per, 1)
-    if block_size % chunk_tokens == 0:
-        per = block_size // chunk_tokens
-        return ChunkSpan(chunk, chunk // per, 1, per)
-    raise LayoutError(f"block_size {block_size} neither divides nor is a multiple of chunk_tokens "
-                      f"{chunk_tokens}; pick a chunk size that is a multiple or divisor of the block size")
-
-
-def blocks_for_chunks(num_chunks: int, chunk_tokens: int, block_size: int) -> int:
-    """How many leading blocks of a block table hold exactly ``num_chunks`` whole chunks.
-
-    When a block spans several chunks only whole blocks count, so the chunk count is rounded
-    down to a block boundary.
-    """
-    span = chunk_span(0, chunk_tokens, block_size)
-    if span.chunks_per_block == 1:
-        return num_chunks * span.num_blocks
-    return num_chunks // span.chunks_per_block
-
-
-# --------------------------------------------------------------------------- transfer plans
-
-@dataclass(frozen=True)
-class TransferRun:
-    remote_region: int
-    remote_offset: int
-    local_region: int
-    local_offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    runs: tuple[TransferRun, ...]
-    uncoalesced_runs: int
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(r.nbytes for r in self.runs)
-
-    def __len__(self) -> int:
-        return len(self.runs)
-
-
-def check_compatible(remote: KVLayout, local: KVLayout) -> None:
-    if remote.fingerprint() != local.fingerprint():
-        raise LayoutError(f"layouts differ: remote {remote.fingerprint()} vs local {local.fingerprint()}")
-    if remote.block_size != local.block_size:
-        raise LayoutError(f"block size differs (remote {remote.block_size}, local {local.block_size}); "
-                          "blocks are opaque, so plans need equal block sizes")
-    if [(s.layer, s.part, s.block_bytes) for s in remote.segments] != \
-            [(s.layer, s.part, s.block_bytes) for s in local.segments]:
-        raise LayoutError("layouts have the same fingerprint but different segment lists (layer names?)")
-
-
-def coalesce(runs: Iterable[TransferRun]) -> list[TransferRun]:
-    """Merge each run into the previous one when both sides continue exactly where it ended."""
-    out: list[TransferRun] = []
-    for r in runs:
-        if out:
-            p = out[-1]
-            if (p.remote_region == r.remote_region and p.local_region == r.local_region
-                    and p.remote_offset + p.nbytes == r.remote_offset
-                    and p.local_offset + p.nbytes == r.local_offset):
-                out[-1] = TransferRun(p.remote_region, p.remote_offset, p.local_region, p.local_offset,
-                                      p.nbytes + r.nbytes)
-                continue
-        out.append(r)
-    return out
-
-
-def build_plan(
-    remote: KVLayout,
-    remote_blocks: Sequence[int],
-    local: KVLayout,
-    local_blocks: Sequence[int],
-    coalesce_runs: bool = True,
-) -> TransferPlan:
-    """Plan to copy ``remote_blocks[i]`` of the holder into ``local_blocks[i]`` of the reader."""
-    check_compatible(remote, local)
-    if len(remote_blocks) != len(local_blocks):
-        raise LayoutError(f"{len(remote_blocks)} remote blocks but {len(local_blocks)} local blocks")
-    remote.check_blocks(remote_blocks, "remote")
-    local.check_blocks(local_blocks, "local")
-    if len(set(local_blocks)) != len(local_blocks):
-        raise LayoutError("local block ids repeat: two chunks would land in one block")
-
-    # Pair up runs of block ids that are consecutive on both sides once, then emit one run per
-    # (segment, block run) where a segment's blocks are densely packed: the cost scales with the
-    # number of runs, not blocks x layers (this sits on the per-request path).
-    block_runs: list[list[int]] = []  # [remote start, local start, count]
-    for rb, lb in zip(remote_blocks, local_blocks):
-        if coalesce_runs and block_runs:
-            last = block_runs[-1]
-            if last[0] + last[2] == rb and last[1] + last[2] == lb:
-                last[2] += 1
-                continue
-        block_runs.append([rb, lb, 1])
-
-    def generate() -> Iterable[TransferRun]:
-        for rs, ls in zip(remote.segments, local.segments):
-            dense = rs.block_stride == rs.block_bytes and ls.block_stride == ls.block_bytes
-            for rb, lb, count in block_runs:
-                if dense:
-                    yield TransferRun(rs.region, rs.block_offset(rb), ls.region, ls.block_offset(lb),
-                                      rs.block_bytes * count)
-                else:
-                    for i in range(count):
-                        yield TransferRun(rs.region, rs.block_offset(rb + i), ls.region,
-                                          ls.block_offset(lb + i), rs.block_bytes)
-
-    n = len(remote.segments) * len(remote_blocks)
-    runs = coalesce(generate()) if coalesce_runs else list(generate())
-    return TransferPlan(tuple(runs), n)

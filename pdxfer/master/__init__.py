@@ -1,6 +1,8 @@
 """pdxfer-master: the chunk index (key -> holder node, block ids) and its lifetime rules.
 
-Client API: :mod:`pdxfer.master.client` (``MasterClient``, ``NodeSession``, ``start_local_master``).
+Client API, imported from this package: ``MasterClient`` (client.py), ``NodeSession`` (node_session.py),
+``start_local_master`` / ``LocalMaster`` (local.py), the records and errors it returns and raises.
+Module map: docs/master.md.
 
 CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
 
@@ -9,7 +11,9 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
                   [--token-file F]
                   [--etcd HOST:PORT[,HOST:PORT]] [--etcd-prefix /pdxfer/master]
                   [--leader-ttl 5] [--etcd-timeout 1]
-                  [--chunk-tokens 256] [--max-entries 10000000] [--log-level INFO]
+                  [--chunk-tokens 256] [--max-entries 10000000] [--max-lock-ttl 30]
+                  [--max-connections 4096] [--handshake-timeout 10] [--idle-timeout 600]
+                  [--log-level INFO]
 
 --host / --port      wire-protocol listen address; port 0 lets the OS choose.
 --port-file F        once listening, F is (atomically) written as "<wire port>\\n<http port>\\n".
@@ -21,29 +25,36 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
                      ``<prefix>/leader`` holding ``{"addr": ADVERTISE, ...}``), the leader mirrors
                      node membership as keys under per-node leases (``<prefix>/nodes/<id>``).
                      Standbys answer "not leader"; clients given ``etcd://host:port/prefix`` follow.
-                     If etcd becomes unreachable the leader keeps serving from memory and reports
-                     itself degraded.
+                     If etcd becomes unreachable the leader keeps serving from memory (degraded)
+                     only while its lease cannot have expired by its own clock, then answers
+                     "not leader" until it leads again.
 --advertise          address clients should use to reach this replica (default host:port).
 --leader-ttl         leader lease TTL (s); renewed every TTL/3 on the remaining time.
+--max-lock-ttl       cap on reader lock TTLs (s); announced in register replies, so holders know
+                     how long a lock can pin their blocks.
+--max-connections    concurrent client connections; more are refused, with a log line.
+--handshake-timeout  seconds a new connection has to send its first frame (hello with the token).
+--idle-timeout       seconds an authenticated connection may stay idle.
 --chunk-tokens       only used to report hit tokens (hit chunks x chunk tokens).
 
 Without ``--etcd`` it is one process with everything in memory.
 """
 
-from pdxfer.master.client import (
-    ChunkLocation,
-    LocalMaster,
-    LookupResult,
+from pdxfer.master.client import MasterClient
+from pdxfer.master.errors import (
     MasterAuthError,
-    MasterClient,
     MasterError,
     MasterProtocolError,
     MasterUnavailable,
-    NodeInfo,
-    NodeSession,
+    NotLeader,
+    PublishFenced,
+    RegistrationSuperseded,
     UnknownNode,
-    start_local_master,
 )
+from pdxfer.master.registrations import Registrations
+from pdxfer.master.local import LocalMaster, start_local_master
+from pdxfer.master.node_session import NodeSession
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
 
 __all__ = [
     "ChunkLocation",
@@ -56,6 +67,11 @@ __all__ = [
     "MasterUnavailable",
     "NodeInfo",
     "NodeSession",
+    "NotLeader",
+    "PublishFenced",
+    "Registration",
+    "RegistrationSuperseded",
+    "Registrations",
     "UnknownNode",
     "start_local_master",
 ]

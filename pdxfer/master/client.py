@@ -1,84 +1,45 @@
-"""Synchronous pdxfer-master client (thread-safe, bounded waits) and a node lease keeper.
+"""Synchronous pdxfer-master client: thread-safe, every wait bounded.
 
 Each call takes a persistent TCP connection from a small pool (one per concurrent caller), sends
 one frame and waits for its reply, so concurrent threads never wait on each other's round trips.
 Every call finishes within ``timeout_s`` (plus at most one socket timeout granularity) or raises
 ``MasterUnavailable``.
 
-Addresses: ``"host:port"`` of one master, or ``"etcd://host:port[,host:port]/prefix"``: the client
-reads the current leader from etcd (through etcd's JSON gateway, stdlib only) and follows leader
-changes: on a refused connection or a "not leader" answer it re-reads the leader and retries
-within the same time budget.
+Addresses (see ``locator.py``): ``"host:port"`` of one master, or
+``"etcd://host:port[,host:port]/prefix"``: the client reads the current leader from etcd and
+follows leader changes: on a refused connection or a "not leader" answer it re-reads the leader
+and retries within the same time budget.
 """
 
 from __future__ import annotations
 
-import base64
 import itertools
-import json
 import logging
-import os
-import random
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
+from pdxfer import netio
 from pdxfer.master import protocol as P
+from pdxfer.master import protocol_ops as ops
+from pdxfer.master.errors import (
+    MasterAuthError,
+    MasterError,
+    MasterProtocolError,
+    MasterUnavailable,
+    NotLeader,
+    PublishFenced,
+    RegistrationSuperseded,
+    UnknownNode,
+)
+from pdxfer.master.locator import locator_for
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
+from pdxfer.master.registrations import SHARED, Registrations
 
 log = logging.getLogger("pdxfer.master.client")
 
-
-@dataclass
-class NodeInfo:
-    node_id: str
-    rank: int
-    transport: str
-    transport_metadata: bytes
-    layout: dict
-    layout_fingerprint: str
-
-
-@dataclass(slots=True)
-class ChunkLocation:
-    key: bytes
-    node_id: str
-    block_ids: list[int]
-
-
-@dataclass
-class LookupResult:
-    lock_id: str | None
-    hit_chunks: int
-    locations: list[ChunkLocation]
-    nodes: dict[str, NodeInfo]
-    lock_ttl_s: float
-
-
-class MasterError(RuntimeError):
-    """Base of every error the client raises."""
-
-
-class MasterUnavailable(MasterError):
-    """No master answered within the time budget (refused, reset, timed out, no leader)."""
-
-
-class MasterProtocolError(MasterError):
-    """The master refused a message as malformed, oversized or of another version (or vice versa)."""
-
-
-class MasterAuthError(MasterError):
-    """The master refused the token."""
-
-
-class UnknownNode(MasterError):
-    """The master does not know this node (never registered, deregistered, or lease expired)."""
+T = TypeVar("T")
 
 
 class _Closed(Exception):
@@ -89,11 +50,9 @@ class _StaleNodeCache(Exception):
     pass
 
 
-def parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address {text!r} is not host:port")
-    return host.strip("[]"), int(port)
+def _backoff(attempt: int, deadline: float) -> None:
+    """Pause before the next try at finding the leader: longer each time, never past the deadline."""
+    time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
 
 
 class _Conn:
@@ -111,15 +70,7 @@ class _Conn:
             pass
 
     def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise _Closed("master closed the connection")
-            got += k
-        return bytes(buf)
+        return netio.recv_exact(self.sock, n, "master reply", _Closed)
 
     def request(self, op: int, doc: dict[str, Any], blob: bytes, deadline: float) -> tuple[int, dict[str, Any], bytes]:
         req_id = next(self.ids) & 0xFFFFFFFF
@@ -134,35 +85,12 @@ class _Conn:
         return hdr.op, P.decode_json(body[: hdr.json_len]), body[hdr.json_len :]
 
 
-def resolve_etcd_leader(endpoints: Sequence[tuple[str, int]], prefix: str, timeout_s: float) -> str | None:
-    """The leader address published under ``prefix``/leader, or None if there is none right now."""
-    key = base64.b64encode(f"{prefix.rstrip('/')}/leader".encode()).decode()
-    last: Exception | None = None
-    for host, port in endpoints:
-        req = urllib.request.Request(
-            f"http://{host}:{port}/v3/kv/range", data=json.dumps({"key": key}).encode(),
-            headers={"Content-Type": "application/json"}, method="POST",
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=max(timeout_s, 0.05)) as resp:
-                doc = json.loads(resp.read())
-        except (OSError, urllib.error.URLError, ValueError) as exc:
-            last = exc
-            continue
-        kvs = doc.get("kvs") or []
-        if not kvs:
-            return None
-        try:
-            addr = str(json.loads(base64.b64decode(kvs[0]["value"]))["addr"])
-            parse_hostport(addr)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise MasterUnavailable(f"leader record under {prefix} in etcd is malformed: {exc}") from None
-        return addr
-    raise MasterUnavailable(f"no etcd endpoint answered: {last}")
-
-
 class MasterClient:
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0) -> None:
+    """Every call finishes within ``timeout_s`` (plus at most one socket timeout granularity) or
+    raises a MasterError: MasterUnavailable when no master answered."""
+
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0,
+                 registrations: Registrations | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -173,18 +101,13 @@ class MasterClient:
         # Node descriptions by (node id, epoch), and the epochs we tell the master we have.
         self._node_cache: dict[tuple[str, int], NodeInfo] = {}
         self._have: dict[str, int] = {}
-        self._etcd: list[tuple[str, int]] | None = None
-        self._etcd_prefix = ""
-        self._addr: tuple[str, int] | None = None
-        if address.startswith("etcd://"):
-            rest = address[len("etcd://") :]
-            hosts, _, prefix = rest.partition("/")
-            self._etcd = [parse_hostport(h) for h in hosts.split(",") if h]
-            if not self._etcd:
-                raise ValueError(f"no etcd endpoint in {address!r}")
-            self._etcd_prefix = "/" + prefix if prefix else "/pdxfer/master"
-        else:
-            self._addr = parse_hostport(address)
+        self._locator = locator_for(address)
+        # This process's registrations (epochs) and publish sequence numbers, per node: shared by
+        # the clients of one process unless given (registrations.py).
+        self._regs = registrations if registrations is not None else SHARED
+        self._master = str(self._locator)
+        self._follows = self._locator.follows_leader
+        self._addr: tuple[str, int] | None = None if self._follows else self._locator.locate(timeout_s)
 
     # ---- plumbing -------------------------------------------------------------------------------
 
@@ -193,17 +116,13 @@ class MasterClient:
             addr = self._addr
         if addr is not None:
             return addr
-        assert self._etcd is not None
-        found = resolve_etcd_leader(self._etcd, self._etcd_prefix, deadline - time.monotonic())
-        if found is None:
-            raise MasterUnavailable(f"no leader published under {self._etcd_prefix} in etcd")
-        addr = parse_hostport(found)
+        addr = self._locator.locate(deadline - time.monotonic())
         with self._lock:
             self._addr = addr
         return addr
 
     def _forget_leader(self, addr: tuple[str, int]) -> None:
-        if self._etcd is None:
+        if not self._follows:
             return
         with self._lock:
             if self._addr == addr:
@@ -223,9 +142,30 @@ class MasterClient:
                     return c
                 c.close()
         try:
-            return _Conn(addr, deadline - time.monotonic())
+            conn = _Conn(addr, deadline - time.monotonic())
         except OSError as exc:
             raise MasterUnavailable(f"cannot connect to master {addr[0]}:{addr[1]}: {exc}") from None
+        if self.token is not None:
+            self._hello(conn, deadline)
+        return conn
+
+    def _hello(self, conn: _Conn, deadline: float) -> None:
+        """Authenticate a new connection: its first frame carries the token (the master reads
+        nothing else from it before)."""
+        where = f"master {conn.addr[0]}:{conn.addr[1]}"
+        try:
+            rop, rdoc, _ = conn.request(*ops.encode_hello(self.token), deadline)
+        except (OSError, _Closed) as exc:
+            conn.close()
+            raise MasterUnavailable(f"hello to {where}: {exc!r}") from None
+        except P.ProtocolError as exc:
+            conn.close()
+            raise MasterProtocolError(f"bad hello reply from {where}: {exc}") from None
+        if rop == P.OP_ERROR:
+            conn.close()
+            msg = f"hello to {where}: {rdoc.get('msg', rdoc.get('err'))}"
+            raise MasterAuthError(msg) if rdoc.get("err") == P.ERR_AUTH else MasterProtocolError(msg)
+        conn.used = False  # the hello was its first use: a request that finds it closed is not retried
 
     def _give(self, conn: _Conn) -> None:
         with self._lock:
@@ -234,9 +174,8 @@ class MasterClient:
                 return
         conn.close()
 
-    def _call(self, op: int, doc: dict[str, Any], blob: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        if self.token is not None:
-            doc["tok"] = self.token
+    def _call(self, req: ops.Request) -> tuple[dict[str, Any], bytes]:
+        op, doc, blob = req
         deadline = time.monotonic() + self.timeout_s
         last = "no attempt"
         for attempt in itertools.count():
@@ -248,11 +187,11 @@ class MasterClient:
                 conn = self._take(addr, deadline)
             except MasterUnavailable as exc:
                 last = str(exc)
-                if self._etcd is None:
+                if not self._follows:
                     raise
                 if addr is not None:
                     self._forget_leader(addr)  # refused: the leader we knew is gone; ask etcd again
-                time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
+                _backoff(attempt, deadline)
                 continue
             reused = conn.used
             try:
@@ -263,9 +202,9 @@ class MasterClient:
                 if reused and not isinstance(exc, socket.timeout):
                     continue  # a pooled connection the master had closed: retry on a fresh one
                 self._forget_leader(addr)
-                if self._etcd is None or isinstance(exc, socket.timeout):
+                if not self._follows or isinstance(exc, socket.timeout):
                     raise MasterUnavailable(f"{P.OP_NAMES.get(op, op)}: {last}") from None
-                time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
+                _backoff(attempt, deadline)
                 continue
             except P.ProtocolError as exc:
                 conn.close()
@@ -280,12 +219,16 @@ class MasterClient:
                 if code == P.ERR_NOT_LEADER:
                     last = msg
                     self._forget_leader(addr)
-                    if self._etcd is None:
-                        raise MasterUnavailable(msg)
-                    time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
+                    if not self._follows:
+                        raise NotLeader(msg)
+                    _backoff(attempt, deadline)
                     continue
                 if code == P.ERR_UNKNOWN_NODE:
                     raise UnknownNode(msg)
+                if code == P.ERR_SUPERSEDED:
+                    raise RegistrationSuperseded(msg)
+                if code == P.ERR_FENCED:
+                    raise PublishFenced(msg)
                 if code == P.ERR_INTERNAL:
                     raise MasterError(msg)
                 raise MasterProtocolError(msg)
@@ -297,49 +240,65 @@ class MasterClient:
 
     # ---- API ------------------------------------------------------------------------------------
 
-    def register_node(self, info: NodeInfo, lease_ttl_s: float = 10.0) -> None:
-        meta = bytes(info.transport_metadata)
-        self._call(
-            P.OP_REGISTER,
-            {
-                "node_id": info.node_id, "rank": int(info.rank), "transport": info.transport,
-                "layout": info.layout, "fp": info.layout_fingerprint, "ttl": float(lease_ttl_s),
-            },
-            meta,
-        )
+    def _ask(self, req: ops.Request, decode: Callable[..., T], *args: Any) -> T:
+        """One request; its reply decoded (``decode(doc, blob, *args)``), a malformed reply
+        turned into MasterProtocolError."""
+        doc, blob = self._call(req)
+        try:
+            return decode(doc, blob, *args)
+        except P.ProtocolError as exc:
+            raise MasterProtocolError(f"bad {P.OP_NAMES.get(req.op, req.op)} reply from master: {exc}") from None
 
-    def heartbeat(self, node_id: str) -> bool:
-        doc, _ = self._call(P.OP_HEARTBEAT, {"node_id": node_id})
-        return bool(doc.get("ok"))
+    def register_node(self, info: NodeInfo, lease_ttl_s: float = 10.0) -> Registration:
+        """Register (or re-register: a new incarnation) the node. The returned registration says
+        its epoch and the master's lock TTL cap (``max_lock_ttl_s``): no reader lock pins the
+        node's entries longer, so a holder derives every force-free bound from it."""
+        reg = self._ask(ops.encode_register(info, lease_ttl_s), ops.decode_register_reply, info.node_id)
+        self._regs.put(self._master, reg)
+        return reg
 
-    def deregister_node(self, node_id: str) -> None:
-        self._call(P.OP_DEREGISTER, {"node_id": node_id})
+    def registration(self, node_id: str) -> Registration | None:
+        """This process's current registration of the node at this master (None: none)."""
+        return self._regs.get(self._master, node_id)
+
+    # Calls of a node name its registration: ``epoch`` (default: this process's registration of the
+    # node). RegistrationSuperseded when the node id was registered again since.
+
+    def heartbeat(self, node_id: str, epoch: int | None = None) -> bool:
+        """False: the master does not know the node (restart, failover, lease lost): re-register."""
+        return self._ask(ops.encode_heartbeat(node_id, self._regs.epoch(self._master, node_id, epoch)),
+                         ops.decode_heartbeat_reply)
+
+    def deregister_node(self, node_id: str, epoch: int | None = None) -> None:
+        epoch = self._regs.epoch(self._master, node_id, epoch)
+        self._ask(ops.encode_deregister(node_id, epoch), ops.decode_deregister_reply)
+        self._regs.forget(self._master, node_id, epoch)
 
     def publish(
-        self, node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]], retention_s: float | None = None
+        self, node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]], retention_s: float | None = None,
+        *, epoch: int | None = None, seq: int | None = None,
     ) -> int:
-        if not entries:
-            return 0
+        """How many entries were accepted. ``seq``: this publish's sequence number (default: a new
+        one from ``next_publish_seq``; a holder that queues publishes takes it when it queues, so a
+        fence covers what is still queued). PublishFenced when ``seq`` is at or below the node's
+        fence: nothing was applied (a batch of a large publish before the fence may have been)."""
+        epoch = self._regs.epoch(self._master, node_id, epoch)
+        if seq is None:
+            seq = self._regs.next_seq(self._master, node_id)
+        else:
+            self._regs.saw_seq(self._master, node_id, seq)
         accepted = 0
         # Batches bounded well below the frame limits.
         step = 4096
         for start in range(0, len(entries), step):
             batch = entries[start : start + step]
-            keys = P.join_keys([k for k, _ in batch])
-            counts = [len(b) for _, b in batch]
-            blocks = P.pack_u32([int(x) for _, b in batch for x in b])
-            doc: dict[str, Any] = {"node_id": node_id, "n": len(batch)}
-            if all(c == counts[0] for c in counts):
-                doc["per"] = counts[0]
-            else:
-                doc["counts"] = counts
-            if retention_s is not None:
-                doc["ret"] = float(retention_s)
-            rdoc, _ = self._call(P.OP_PUBLISH, doc, keys + blocks)
-            accepted += int(rdoc["accepted"])
+            accepted += self._ask(ops.encode_publish(node_id, batch, retention_s, epoch, seq), ops.decode_publish_reply,
+                                  len(batch))
         return accepted
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, lock_ttl_s: float = 10.0) -> LookupResult:
+        """The longest held prefix of ``keys``, locked. The lock's TTL is ``lock_ttl_s`` capped by
+        the master's ``max_lock_ttl_s``: the result's ``lock_ttl_s`` is the one granted."""
         keys = list(keys)
         if not keys:
             return LookupResult(None, 0, [], {}, lock_ttl_s)
@@ -347,26 +306,26 @@ class MasterClient:
         for attempt in range(2):
             with self._lock:
                 have = dict(self._have) if attempt == 0 else {}
-            doc, blob = self._call(
-                P.OP_LOOKUP, {"n": len(keys), "reader": reader, "ttl": float(lock_ttl_s), "have": have}, joined
-            )
+            reply = self._ask(ops.encode_lookup(joined, reader, lock_ttl_s, have), ops.decode_lookup_reply, len(keys))
             try:
-                return self._parse_lookup(keys, doc, blob)
+                nodes = {nid: self._node_from(nid, epoch, info) for nid, (epoch, info) in reply.nodes.items()}
             except _StaleNodeCache:
                 # Another thread evicted a node description between request and reply: drop
                 # this lock and ask again with the full descriptions.
-                if doc.get("lock"):
-                    self.release(doc["lock"])
+                if reply.lock_id:
+                    self.release(reply.lock_id)
+                continue
+            locations = list(map(ChunkLocation, keys[: reply.hit], reply.holders, reply.block_lists))
+            return LookupResult(reply.lock_id, reply.hit, locations, nodes, reply.ttl)
         raise MasterProtocolError("lookup reply referenced node descriptions the client does not have")
 
-    def _node_from(self, nid: str, d: dict[str, Any]) -> NodeInfo:
-        ck = (nid, int(d["epoch"]))
-        if "meta" not in d:  # the master sent the epoch only: we told it we have this one
-            info = self._node_cache.get(ck)
-            if info is None:
+    def _node_from(self, nid: str, epoch: int, info: NodeInfo | None) -> NodeInfo:
+        ck = (nid, epoch)
+        if info is None:  # the master sent the epoch only: we told it we have this one
+            cached = self._node_cache.get(ck)
+            if cached is None:
                 raise _StaleNodeCache(nid)
-            return info
-        info = NodeInfo(nid, int(d["rank"]), d["transport"], base64.b64decode(d["meta"]), d["layout"], d["fp"])
+            return cached
         with self._lock:
             if len(self._node_cache) >= 1024:  # bounded: forget the older half
                 for old in list(self._node_cache)[:512]:
@@ -375,57 +334,51 @@ class MasterClient:
                         del self._have[old[0]]
             self._node_cache[ck] = info
             if len(self._have) < 256 or nid in self._have:
-                self._have[nid] = ck[1]
+                self._have[nid] = epoch
         return info
 
-    def _parse_lookup(self, keys: list[bytes], doc: dict[str, Any], blob: bytes) -> LookupResult:
-        hit = int(doc["hit"])
-        if hit == 0:
-            return LookupResult(None, 0, [], {}, float(doc.get("ttl", 0.0)))
-        blocks = P.unpack_u32(blob)
-        counts = doc["counts"] if "counts" in doc else None
-        nodes = {nid: self._node_from(nid, d) for nid, d in doc["nodes"].items()}
-        node_ids: list[str] = []
-        for nid, run in doc["runs"]:
-            node_ids += [nid] * run
-        if "per" in doc:
-            per = int(doc["per"])
-            total = per * hit
-            block_lists = [blocks[o : o + per] for o in range(0, total, per)] if per else [[] for _ in range(hit)]
-        else:
-            offs = list(itertools.accumulate(counts, initial=0))
-            total = offs[-1]
-            block_lists = [blocks[offs[j] : offs[j + 1]] for j in range(hit)]
-        if len(node_ids) != hit or total != len(blocks) or (counts is not None and len(counts) != hit):
-            raise MasterProtocolError(f"lookup reply inconsistent: {len(node_ids)} holders, {len(blocks)} block ids, hit {hit}")
-        locations = list(map(ChunkLocation, keys[:hit], node_ids, block_lists))
-        return LookupResult(doc["lock"], hit, locations, nodes, float(doc["ttl"]))
-
     def release(self, lock_id: str) -> bool:
-        doc, _ = self._call(P.OP_RELEASE, {"lock": lock_id})
-        return bool(doc["ok"])
+        return self._ask(ops.encode_release(lock_id), ops.decode_release_reply)
 
-    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes]) -> list[bytes]:
+    def next_publish_seq(self, node_id: str) -> int:
+        """A new publish sequence number for the node (above all handed out in this process)."""
+        return self._regs.next_seq(self._master, node_id)
+
+    def last_publish_seq(self, node_id: str) -> int:
+        """The newest publish sequence number handed out for the node in this process (0: none)."""
+        return self._regs.last_seq(self._master, node_id)
+
+    def fence(self, node_id: str, upto_seq: int | None = None, *, epoch: int | None = None) -> int:
+        """Give up on every publish with seq <= ``upto_seq`` (default: the newest handed out): the
+        master refuses them from now on, wherever they are (queued here, in a socket, in flight).
+        Returns the node's fence. Entries already applied stay: unpublish them before freeing."""
+        epoch = self._regs.epoch(self._master, node_id, epoch)
+        upto = self.last_publish_seq(node_id) if upto_seq is None else upto_seq
+        return self._ask(ops.encode_fence(node_id, epoch, upto), ops.decode_fence_reply)
+
+    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], *, epoch: int | None = None,
+                              fence_seq: int | None = None) -> list[bytes]:
         """Keys this node no longer publishes (removed now or absent): their blocks may be reused.
-        Keys pinned by a valid reader lock stay published and are left out."""
+        Keys pinned by a valid reader lock stay published and are left out.
+
+        ``fence_seq``: first give up on every publish with seq <= it (see ``fence``), in the same
+        step. A holder frees a block only after its key came back from a call whose fence covers
+        every publish that carried the key; else a late publish could name a reused block."""
+        epoch = self._regs.epoch(self._master, node_id, epoch)
         keys = list(keys)
-        if not keys:
-            return []
         out: list[bytes] = []
         step = 16384
         for start in range(0, len(keys), step):
             batch = keys[start : start + step]
-            doc, _ = self._call(P.OP_UNPUBLISH, {"node_id": node_id, "n": len(batch)}, P.join_keys(batch))
-            out.extend(batch[i] for i in doc["removed"])
+            removed = self._ask(ops.encode_unpublish(node_id, batch, epoch, fence_seq), ops.decode_unpublish_reply, len(batch))
+            out.extend(batch[i] for i in removed)
         return out
 
     def stats(self) -> dict:
-        doc, _ = self._call(P.OP_STATS, {})
-        return doc
+        return self._ask(ops.encode_stats(), ops.decode_stats_reply)
 
     def ping(self) -> dict:
-        doc, _ = self._call(P.OP_PING, {})
-        return doc
+        return self._ask(ops.encode_ping(), ops.decode_ping_reply)
 
     def close(self) -> None:
         with self._lock:
@@ -434,157 +387,8 @@ class MasterClient:
         for c in pool:
             c.close()
 
-    def __enter__(self) -> "MasterClient":
+    def __enter__(self) -> MasterClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class NodeSession:
-    """Keeps one node registered from a background thread.
-
-    Heartbeats when a third of the lease has been used (i.e. on the *remaining* lease time, measured
-    from when the last successful heartbeat was sent), retries quickly while the master is
-    unreachable, and when the master says it forgot the node (failover, restart, lease lost)
-    re-registers and calls ``on_reregistered()`` so the owner re-publishes what it holds.
-    """
-
-    def __init__(
-        self,
-        client: MasterClient,
-        info: NodeInfo,
-        lease_ttl_s: float = 10.0,
-        on_reregistered: Callable[[], None] | None = None,
-    ) -> None:
-        if lease_ttl_s <= 0:
-            raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
-        self.client = client
-        self.info = info
-        self.lease_ttl_s = lease_ttl_s
-        self.on_reregistered = on_reregistered
-        self.registered = False
-        self.reregistrations = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        try:
-            self.client.register_node(self.info, self.lease_ttl_s)
-            self.registered = True
-            self._sent_at = time.monotonic()
-        except MasterError as exc:
-            log.warning("node %s: first registration failed (%s); retrying in the background", self.info.node_id, exc)
-        self._thread = threading.Thread(target=self._run, name=f"pdxfer-node-{self.info.node_id}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        ttl = self.lease_ttl_s
-        next_at = time.monotonic() + ttl / 3 if self.registered else time.monotonic()
-        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
-            sent = time.monotonic()
-            try:
-                if self.registered:
-                    if self.client.heartbeat(self.info.node_id):
-                        next_at = sent + ttl / 3
-                        continue
-                    log.warning("node %s: master forgot this node; re-registering", self.info.node_id)
-                    self.registered = False
-                self.client.register_node(self.info, ttl)
-                self.registered = True
-                self.reregistrations += 1
-                next_at = sent + ttl / 3
-                if self.on_reregistered is not None:
-                    try:
-                        self.on_reregistered()
-                    except Exception:  # the owner's bug must not stop the lease keeper
-                        log.exception("node %s: on_reregistered failed", self.info.node_id)
-            except MasterError as exc:
-                log.debug("node %s: master unreachable: %s", self.info.node_id, exc)
-                next_at = time.monotonic() + min(0.2, ttl / 10) * (0.5 + random.random())
-
-    def stop(self, deregister: bool = True) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.client.timeout_s * 3 + 1)
-        if deregister and self.registered:
-            try:
-                self.client.deregister_node(self.info.node_id)
-            except MasterError as exc:
-                log.warning("node %s: deregister failed: %s", self.info.node_id, exc)
-        self.registered = False
-
-
-@dataclass
-class LocalMaster:
-    """A pdxfer-master child process started by :func:`start_local_master`."""
-
-    proc: subprocess.Popen
-    host: str
-    port: int
-    http_port: int
-    workdir: str
-    log_path: str
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def http_address(self) -> str:
-        return f"{self.host}:{self.http_port}"
-
-    def stop(self, timeout_s: float = 5.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout_s)
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-def start_local_master(
-    host: str = "127.0.0.1",
-    token: str | None = None,
-    extra_args: Sequence[str] = (),
-    timeout_s: float = 15.0,
-    workdir: str | None = None,
-    env: dict[str, str] | None = None,
-) -> LocalMaster:
-    """Start ``pdxfer-master`` as a child process on OS-chosen ports; returns once it listens."""
-    workdir = workdir or tempfile.mkdtemp(prefix="pdxfer-master-")
-    port_file = os.path.join(workdir, f"port-{os.getpid()}-{random.getrandbits(32):08x}")
-    log_path = port_file + ".log"
-    cmd = [sys.executable, "-m", "pdxfer.master.service", "--host", host, "--port", "0", "--port-file", port_file]
-    if token is not None:
-        tok_path = port_file + ".token"
-        fd = os.open(tok_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-        cmd += ["--token-file", tok_path]
-    cmd += list(extra_args)
-    logf = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    logf.close()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            with open(log_path, "rb") as f:
-                tail = f.read()[-2000:].decode(errors="replace")
-            raise RuntimeError(f"pdxfer-master exited with {proc.returncode}:\n{tail}")
-        try:
-            with open(port_file) as f:
-                parts = f.read().split()
-            return LocalMaster(proc, host, int(parts[0]), int(parts[1]), workdir, log_path)
-        except (FileNotFoundError, IndexError, ValueError):
-            time.sleep(0.02)
-    proc.kill()
-    proc.wait(5)
-    raise RuntimeError(f"pdxfer-master did not start listening within {timeout_s}s (log: {log_path})")

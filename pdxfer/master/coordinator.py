@@ -1,13 +1,51 @@
-"""What the master needs from its store beyond the in-memory index: leadership and a membership
-mirror. Standalone (the default) is always leader and mirrors nothing; the etcd coordinator
-(``pdxfer.master.etcd_store``) elects a leader among replicas and keeps node keys under leases.
+"""What the master needs beyond its in-memory index: leadership among replicas and a mirror of
+node membership. ``Coordinator`` is the interface the service uses; ``coordinator_for(url)``
+picks the backend by the URL's scheme:
+
+    none / ""                        Standalone: one process, always leader, mirrors nothing
+    etcd://HOST:PORT[,...]/PREFIX    EtcdCoordinator (etcd_coordinator.py): elected leader,
+                                     membership keys under leases, degraded mode
 
 The hot path never waits on a coordinator: membership calls only queue work.
+A new backend: a class with this interface and one branch in ``coordinator_for``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+# (node id, lease ttl, the node's description JSON) of every registered node.
+Members = Callable[[], list[tuple[str, float, str]]]
+
+
+class Coordinator(Protocol):
+    kind: str  # reported as "store" in stats and /health
+    # Set by the service before start():
+    on_become_leader: Callable[[], None] | None
+    on_lose_leader: Callable[[], None] | None  # the service then forgets its index
+    members: Members | None  # current members, to mirror again after the backend lost them
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def degraded(self) -> str | None:
+        """None when healthy, else why the master runs from memory only."""
+
+    @property
+    def leader_address(self) -> str | None: ...
+
+    async def start(self, advertise: str) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def node_registered(self, node_id: str, ttl: float, info_json: str) -> None: ...
+
+    def node_heartbeat(self, node_id: str) -> None: ...
+
+    def node_dropped(self, node_id: str) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
 
 
 class Standalone:
@@ -16,6 +54,7 @@ class Standalone:
     def __init__(self) -> None:
         self.on_become_leader: Callable[[], None] | None = None
         self.on_lose_leader: Callable[[], None] | None = None
+        self.members: Members | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -23,7 +62,6 @@ class Standalone:
 
     @property
     def degraded(self) -> str | None:
-        """None when healthy, else why the master runs from memory only."""
         return None
 
     @property
@@ -48,3 +86,18 @@ class Standalone:
 
     def status(self) -> dict[str, Any]:
         return {"store": self.kind, "leader": True, "degraded": None}
+
+
+def coordinator_for(url: str | None, leader_ttl: float = 5.0, timeout_s: float = 1.0) -> Coordinator:
+    """The backend a URL names. ValueError naming the URL when its scheme or form is wrong,
+    ImportError when the backend's client library is missing."""
+    if not url:
+        return Standalone()
+    from pdxfer.master import etcd_layout
+
+    if url.startswith(etcd_layout.SCHEME):
+        target = etcd_layout.parse_etcd_url(url)
+        from pdxfer.master.etcd_coordinator import EtcdCoordinator  # needs aetcd: only when asked for
+
+        return EtcdCoordinator(target, leader_ttl, timeout_s)
+    raise ValueError(f"coordinator URL {url!r}: unknown scheme (none for standalone, or {etcd_layout.SCHEME}...)")

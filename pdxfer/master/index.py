@@ -27,83 +27,25 @@ import itertools
 import math
 import operator
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from pdxfer.master.index_records import (
+    Counters,
+    Entry,
+    FencedError,
+    Lock,
+    LookupOutcome,
+    Node,
+    SupersededError,
+    UnknownNodeError,
+)
+
 INF = math.inf
+EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's bound of 2**62
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 
-
-class UnknownNodeError(KeyError):
-    """The node id is not registered (never was, deregistered, or its lease ran out)."""
-
-    def __init__(self, node_id: str) -> None:
-        super().__init__(node_id)
-        self.node_id = node_id
-
-    def __str__(self) -> str:
-        return f"node {self.node_id!r} is not registered (unknown, deregistered, or its lease expired)"
-
-
-class Node:
-    __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks")
-
-    def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int) -> None:
-        self.node_id = node_id
-        self.info_json = info_json  # pre-encoded JSON object sent with every lookup that hits it
-        self.ttl = ttl
-        self.expires_at = expires_at
-        self.epoch = epoch
-        self.entries: dict[bytes, Entry] = {}
-        self.locks: set[str] = set()
-
-
-class Entry:
-    __slots__ = ("node", "blocks", "nblocks", "hold_until", "pins", "pin_until")
-
-    def __init__(self, node: Node, blocks: bytes, hold_until: float) -> None:
-        self.node = node
-        self.blocks = blocks  # little-endian uint32 block ids, in token order
-        self.nblocks = len(blocks) // 4
-        self.hold_until = hold_until
-        # Locks pinning this entry (not yet released or reaped) and the latest of their deadlines.
-        self.pins = 0
-        self.pin_until = 0.0
-
-
-@dataclass
-class Lock:
-    lock_id: str
-    reader: str
-    deadline: float
-    pins: list[Entry]
-    nodes: set[str]
-
-
-@dataclass
-class LookupOutcome:
-    lock_id: str | None
-    hit: int
-    runs: list[tuple[str, int]]  # (node id, number of consecutive chunks taken from it)
-    counts: list[int]  # blocks per hit chunk
-    blocks: bytes  # concatenated uint32 block ids of all hit chunks
-    nodes: dict[str, Node]
-
-
-@dataclass
-class Counters:
-    lookups: int = 0
-    lookup_chunks: int = 0
-    hit_chunks: int = 0
-    releases_ok: int = 0
-    releases_expired: int = 0
-    published: int = 0
-    publish_refused: int = 0
-    unpublished: int = 0
-    unpublish_refused: int = 0
-    nodes_expired: int = 0
-    locks_invalidated: int = 0
+__all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "SupersededError", "UnknownNodeError"]
 
 
 class ChunkIndex:
@@ -118,7 +60,11 @@ class ChunkIndex:
         # failover or restart) is never mistaken for one of ours, so its release says False.
         self._lock_prefix = lock_prefix or os.urandom(4).hex()
         self._lock_seq = itertools.count(1)
-        self._epochs = itertools.count(1)
+        # Registration epochs carry a random per-incarnation prefix in their high bits: a reader
+        # caches node descriptions by (node, epoch), and a restarted or failed-over master counting
+        # from 1 again would make it keep a previous holder's metadata (issue 9, hole 7). Epochs
+        # also identify a registration in every later call of the node (hole 2).
+        self._epochs = itertools.count((int.from_bytes(os.urandom(4), "big") & EPOCH_PREFIX_MASK) << 32 | 1)
         self._lock_heap: list[tuple[float, str]] = []
         self.on_node_dropped: Callable[[str, str], None] | None = None  # (node id, why)
 
@@ -131,27 +77,38 @@ class ChunkIndex:
         self.nodes[node_id] = node
         return node.epoch
 
-    def heartbeat(self, node_id: str, now: float) -> float | None:
-        """Extend the lease; the new remaining time, or None when the node is not (or no longer) known."""
+    def heartbeat(self, node_id: str, now: float, epoch: int | None = None) -> float | None:
+        """Extend the lease; the new remaining time, or None when the node is not (or no longer) known.
+        SupersededError when ``epoch`` names an older registration of the node."""
         node = self.nodes.get(node_id)
         if node is None:
             return None
+        self._check_epoch(node, epoch)
         if node.expires_at <= now:
             self._drop_node(node_id, "lease expired")
             return None
         node.expires_at = now + node.ttl
         return node.ttl
 
-    def deregister(self, node_id: str) -> bool:
-        if node_id not in self.nodes:
+    def deregister(self, node_id: str, epoch: int | None = None) -> bool:
+        node = self.nodes.get(node_id)
+        if node is None:
             return False
+        self._check_epoch(node, epoch)  # a superseded registration must not drop its successor
         self._drop_node(node_id, "deregistered")
         return True
 
-    def _live_node(self, node_id: str, now: float) -> Node:
+    @staticmethod
+    def _check_epoch(node: Node, epoch: int | None) -> None:
+        # None: an in-process caller (tests) that does not name a registration; the wire always does.
+        if epoch is not None and epoch != node.epoch:
+            raise SupersededError(node.node_id, epoch, node.epoch)
+
+    def _live_node(self, node_id: str, now: float, epoch: int | None = None) -> Node:
         node = self.nodes.get(node_id)
         if node is None:
             raise UnknownNodeError(node_id)
+        self._check_epoch(node, epoch)
         if node.expires_at <= now:
             self._drop_node(node_id, "lease expired")
             raise UnknownNodeError(node_id)
@@ -180,14 +137,19 @@ class ChunkIndex:
     # ---- entries ------------------------------------------------------------------------------
 
     def publish(
-        self, node_id: str, items: Iterable[tuple[bytes, bytes]], retention_s: float | None, now: float
+        self, node_id: str, items: Iterable[tuple[bytes, bytes]], retention_s: float | None, now: float,
+        epoch: int | None = None, seq: int | None = None,
     ) -> int:
         """Add or refresh entries; returns how many were accepted.
 
-        Refused: re-publishing a key with *different* blocks while a valid lock pins the old ones
+        FencedError (nothing applied) when ``seq`` is at or below the node's fence. Refused per key:
+        re-publishing a key with *different* blocks while a valid lock pins the old ones
         (a reader is copying them), and anything beyond ``max_entries``.
         """
-        node = self._live_node(node_id, now)
+        node = self._live_node(node_id, now, epoch)
+        if seq is not None and seq <= node.fence_seq:
+            self.counters.publish_fenced += 1
+            raise FencedError(node_id, seq, node.fence_seq)
         hold_until = INF if retention_s is None else now + retention_s
         accepted = 0
         for key, blocks in items:
@@ -224,13 +186,25 @@ class ChunkIndex:
         self._reap_locks(now)
         return entry.pins > 0
 
-    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], now: float) -> list[int]:
+    def fence(self, node_id: str, upto: int, now: float, epoch: int | None = None) -> int:
+        """Refuse every later publish of the node with seq <= ``upto``; the node's fence (it never
+        goes back)."""
+        node = self._live_node(node_id, now, epoch)
+        node.fence_seq = max(node.fence_seq, upto)
+        return node.fence_seq
+
+    def unpublish_if_unlocked(self, node_id: str, keys: Sequence[bytes], now: float,
+                              epoch: int | None = None, fence: int | None = None) -> list[int]:
         """Indices (into ``keys``) the node no longer publishes: removed now, or already absent.
 
         Locked entries are kept and left out. Absent keys are reported so the holder can tell "locked"
         from "never arrived" (a publish that timed out unapplied) and free those blocks at once.
         """
-        node = self._live_node(node_id, now)
+        node = self._live_node(node_id, now, epoch)
+        if fence is not None and fence > node.fence_seq:
+            # First the fence, then the removal, in one step: no publish the holder gave up on can
+            # be applied after these keys are reported free.
+            node.fence_seq = fence
         removed: list[int] = []
         for i, key in enumerate(keys):
             entry = node.entries.get(key)
@@ -390,6 +364,7 @@ class ChunkIndex:
             "releases_expired": c.releases_expired,
             "published": c.published,
             "publish_refused": c.publish_refused,
+            "publish_fenced": c.publish_fenced,
             "unpublished": c.unpublished,
             "unpublish_refused": c.unpublish_refused,
             "nodes_expired": c.nodes_expired,

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
-import urllib.request
+
+from pdxfer.procs import ManagedProcess, free_port, http_ok, wait_for
 
 
 def etcd_binary() -> str | None:
@@ -27,12 +25,6 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalEtcd:
     """One etcd process with its own data dir and OS-chosen ports; ``kill()`` it when done."""
 
@@ -44,10 +36,10 @@ class LocalEtcd:
         self.workdir = workdir or tempfile.mkdtemp(prefix="pdxfer-etcd-")
         self.data_dir = os.path.join(self.workdir, "etcd-data")
         self.log_path = os.path.join(self.workdir, "etcd.log")
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
         self.max_txn_ops = max_txn_ops
-        self.proc: subprocess.Popen | None = None
+        self.proc: ManagedProcess | None = None
 
     @property
     def endpoint(self) -> str:
@@ -63,22 +55,14 @@ class LocalEtcd:
             "--initial-cluster", f"local={url_p}", "--max-txn-ops", str(self.max_txn_ops),
             "--auto-compaction-retention", "1", "--log-level", "warn",
         ]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{url_c}/health", timeout=0.5) as r:
-                    if b"true" in r.read():
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"etcd did not become healthy within {timeout_s}s; see {self.log_path}")
+        self.proc = ManagedProcess(cmd, self.log_path, name="etcd")
+        try:
+            wait_for(lambda: http_ok(f"{url_c}/health", 0.5), timeout_s, "healthy etcd", self.proc)
+        except BaseException:
+            self.kill()
+            raise
+        return self
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None:
             self.proc.kill()
-            self.proc.wait(5)

@@ -21,12 +21,32 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, overload
 
 from pdxfer.keys import KEY_BYTES
 
 MAGIC = b"PX"
-PROTOCOL_VERSION = 1
+# Wire versions. Peers of different versions refuse each other (ERR_VERSION), so bump this when a
+# frame's layout or a field's meaning changes, and add a row saying what changed:
+#
+#   version  what changed
+#   -------  ------------------------------------------------------------------------------------
+#   1        First format: 16-byte header, JSON part + blob; ops register .. ping (1-9); keys as
+#            32-byte blobs, block ids as little-endian uint32 with "per" (uniform) or "counts".
+#            Also in 1, before any release: lookups carry "have" {node id: epoch} and replies send
+#            a node's description only when the client lacks that epoch; unpublish replies list
+#            keys the node never published as removed (the holder may reuse their blocks).
+#   2        Issue 9 (fenced writers). Epochs are unique across master incarnations (random
+#            per-incarnation prefix). Lock TTLs are capped by the master: the register reply
+#            carries "max_lock_ttl", a lookup reply's "ttl" is the granted (capped) TTL.
+#            heartbeat, deregister, publish, unpublish carry "epoch" (the registration they belong
+#            to); a superseded one is refused with error "superseded". Publishes carry "seq" (per
+#            node, increasing); op 10 "fence" {node_id, epoch, upto} and unpublish's optional
+#            "fence" make the master refuse (error "fenced") every later publish with seq <= upto.
+#            Op 11 "hello" {tok}: with a token configured, the first frame of every connection
+#            (<= MAX_PREAUTH_BYTES; anything else is refused before its body is read); requests
+#            no longer carry "tok".
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
 
@@ -35,7 +55,10 @@ MAX_BLOB_BYTES = 16 << 20  # 16 MiB: 512k keys, or 4M block ids
 MAX_KEYS_PER_REQUEST = 65536
 MAX_BLOCKS_PER_CHUNK = 65536
 MAX_ID_CHARS = 256  # node ids, reader names, lock ids
-MAX_METADATA_BYTES = 1 << 20  # a transport metadata blob (NIXL's is ~550 bytes)
+MAX_METADATA_BYTES = 1 << 20
+# Before a connection has authenticated (hello with the token), nothing but a hello of at most
+# this many bytes is read: a peer without the token never makes the master buffer a large body.
+MAX_PREAUTH_BYTES = 4096  # a transport metadata blob (NIXL's is ~550 bytes)
 _U32_MAX = 0xFFFFFFFF
 
 REPLY_BIT = 0x80
@@ -51,6 +74,8 @@ OP_RELEASE = 6
 OP_UNPUBLISH = 7
 OP_STATS = 8
 OP_PING = 9
+OP_FENCE = 10
+OP_HELLO = 11  # first frame of a connection to a master with a token: authenticates the connection
 
 OP_NAMES = {
     OP_REGISTER: "register",
@@ -62,6 +87,8 @@ OP_NAMES = {
     OP_UNPUBLISH: "unpublish_if_unlocked",
     OP_STATS: "stats",
     OP_PING: "ping",
+    OP_FENCE: "fence",
+    OP_HELLO: "hello",
 }
 
 # Error codes carried in an OP_ERROR reply's JSON ("err").
@@ -72,6 +99,8 @@ ERR_AUTH = "auth"
 ERR_UNKNOWN_NODE = "unknown_node"
 ERR_NOT_LEADER = "not_leader"
 ERR_UNKNOWN_OP = "unknown_op"
+ERR_SUPERSEDED = "superseded"  # the call names a registration that a newer one of the node replaced
+ERR_FENCED = "fenced"  # a publish whose seq the holder had already fenced (given up on)
 ERR_INTERNAL = "internal"
 
 
@@ -128,6 +157,12 @@ def decode_json(data: bytes) -> dict[str, Any]:
 # ---- field helpers: every bad field gets an error naming the field -------------------------------
 
 
+@overload
+def get_str(doc: dict[str, Any], name: str, optional: Literal[False] = False) -> str: ...
+@overload
+def get_str(doc: dict[str, Any], name: str, optional: bool) -> str | None: ...
+
+
 def get_str(doc: dict[str, Any], name: str, optional: bool = False) -> str | None:
     value = doc.get(name)
     if value is None and optional:
@@ -142,6 +177,12 @@ def get_int(doc: dict[str, Any], name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ProtocolError(ERR_MALFORMED, f"field {name!r} must be an integer in [{lo}, {hi}], got {value!r:.40}")
     return value
+
+
+@overload
+def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: Literal[False] = False) -> float: ...
+@overload
+def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: bool) -> float | None: ...
 
 
 def get_float(doc: dict[str, Any], name: str, lo: float, hi: float, optional: bool = False) -> float | None:
@@ -200,3 +241,11 @@ def unpack_u32(data: bytes | memoryview) -> list[int]:
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
     return arr.tolist()
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port); ValueError naming the text otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {text!r} is not host:port")
+    return host.strip("[]"), int(port)

@@ -1,46 +1,70 @@
 """The pdxfer-master service: the wire protocol server around the in-memory chunk index.
 
 One asyncio event loop owns the index, so every request is applied atomically in arrival order.
-See ``pdxfer/master/__init__.py`` for the CLI flags.
+Request and reply fields are decoded and encoded by ``protocol_ops.py``; stats and metrics are in
+``service_stats.py``; the process (flags, signals) is ``cli.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import base64
-import collections
 import gc
 import hmac
-import json
 import logging
-import os
-import signal
-import sys
+import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 from pdxfer.master import protocol as P
-from pdxfer.master.coordinator import Standalone
+from pdxfer.master import protocol_ops as ops
+from pdxfer.master.coordinator import Coordinator, Standalone
 from pdxfer.master.httpd import serve_http
-from pdxfer.master.index import ChunkIndex, UnknownNodeError
+from pdxfer.master.index import (
+    ChunkIndex,
+    FencedError,
+    SupersededError,
+    UnknownNodeError,
+)
+from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats
 
 log = logging.getLogger("pdxfer.master")
 
+DEFAULT_MAX_LOCK_TTL_S = 30.0  # announced in register replies; readers asking for more get this
 _BODY_TIMEOUT_S = 10.0  # a client that sent a header must send the body within this
-_MAX_TTL_S = 3600.0
-_MAX_RETENTION_S = 30 * 24 * 3600.0
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0  # a new connection's first frame (hello) must arrive within this
+DEFAULT_IDLE_TIMEOUT_S = 600.0  # an authenticated connection idle this long is closed (clients reconnect)
+_REFUSAL_LOG_EVERY_S = 10.0
 
 
 class MasterService:
     def __init__(
         self,
         token: str | None = None,
-        coordinator: Any = None,
+        coordinator: Coordinator | None = None,
         chunk_tokens: int = 256,
         max_entries: int = 10_000_000,
         reap_interval_s: float = 0.1,
+        max_lock_ttl_s: float = DEFAULT_MAX_LOCK_TTL_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
+        if max_connections < 1 or handshake_timeout_s <= 0 or idle_timeout_s <= 0:
+            raise ValueError(f"max_connections ({max_connections}), handshake_timeout_s ({handshake_timeout_s}) "
+                             f"and idle_timeout_s ({idle_timeout_s}) must be positive")
+        # A peer must not be able to stop the master: connections are capped, and every wait for a
+        # peer's bytes is bounded (issue 9, hole 9).
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.connections_refused = 0
+        self.handshake_timeouts = 0
+        self._refusal_logged_at = -_REFUSAL_LOG_EVERY_S
+        if not ops.MIN_LOCK_TTL_S <= max_lock_ttl_s <= ops.MAX_TTL_S:
+            raise ValueError(f"max_lock_ttl_s must be in [{ops.MIN_LOCK_TTL_S}, {ops.MAX_TTL_S}], got {max_lock_ttl_s}")
+        # Holders force-free a refused key after this bound (plus their lease): no lock may outlive it.
+        self.max_lock_ttl_s = float(max_lock_ttl_s)
         self.token = token.encode() if token else None
         self.index = ChunkIndex(max_entries=max_entries)
         self.coord = coordinator or Standalone()
@@ -55,12 +79,18 @@ class MasterService:
         self.auth_failures = 0
         self.bad_frames = 0
         self.lookup_seconds = 0.0
-        self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self.rate = LookupRate()
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._conns: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.http_port = 0
+        self._handlers: dict[int, Callable[[dict[str, Any], memoryview, float], Any]] = {
+            P.OP_LOOKUP: self._lookup, P.OP_RELEASE: self._release, P.OP_PUBLISH: self._publish,
+            P.OP_UNPUBLISH: self._unpublish, P.OP_HEARTBEAT: self._heartbeat, P.OP_REGISTER: self._register,
+            P.OP_DEREGISTER: self._deregister, P.OP_STATS: self._stats, P.OP_PING: self._ping,
+            P.OP_FENCE: self._fence,
+        }
 
     # ---- leadership -----------------------------------------------------------------------------
 
@@ -83,7 +113,8 @@ class MasterService:
         self._servers.append(server)
         self.port = server.sockets[0].getsockname()[1]
         if http_port >= 0:
-            hs = await serve_http(http_host or host, http_port, self.metrics_text, self.health)
+            hs = await serve_http(http_host or host, http_port, lambda: metrics_text(self),
+                                  lambda: health(self))
             self._servers.append(hs)
             self.http_port = hs.sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self._reaper()))
@@ -111,42 +142,65 @@ class MasterService:
                 # cycle (node <-> its entries) is broken explicitly when a node is dropped.
                 gc.freeze()
                 last_freeze = now
-            if not self._rate or now - self._rate[-1][0] >= 1.0:
-                self._rate.append((now, self.index.counters.lookups))
+            self.rate.sample(now, self.index.counters.lookups)
 
     # ---- connections ----------------------------------------------------------------------------
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        if len(self._conns) >= self.max_connections:
+            self._refuse_connection(peer, writer)
+            return
         self._conns.add(writer)
+        _keepalive(writer.get_extra_info("socket"))
+        authed = self.token is None  # with a token, only a hello is read until one succeeds
+        first = True
         try:
             while True:
+                # The first frame must come soon (a peer that connects and sends nothing, or half
+                # a header, must not hold a connection); later ones within the idle timeout.
+                wait_s = self.handshake_timeout_s if first or not authed else self.idle_timeout_s
                 try:
-                    raw = await reader.readexactly(P.HEADER_BYTES)
+                    raw = await asyncio.wait_for(reader.readexactly(P.HEADER_BYTES), wait_s)
+                except TimeoutError:
+                    if first or not authed:
+                        self.handshake_timeouts += 1
+                        log.info("closing %s: no complete first frame within %.1f s", peer, wait_s)
+                    return
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
+                first = False
                 req_id = int.from_bytes(raw[4:8], "big") if len(raw) >= 8 else 0
                 try:
                     hdr = P.parse_header(raw)
+                    if not authed:
+                        self._check_preauth(hdr, peer)
                 except P.ProtocolError as exc:
-                    # Framing cannot be trusted after a bad header: answer, then hang up.
-                    self.bad_frames += 1
-                    log.warning("bad frame from %s: %s", peer, exc)
+                    # Framing cannot be trusted after a bad header, and an unauthenticated peer's
+                    # body is never read: answer, then hang up.
+                    if exc.code != P.ERR_AUTH:
+                        self.bad_frames += 1
+                        log.warning("bad frame from %s: %s", peer, exc)
                     writer.write(P.encode_frame(P.OP_ERROR, req_id, {"err": exc.code, "msg": str(exc)}))
                     await writer.drain()
                     return
+                body_wait_s = _BODY_TIMEOUT_S if authed else min(_BODY_TIMEOUT_S, self.handshake_timeout_s)
                 try:
-                    body = await asyncio.wait_for(reader.readexactly(hdr.json_len + hdr.blob_len), _BODY_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                    body = await asyncio.wait_for(reader.readexactly(hdr.json_len + hdr.blob_len), body_wait_s)
+                except TimeoutError:
                     self.bad_frames += 1
-                    log.warning("client %s sent a header but not its %d-byte body within %.0f s", peer,
-                                hdr.json_len + hdr.blob_len, _BODY_TIMEOUT_S)
+                    log.warning("client %s sent a header but not its %d-byte body within %.1f s", peer,
+                                hdr.json_len + hdr.blob_len, body_wait_s)
                     return
                 except (asyncio.IncompleteReadError, ConnectionError):
                     self.bad_frames += 1
                     log.warning("client %s closed mid-frame (truncated message)", peer)
                     return
-                reply, keep = self._handle(hdr, body, peer)
+                if hdr.op == P.OP_HELLO:
+                    reply, keep = self._hello(hdr, body, peer)
+                    authed = authed or keep
+                else:
+                    reply, keep = self._handle(hdr, body, peer)
                 writer.write(reply)
                 await writer.drain()
                 if not keep:
@@ -157,20 +211,49 @@ class MasterService:
             self._conns.discard(writer)
             writer.close()
 
+    def _refuse_connection(self, peer: Any, writer: asyncio.StreamWriter) -> None:
+        self.connections_refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:  # one line per burst, not per peer
+            self._refusal_logged_at = now
+            log.warning("connection limit of %d reached (--max-connections): refused %s (%d refused so far)",
+                        self.max_connections, peer, self.connections_refused)
+        writer.close()
+
+    def _check_preauth(self, hdr: P.Header, peer: Any) -> None:
+        """Before a connection has authenticated: a small hello, nothing else (body not read)."""
+        if hdr.op != P.OP_HELLO:
+            self.auth_failures += 1
+            log.warning("refused %s request from %s: missing token (no hello on this connection)",
+                        P.OP_NAMES.get(hdr.op, hdr.op), peer)
+            raise P.ProtocolError(P.ERR_AUTH, "missing token: the first frame of a connection must be a hello "
+                                  "carrying the token")
+        if hdr.json_len + hdr.blob_len > P.MAX_PREAUTH_BYTES:
+            raise P.ProtocolError(P.ERR_OVERSIZED, f"hello of {hdr.json_len + hdr.blob_len} bytes exceeds "
+                                  f"{P.MAX_PREAUTH_BYTES}")
+
+    def _hello(self, hdr: P.Header, body: bytes, peer: Any) -> tuple[bytes, bool]:
+        """(reply, authenticated): a wrong or missing token is answered, counted, logged, and the
+        connection closed."""
+        try:
+            tok = ops.decode_hello(P.decode_json(body[: hdr.json_len]), b"")
+        except P.ProtocolError as exc:
+            self.bad_frames += 1
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": exc.code, "msg": str(exc)}), False
+        if self.token is not None and (tok is None or not hmac.compare_digest(tok.encode(), self.token)):
+            self.auth_failures += 1
+            log.warning("refused hello from %s: %s token", peer, "missing" if tok is None else "wrong")
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_AUTH, "msg": "missing or wrong token"}), False
+        return P.encode_frame(hdr.op | P.REPLY_BIT, hdr.req_id, {"ok": True}), True
+
     def _handle(self, hdr: P.Header, body: bytes, peer: Any) -> tuple[bytes, bool]:
         """One request -> (reply frame, keep the connection open)."""
         try:
-            doc = P.decode_json(body[: hdr.json_len])
-            if self.token is not None:
-                tok = doc.get("tok")
-                if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), self.token):
-                    self.auth_failures += 1
-                    log.warning("refused %s request from %s: %s token", P.OP_NAMES.get(hdr.op, hdr.op), peer,
-                                "missing" if tok is None else "wrong")
-                    raise P.ProtocolError(P.ERR_AUTH, "missing or wrong token")
+            doc = P.decode_json(body[: hdr.json_len])  # the connection is authenticated (hello)
             if hdr.op not in (P.OP_STATS, P.OP_PING) and not self.coord.is_leader:
                 leader = self.coord.leader_address
-                raise P.ProtocolError(P.ERR_NOT_LEADER, f"this master is a standby; leader is {leader}")
+                raise P.ProtocolError(P.ERR_NOT_LEADER, "this master is not the leader (a standby, or a leader whose "
+                                      f"lease may have expired); leader is {leader or 'unknown'}")
             out = self._dispatch(hdr.op, doc, memoryview(body)[hdr.json_len :])
             if isinstance(out, tuple):  # (pre-encoded JSON, blob) from the hot path
                 body_json, blob_out = out
@@ -188,262 +271,100 @@ class MasterService:
             return P.encode_frame(P.OP_ERROR, hdr.req_id, err), exc.code != P.ERR_AUTH
         except UnknownNodeError as exc:
             return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_UNKNOWN_NODE, "msg": str(exc)}), True
+        except FencedError as exc:
+            log.info("refused publish from %s: %s", peer, exc)
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_FENCED, "msg": str(exc)}), True
+        except SupersededError as exc:
+            log.warning("refused %s from %s: %s", P.OP_NAMES.get(hdr.op, hdr.op), peer, exc)
+            return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_SUPERSEDED, "msg": str(exc)}), True
         except Exception as exc:  # a bug must not take the service down for everyone else
             log.exception("internal error on %s from %s", P.OP_NAMES.get(hdr.op, hdr.op), peer)
             return P.encode_frame(P.OP_ERROR, hdr.req_id, {"err": P.ERR_INTERNAL, "msg": repr(exc)}), False
 
     def _dispatch(self, op: int, doc: dict[str, Any], blob: memoryview) -> Any:
-        now = time.monotonic()
-        idx = self.index
-        if op == P.OP_LOOKUP:
-            t0 = time.perf_counter()
-            n = P.get_int(doc, "n", 0, P.MAX_KEYS_PER_REQUEST)
-            self._exact_blob(blob, n * 32)
-            keys = P.split_keys(blob, n)
-            reader = P.get_str(doc, "reader")
-            ttl = P.get_float(doc, "ttl", 0.001, _MAX_TTL_S)
-            out = idx.lookup_and_lock(keys, reader, ttl, now)
-            head: dict[str, Any] = {"lock": out.lock_id, "hit": out.hit, "ttl": ttl, "runs": out.runs}
-            counts = out.counts
-            if counts and counts.count(counts[0]) == len(counts):  # C-speed uniformity check
-                head["per"] = counts[0]
-            else:
-                head["counts"] = out.counts
-            # Node descriptions are pre-encoded at registration; splice them in, never re-encode.
-            # A node the client already holds at this epoch ("have") is sent as its epoch only:
-            # a real layout description is ~12 KB of JSON, costlier to parse than the lookup.
-            have = doc.get("have")
-            if not isinstance(have, dict):
-                have = {}
-            nodes = ",".join(
-                f'{json.dumps(nid)}:{{"epoch":{node.epoch}}}' if have.get(nid) == node.epoch
-                else f"{json.dumps(nid)}:{node.info_json}"
-                for nid, node in out.nodes.items()
-            )
-            text = json.dumps(head, separators=(",", ":"))[:-1] + ',"nodes":{' + nodes + "}}"
-            self.lookup_seconds += time.perf_counter() - t0
-            return (text.encode(), out.blocks)
-        if op == P.OP_RELEASE:
-            return {"ok": idx.release(P.get_str(doc, "lock"), now)}
-        if op == P.OP_PUBLISH:
-            node_id = P.get_str(doc, "node_id")
-            n = P.get_int(doc, "n", 0, P.MAX_KEYS_PER_REQUEST)
-            counts = self._counts(doc, n)
-            total = sum(counts)
-            self._exact_blob(blob, n * 32 + 4 * total)
-            keys = P.split_keys(blob, n)
-            blocks = bytes(blob[n * 32 :])
-            items = []
-            off = 0
-            for key, c in zip(keys, counts):
-                items.append((key, blocks[off : off + 4 * c]))
-                off += 4 * c
-            retention = P.get_float(doc, "ret", 0.0, _MAX_RETENTION_S, optional=True)
-            return {"accepted": idx.publish(node_id, items, retention, now)}
-        if op == P.OP_UNPUBLISH:
-            node_id = P.get_str(doc, "node_id")
-            n = P.get_int(doc, "n", 0, P.MAX_KEYS_PER_REQUEST)
-            self._exact_blob(blob, n * 32)
-            return {"removed": idx.unpublish_if_unlocked(node_id, P.split_keys(blob, n), now)}
-        if op == P.OP_HEARTBEAT:
-            node_id = P.get_str(doc, "node_id")
-            left = idx.heartbeat(node_id, now)
-            if left is not None:
-                self.coord.node_heartbeat(node_id)
-            return {"ok": left is not None, "ttl": left}
-        if op == P.OP_REGISTER:
-            return self._register(doc, blob, now)
-        if op == P.OP_DEREGISTER:
-            return {"ok": idx.deregister(P.get_str(doc, "node_id"))}
-        if op == P.OP_STATS:
-            return self.stats()
-        if op == P.OP_PING:
-            return {"leader": self.coord.is_leader, "leader_address": self.coord.leader_address}
-        raise P.ProtocolError(P.ERR_UNKNOWN_OP, f"unknown op {op}")
+        handler = self._handlers.get(op)
+        if handler is None:
+            raise P.ProtocolError(P.ERR_UNKNOWN_OP, f"unknown op {op}")
+        return handler(doc, blob, time.monotonic())
 
-    @staticmethod
-    def _exact_blob(blob: memoryview, expected: int) -> None:
-        if len(blob) != expected:
-            raise P.ProtocolError(P.ERR_MALFORMED, f"blob is {len(blob)} bytes, the fields announce {expected}")
+    # ---- one handler per op: decode the request, apply it to the index, encode the reply --------
 
-    @staticmethod
-    def _counts(doc: dict[str, Any], n: int) -> list[int]:
-        if "per" in doc:
-            return [P.get_int(doc, "per", 0, P.MAX_BLOCKS_PER_CHUNK)] * n
-        counts = doc.get("counts")
-        if (
-            not isinstance(counts, list)
-            or len(counts) != n
-            or not all(type(c) is int and 0 <= c <= P.MAX_BLOCKS_PER_CHUNK for c in counts)
-        ):
-            raise P.ProtocolError(
-                P.ERR_MALFORMED, f"field 'counts' must be {n} integers in [0, {P.MAX_BLOCKS_PER_CHUNK}]"
-            )
-        return counts
+    def _lookup(self, doc: dict[str, Any], blob: memoryview, now: float) -> tuple[bytes, bytes]:
+        t0 = time.perf_counter()
+        req = ops.decode_lookup(doc, blob)
+        ttl = min(req.ttl, self.max_lock_ttl_s)
+        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now)
+        nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
+        head = ops.encode_lookup_reply(out.lock_id, out.hit, ttl, out.runs, out.counts, nodes, req.have)
+        self.lookup_seconds += time.perf_counter() - t0
+        return head, out.blocks
+
+    def _release(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        return ops.encode_release_reply(self.index.release(ops.decode_release(doc, blob), now))
+
+    def _publish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        req = ops.decode_publish(doc, blob)
+        accepted = self.index.publish(req.node_id, req.items, req.retention_s, now, req.epoch, req.seq)
+        return ops.encode_publish_reply(accepted)
+
+    def _unpublish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        req = ops.decode_unpublish(doc, blob)
+        removed = self.index.unpublish_if_unlocked(req.node.node_id, req.keys, now, req.node.epoch, req.fence)
+        return ops.encode_unpublish_reply(removed)
+
+    def _fence(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        (node_id, epoch), upto = ops.decode_fence(doc, blob)
+        return ops.encode_fence_reply(self.index.fence(node_id, upto, now, epoch))
+
+    def _heartbeat(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        node_id, epoch = ops.decode_heartbeat(doc, blob)
+        left = self.index.heartbeat(node_id, now, epoch)
+        if left is not None:
+            self.coord.node_heartbeat(node_id)
+        return ops.encode_heartbeat_reply(left)
 
     def _register(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        node_id = P.get_str(doc, "node_id")
-        rank = P.get_int(doc, "rank", 0, 1 << 20)
-        transport = P.get_str(doc, "transport")
-        fp = P.get_str(doc, "fp")
-        layout = doc.get("layout")
-        if not isinstance(layout, dict):
-            raise P.ProtocolError(P.ERR_MALFORMED, "field 'layout' must be an object")
-        ttl = P.get_float(doc, "ttl", 0.1, _MAX_TTL_S)
-        if len(blob) > P.MAX_METADATA_BYTES:
-            raise P.ProtocolError(P.ERR_OVERSIZED, f"transport metadata of {len(blob)} bytes exceeds {P.MAX_METADATA_BYTES}")
-        info = {
-            "node_id": node_id,
-            "rank": rank,
-            "transport": transport,
-            "meta": base64.b64encode(bytes(blob)).decode(),
-            "layout": layout,
-            "fp": fp,
-        }
-        epoch = self.index.register(node_id, "", ttl, now)
-        info["epoch"] = epoch
-        info_json = json.dumps(info, separators=(",", ":"))
-        self.index.nodes[node_id].info_json = info_json
-        self.coord.node_registered(node_id, ttl, info_json)
-        log.info("registered node %s (rank %d, %s, ttl %.1fs)", node_id, rank, transport, ttl)
-        return {"ok": True, "epoch": epoch, "ttl": ttl}
+        req = ops.decode_register(doc, blob)
+        epoch = self.index.register(req.node_id, "", req.ttl, now)
+        info_json = ops.encode_node_description(req, epoch)
+        self.index.nodes[req.node_id].info_json = info_json
+        self.coord.node_registered(req.node_id, req.ttl, info_json)
+        log.info("registered node %s (rank %d, %s, ttl %.1fs)", req.node_id, req.rank, req.transport, req.ttl)
+        return ops.encode_register_reply(epoch, req.ttl, self.max_lock_ttl_s)
 
-    # ---- observability --------------------------------------------------------------------------
+    def _deregister(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        node_id, epoch = ops.decode_deregister(doc, blob)
+        return ops.encode_deregister_reply(self.index.deregister(node_id, epoch))
 
-    def lookups_per_s(self) -> float:
-        if len(self._rate) < 2:
-            return 0.0
-        (t0, n0), (t1, n1) = self._rate[max(0, len(self._rate) - 6)], self._rate[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+    def _stats(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        return self.stats()
+
+    def _ping(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        return ops.encode_ping_reply(self.coord.is_leader, self.coord.leader_address)
 
     def stats(self) -> dict[str, Any]:
-        s = self.index.snapshot()
-        s["hit_tokens"] = s["hit_chunks"] * self.chunk_tokens
-        s["lookups_per_s"] = round(self.lookups_per_s(), 2)
-        s["lookup_handler_s"] = round(self.lookup_seconds, 6)
-        s["auth_failures"] = self.auth_failures
-        s["bad_frames"] = self.bad_frames
-        s["uptime_s"] = round(time.time() - self.started, 3)
-        s.update(self.coord.status())
-        return s
-
-    def health(self) -> tuple[bool, dict[str, Any]]:
-        st = self.coord.status()
-        if not self.coord.is_leader:
-            status = "standby"
-        elif self.coord.degraded:
-            status = "degraded"
-        else:
-            status = "ok"
-        return True, {"status": status, **st}
-
-    def metrics_text(self) -> str:
-        s = self.stats()
-        lines = []
-
-        def metric(name: str, kind: str, help_: str, value: float) -> None:
-            lines.append(f"# HELP pdxfer_master_{name} {help_}")
-            lines.append(f"# TYPE pdxfer_master_{name} {kind}")
-            lines.append(f"pdxfer_master_{name} {value}")
-
-        metric("nodes", "gauge", "Registered nodes with a live lease.", s["nodes"])
-        metric("entries", "gauge", "Published (key, node) entries.", s["entries"])
-        metric("locks", "gauge", "Reader locks not yet released or reaped.", s["locks"])
-        metric("lookups_total", "counter", "lookup_and_lock requests served.", s["lookups"])
-        metric("lookup_chunks_total", "counter", "Chunks asked for in lookups.", s["lookup_chunks"])
-        metric("hit_chunks_total", "counter", "Chunks found (contiguous prefix) in lookups.", s["hit_chunks"])
-        metric("hit_tokens_total", "counter", "hit_chunks_total times chunk tokens.", s["hit_tokens"])
-        metric("lookups_per_second", "gauge", "Recent lookup rate.", s["lookups_per_s"])
-        metric("lookup_handler_seconds_total", "counter", "Time spent in the lookup handler.", self.lookup_seconds)
-        metric("releases_ok_total", "counter", "Releases of locks still valid.", s["releases_ok"])
-        metric("releases_expired_total", "counter", "Releases of expired or unknown locks.", s["releases_expired"])
-        metric("unpublish_refused_total", "counter", "Unpublishes refused by a valid lock.", s["unpublish_refused"])
-        metric("nodes_expired_total", "counter", "Nodes dropped because their lease ran out.", s["nodes_expired"])
-        metric("auth_failures_total", "counter", "Requests refused for a missing or wrong token.", s["auth_failures"])
-        metric("bad_frames_total", "counter", "Malformed, oversized or wrong-version messages.", s["bad_frames"])
-        metric("leader", "gauge", "1 when this replica serves as leader.", 1 if self.coord.is_leader else 0)
-        metric("degraded", "gauge", "1 when the store (etcd) is unreachable.", 1 if self.coord.degraded else 0)
-        return "\n".join(lines) + "\n"
+        return stats(self)
 
 
-def _write_port_file(path: str, port: int, http_port: int) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(f"{port}\n{http_port}\n")
-    os.replace(tmp, path)  # readers never see a half-written file
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdxfer-master", description="pdxfer chunk index service")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on for the wire protocol")
-    p.add_argument("--port", type=int, default=0, help="wire protocol port (0: chosen by the OS)")
-    p.add_argument("--port-file", help="write '<port>\\n<http port>\\n' here once listening")
-    p.add_argument("--http-host", help="address for /metrics and /health (default: --host)")
-    p.add_argument("--http-port", type=int, default=0, help="HTTP port (0: chosen by the OS, -1: off)")
-    p.add_argument("--advertise", help="host:port published as leader address in etcd (default host:port)")
-    p.add_argument("--token-file", help="shared secret every request must carry")
-    p.add_argument("--etcd", help="host:port[,host:port] of etcd: HA mode (default: standalone, in memory)")
-    p.add_argument("--etcd-prefix", default="/pdxfer/master", help="key prefix in etcd")
-    p.add_argument("--leader-ttl", type=float, default=5.0, help="leader lease TTL in seconds (etcd mode)")
-    p.add_argument("--etcd-timeout", type=float, default=1.0, help="per-call etcd timeout in seconds")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (for hit_tokens only)")
-    p.add_argument("--max-entries", type=int, default=10_000_000, help="refuse publishes beyond this")
-    p.add_argument("--log-level", default="INFO")
-    return p
-
-
-def _read_token(path: str) -> str:
+def _keepalive(sock: socket.socket | None) -> None:
+    """TCP keepalive on a client connection: a peer that vanished (host down, cable cut) is noticed
+    within about a minute instead of holding its connection until the idle timeout."""
+    if sock is None:
+        return
     try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise SystemExit(f"pdxfer-master: cannot read token file {path}: {exc}") from None
-    if not token:
-        raise SystemExit(f"pdxfer-master: token file {path} is empty")
-    return token
-
-
-async def _amain(args: argparse.Namespace) -> None:
-    coordinator = None
-    if args.etcd and not args.advertise and args.host in ("0.0.0.0", "::", ""):
-        raise SystemExit("pdxfer-master: listening on a wildcard address; give --advertise HOST:PORT so "
-                         "clients that find the leader in etcd can reach it")
-    if args.etcd:
-        try:
-            from pdxfer.master.etcd_store import EtcdCoordinator
-
-            coordinator = EtcdCoordinator(args.etcd, args.etcd_prefix, args.leader_ttl, args.etcd_timeout)
-        except ImportError as exc:
-            raise SystemExit(f"pdxfer-master: --etcd needs the aetcd package ({exc})") from None
-        except ValueError as exc:
-            raise SystemExit(f"pdxfer-master: --etcd {args.etcd!r}: {exc}") from None
-    svc = MasterService(
-        token=_read_token(args.token_file) if args.token_file else None,
-        coordinator=coordinator,
-        chunk_tokens=args.chunk_tokens,
-        max_entries=args.max_entries,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await svc.start(args.host, args.port, args.http_host, args.http_port, args.advertise)
-    if args.port_file:
-        _write_port_file(args.port_file, svc.port, svc.http_port)
-    log.info("pdxfer-master listening on %s:%d (http %d, store %s)", args.host, svc.port, svc.http_port,
-             svc.coord.kind)
-    await stop.wait()
-    log.info("shutting down")
-    await svc.stop()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):  # Linux names; other systems keep their defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    asyncio.run(_amain(args))
+    """The ``pdxfer-master`` console script (the process itself lives in cli.py)."""
+    from pdxfer.master.cli import main as run
+
+    run(argv)
 
 
 if __name__ == "__main__":

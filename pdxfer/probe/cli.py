@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 import time
 from typing import Any, Sequence
 
-os.environ.setdefault("UCX_MODULES", "^ib")  # before NIXL/UCX can load: no InfiniBand assumed
+import numpy as np
 
-import numpy as np  # noqa: E402
+from pdxfer.probe import report, server, sweep
+from pdxfer.transport import KINDS, create_transport, transport_options
+from pdxfer.transport.base import RegisteredRegion, TransportError
+from pdxfer.transport.nixl.env import prepare_ucx_env
 
-from pdxfer.probe import report, server, sweep  # noqa: E402
-from pdxfer.transport import create_transport  # noqa: E402
-from pdxfer.transport.base import RegisteredRegion, TransportError  # noqa: E402
+# Before NIXL/UCX can load here or in the holder this spawns (it inherits the environment).
+prepare_ucx_env()
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -53,7 +54,7 @@ def parse_list(text: str, item) -> list[int]:
 
 
 def _add_sweep_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--transport", action="append", choices=["tcp", "nixl"],
+    ap.add_argument("--transport", action="append", choices=KINDS,
                     help="transport to measure (repeatable; default: every one the holder serves)")
     ap.add_argument("--block-sizes", type=lambda s: parse_list(s, parse_size), default=DEFAULT_BLOCKS)
     ap.add_argument("--batches", type=lambda s: parse_list(s, int), default=DEFAULT_BATCHES)
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=0)
     s.add_argument("--advertise", help="address readers should use (default: --host)")
     s.add_argument("--region-size", type=parse_size, default=parse_size("256MiB"))
-    s.add_argument("--transport", action="append", choices=["tcp", "nixl"])
+    s.add_argument("--transport", action="append", choices=KINDS)
     r = sub.add_parser("read", help="sweep against a running `pdxfer-probe serve`")
     r.add_argument("--peer", required=True, help="HOST:PORT of the serve control port")
     _add_sweep_args(r)
@@ -145,8 +146,7 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
     failed = False
     try:
         for kind in kinds:
-            opts = {"connections": args.tcp_connections} if kind == "tcp" else {}
-            t = create_transport(kind, **opts)
+            t = create_transport(kind, **transport_options(kind, connections=args.tcp_connections))
             try:
                 t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
                 meta = bytes.fromhex(server.control_request(addr, {"op": "meta", "kind": kind})["meta"])

@@ -26,26 +26,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
-    os.environ.setdefault("UCX_MODULES", "^ib")  # before UCX loads: else rc 139 at exit (PLATFORM.md)
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+import numpy as np
 
-import numpy as np  # noqa: E402
+from pdxfer.transport.nixl.env import load_nixl, prepare_ucx_env
+
+# Before UCX loads, here and in the holder this spawns (else rc 139 at exit, PLATFORM.md).
+prepare_ucx_env()
 
 _REPO = Path(__file__).resolve().parents[2]
 
 
-def _api() -> Any:
-    for name in ("nixl_cu12", "nixl_cu13", "nixl"):
-        try:
-            return __import__(f"{name}._api", fromlist=["nixl_agent"])
-        except ImportError:
-            continue
-    raise ImportError("NIXL is not installed (pip install nixl-cu12==1.5.1)")
-
-
 def _agent(name: str) -> Any:
-    api = _api()
+    api = load_nixl()
     return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
@@ -65,10 +57,10 @@ def hold(size: int, seed: int, poll_s: float, pdxfer: bool = False) -> int:
     buf = np.empty(size, dtype=np.uint8)
     _fill(buf, seed)
     if pdxfer:
+        from pdxfer.transport import create_transport
         from pdxfer.transport.base import RegisteredRegion
-        from pdxfer.transport.nixl import NixlTransport
 
-        with NixlTransport() as t:
+        with create_transport("nixl") as t:
             t.register([RegisteredRegion(0, buf.ctypes.data, size)])
             print("META", t.metadata().hex(), buf.ctypes.data, flush=True)
             sys.stdin.read()  # its own progress thread serves; wait for the reader to close stdin
@@ -263,9 +255,9 @@ def compare_with_pdxfer(block_size: int, batch: int, iters: int, seed: int = 0, 
     freshly built TransferPlan (building the plan objects is not timed, as in pdxfer-probe); raw
     is ``RawNixlBaseline.once``. Returns medians and ``ratio`` = pdxfer / raw GB/s, bytes checked.
     """
-    from pdxfer.layout import TransferPlan, TransferRun
+    from pdxfer.plan import TransferPlan, TransferRun
+    from pdxfer.transport import create_transport
     from pdxfer.transport.base import RegisteredRegion
-    from pdxfer.transport.nixl import NixlTransport
 
     if iters <= 0:
         raise ValueError(f"iters must be positive (got {iters})")
@@ -274,7 +266,7 @@ def compare_with_pdxfer(block_size: int, batch: int, iters: int, seed: int = 0, 
         try:
             dst = np.empty(raw.size, dtype=np.uint8)
             dst.fill(0)  # touched, like the raw side's destination
-            with NixlTransport() as t:
+            with create_transport("nixl") as t:
                 t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
                 peer = t.connect(md, timeout=timeout)
                 pairs = [(int(r) * block_size, int(l) * block_size) for r, l in zip(raw.ridx, raw.lidx)]

@@ -9,7 +9,6 @@ byte count and gets that many bytes of the region (wrapping) with plain ``sendal
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import resource
@@ -17,48 +16,24 @@ import signal
 import socket
 import struct
 import threading
-from typing import Any
 
 import numpy as np
 
+from pdxfer import netio
 from pdxfer.probe.pattern import fill
-from pdxfer.transport import KINDS, create_transport
+from pdxfer.transport import available_kinds, create_transport, transport_options
 from pdxfer.transport.base import RegisteredRegion, Transport
 
 _U64 = struct.Struct("<Q")
 SEED = 0
 
 
-def available_kinds() -> dict[str, str | None]:
-    """kind -> None if it imports here, else why not."""
-    out: dict[str, str | None] = {}
-    for k in KINDS:
-        try:
-            importlib.import_module(f"pdxfer.transport.{k}")
-            out[k] = None
-        except Exception as exc:  # noqa: BLE001 - report any import failure as "unavailable"
-            out[k] = repr(exc)
-    return out
-
-
-def transport_options(kind: str, host: str, advertise: str | None) -> dict[str, Any]:
-    if kind == "tcp":
-        return {"listen_host": host, "advertise_host": advertise}
-    return {}
-
-
 def _serve_raw(sock: socket.socket, view: memoryview) -> None:
     """Raw baseline: answer each u64 byte count with that many region bytes (plain sendall)."""
     size = len(view)
-    with contextlib.suppress(OSError, struct.error):
+    with contextlib.suppress(OSError, struct.error):  # the reader hanging up ends the loop
         while True:
-            head = b""
-            while len(head) < 8:
-                chunk = sock.recv(8 - len(head))
-                if not chunk:
-                    return
-                head += chunk
-            (n,) = _U64.unpack(head)
+            (n,) = _U64.unpack(netio.recv_exact(sock, _U64.size, "byte count"))
             while n > 0:
                 k = min(n, size)
                 sock.sendall(view[:k])
@@ -79,7 +54,7 @@ class ProbeServer:
         for k in wanted:
             if avail.get(k):
                 continue
-            t = create_transport(k, **transport_options(k, host, advertise))
+            t = create_transport(k, **transport_options(k, listen_host=host, advertise_host=advertise))
             t.register([RegisteredRegion(0, self.buf.ctypes.data, self.buf.nbytes)])
             self.transports[k] = t
         self.meta = {k: t.metadata().hex() for k, t in self.transports.items()}

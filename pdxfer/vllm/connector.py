@@ -19,11 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.request import RequestStatus
 
 from pdxfer.vllm.config import parse_extra_config
-from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_size, model_identity
+from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_size, kv_format, model_identity
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
+from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
 
 if TYPE_CHECKING:
@@ -45,9 +45,6 @@ def _setup_logging(level: str | None) -> None:
         root.addHandler(h)
         root.propagate = False
     root.setLevel((level or "INFO").upper())
-
-
-_PUBLISHABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 class PdxferConnector(KVConnectorBase_V1):
@@ -86,7 +83,8 @@ class PdxferConnector(KVConnectorBase_V1):
 
             rank = get_tensor_model_parallel_rank()
             self.worker_side = WorkerSide(self.cfg, node_id=f"{self.engine_id}-r{rank}", rank=rank,
-                                          expected_fingerprint=self.fingerprint, block_size=self.block_size)
+                                          expected_fingerprint=self.fingerprint, block_size=self.block_size,
+                                          kv_format=kv_format(vllm_config, kv_cache_config))
             self._handshake: PdxferHandshake | None = None
 
     # pdxfer holds published blocks through block-pool references, not through vLLM's
@@ -177,7 +175,7 @@ class PdxferConnector(KVConnectorBase_V1):
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(
             request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
-            request.cache_salt)
+            request.cache_salt, unkeyable=unkeyable_reason(request))
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         return (0,)
@@ -201,11 +199,9 @@ class PdxferConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
-        tokens = None
-        if request.status in _PUBLISHABLE:
-            n = min(request.num_computed_tokens, request.num_tokens)
-            tokens = list(request.all_token_ids[:n])
-        self.scheduler_side.request_finished(request.request_id, tokens, block_ids, request.cache_salt)
+        tokens = publishable_tokens(request)
+        self.scheduler_side.request_finished(request.request_id, tokens, block_ids, request.cache_salt,
+                                             unkeyable=unkeyable_reason(request))
         return False, None
 
     def has_pending_block_frees(self) -> bool:

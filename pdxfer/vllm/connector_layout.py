@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdxfer.layout import CPU, KVLayout, Region, Segment
+from pdxfer.layout import CPU, CPU_AMX, KVLayout, Region, Segment
+from pdxfer.vllm.keyability import weights_fingerprint
 
 
 class UnsupportedKVCache(ValueError):
@@ -34,26 +35,45 @@ def kv_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(vllm_config.cache_config.block_size)
 
 
-def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
-    """The fingerprint ``describe_kv_caches`` will compute for the worker's tensors."""
+def cpu_kv_format(isa: str) -> str:
+    """Layout format of vLLM CPU attention blocks written by kernels for ``isa``: the AMX kernels
+    pack K and V in tiles, every other ISA writes the plain CPU block (K transposed, then V)."""
+    return CPU_AMX if isa == "amx" else CPU
+
+
+def kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The format of this instance's KV blocks, ISA included (an AMX prefill host and a non-AMX
+    decode host write different bytes for the same tokens)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         raise UnsupportedKVCache("this pdxfer connector version derives KV layouts for vLLM's CPU "
                                  "backend only")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec, _ = _spec(kv_cache_config)
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
+    return cpu_kv_format(_get_attn_isa(spec.dtype, int(spec.block_size), int(spec.head_size), cache_dtype))
+
+
+def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The fingerprint ``describe_kv_caches`` will compute for the worker's tensors."""
+    fmt = kv_format(vllm_config, kv_cache_config)
     spec, layers = _spec(kv_cache_config)
     if getattr(spec, "head_size_v", spec.head_size) not in (None, spec.head_size):
         raise UnsupportedKVCache("K and V head sizes differ; not supported")
     dtype = str(spec.dtype).removeprefix("torch.")
     # Only the fields fingerprint() reads matter; regions/segments stand in for the tensors.
     segs = tuple(Segment(name, "kv", 0, 0, 1, 1) for name in layers)
-    layout = KVLayout(CPU, dtype, 1, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size),
+    layout = KVLayout(fmt, dtype, 1, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size),
                       (Region(0, 1),), segs)
     return layout.fingerprint()
 
 
 def model_identity(vllm_config: Any) -> str:
-    """Namespace model id: what vLLM loaded (path or name) and its revision."""
+    """Namespace model id: what vLLM loaded (path or name), its revision, and a fingerprint of
+    the weights themselves, so KV computed with other weights under the same name never matches."""
     mc = vllm_config.model_config
     rev = getattr(mc, "revision", None)
-    return f"{mc.model}@{rev}" if rev else str(mc.model)
+    name = f"{mc.model}@{rev}" if rev else str(mc.model)
+    return f"{name}#w{weights_fingerprint(str(mc.model), getattr(mc, 'quantization', None))}"

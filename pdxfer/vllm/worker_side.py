@@ -13,17 +13,23 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pdxfer.layout import KVLayout, build_plan, describe_kv_caches
-from pdxfer.transport import create_transport
+from pdxfer.layout import KVLayout, describe_kv_caches
+from pdxfer.plan import PeerPlanner
+from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
 
 log = logging.getLogger("pdxfer.vllm.worker")
+
+# How long get_finished waits for a release answer before leaving it to the next step: a
+# master on the same rack answers in well under this; a slow one costs a step, never a stall.
+_INLINE_RELEASE_WAIT_S = 0.003
 
 
 class LayoutMismatch(RuntimeError):
@@ -38,6 +44,8 @@ class _Inflight:
     nbytes: int
     error: str | None = None
     pending: list[tuple[HolderRef, Any]] = field(default_factory=list)  # reads awaiting a connection
+    validation: Future | None = None  # the master's answer to release(): did the lock hold?
+    cancelled: bool = False
 
 
 @dataclass
@@ -63,39 +71,40 @@ class WorkerStats:
 
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, *, node_id: str, rank: int, expected_fingerprint: str,
-                 block_size: int, client_factory: Any = None):
+                 block_size: int, client_factory: Any = None, kv_format: str | None = None):
         self.cfg = cfg
         self.node_id = node_id
         self.rank = rank
         self.expected_fingerprint = expected_fingerprint
+        self.kv_format = kv_format  # None: from the tensor shape (the shape cannot tell AMX packing)
         self.block_size = block_size
         self._client_factory = client_factory
         self._client: Any = None
         self.layout: KVLayout | None = None
         self.transport: Any = None
         self._kv_caches: Mapping[str, Any] | None = None  # keeps registered memory alive
-        self._peers: dict[str, tuple[bytes, str, KVLayout]] = {}  # node -> (metadata, peer id, layout)
+        # node -> (its metadata, transport peer id, planner made once at connect)
+        self._peers: dict[str, tuple[bytes, str, PeerPlanner]] = {}
         self._peers_lock = threading.Lock()
         self._connecting: dict[str, Future] = {}
         self._connect_pool = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-connect")
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-validate")
         self._inflight: dict[str, _Inflight] = {}
         self._done_ok: set[str] = set()
         self._load_errors: set[int] = set()
+        self._stop_bound_s = 10 * cfg.load_timeout_s
         self.stats = WorkerStats()
 
     # ------------------------------------------------------------------ start
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> PdxferHandshake:
-        layout = describe_kv_caches(kv_caches, block_size=self.block_size)
+        layout = describe_kv_caches(kv_caches, block_size=self.block_size, kv_format=self.kv_format)
         if layout.fingerprint() != self.expected_fingerprint:
             raise LayoutMismatch(f"KV tensors have layout {layout.fingerprint()} but the scheduler "
                                  f"derived {self.expected_fingerprint} from the vLLM config; keys "
                                  "would not match what the bytes are")
-        opts: dict[str, Any] = {}
-        if self.cfg.transport == "tcp":
-            opts["listen_host"] = self.cfg.listen_host
-            if self.cfg.advertise_host:
-                opts["advertise_host"] = self.cfg.advertise_host
+        opts = transport_options(self.cfg.transport, listen_host=self.cfg.listen_host,
+                                 advertise_host=self.cfg.advertise_host)
         transport = create_transport(self.cfg.transport, **opts)
         transport.register([RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions])
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
@@ -109,7 +118,7 @@ class WorkerSide:
         if self._client is None:
             factory = self._client_factory
             if factory is None:
-                from pdxfer.master.client import MasterClient
+                from pdxfer.master import MasterClient
 
                 factory = MasterClient
             # Validation is on the step path: a slow master costs a recompute, not a stalled engine.
@@ -151,8 +160,8 @@ class WorkerSide:
     def _post_read(self, inf: _Inflight, ref: HolderRef, r: Any) -> None:
         assert self.layout is not None and self.transport is not None
         try:
-            _, peer, remote = self._peers[ref.node_id]
-            plan = build_plan(remote, list(r.remote_blocks), self.layout, list(r.local_blocks))
+            _, peer, planner = self._peers[ref.node_id]
+            plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
             inf.nbytes += plan.total_bytes
             inf.handles.append(self.transport.read(peer, plan))
         except Exception as exc:
@@ -181,10 +190,12 @@ class WorkerSide:
                 self.transport.disconnect(cached[1])
             except Exception:
                 pass
+        assert self.layout is not None
+        # The holder's layout is checked against ours once, here, not on every read.
+        planner = PeerPlanner(KVLayout.from_wire(ref.layout), self.layout)
         peer = self.transport.connect(ref.transport_metadata, timeout=min(2.0, self.cfg.load_timeout_s))
-        layout = KVLayout.from_wire(ref.layout)
         with self._peers_lock:
-            self._peers[ref.node_id] = (ref.transport_metadata, peer, layout)
+            self._peers[ref.node_id] = (ref.transport_metadata, peer, planner)
 
     def _post_pending(self, inf: _Inflight) -> bool:
         """Post reads whose connection came up; False while some connection is still pending."""
@@ -221,26 +232,74 @@ class WorkerSide:
             return out
         delay = test_hook_float("read_delay_s")
         for req_id, inf in list(self._inflight.items()):
-            state = self._state(inf, delay)
-            if state is None:
+            if inf.validation is None:
+                state = self._state(inf, delay)
+                if state is None:
+                    continue
+                if state == "failed" or not inf.spec.lock_id:
+                    self._release_unused(inf.spec.lock_id)
+                    self._conclude(inf, False)
+                    del self._inflight[req_id]
+                    out.add(req_id)
+                    continue
+                # The bytes are in; only the master can say whether the lock held throughout.
+                # Ask off the step path; a quick answer is still taken in this same step.
+                inf.validation = self._releaser.submit(self._master().release, inf.spec.lock_id)
+                wait = _INLINE_RELEASE_WAIT_S
+            else:
+                wait = 0.0
+            try:
+                valid = bool(inf.validation.result(timeout=wait))
+                if not valid:
+                    inf.error = "lock expired during the read (master refused the release)"
+            except FutureTimeout:
                 continue
+            except Exception as exc:
+                valid = False
+                inf.error = f"release failed, bytes cannot be validated: {exc}"
+            self._conclude(inf, valid)
             del self._inflight[req_id]
-            self._finish(inf)
             out.add(req_id)
         return out
 
+    def _release_unused(self, lock_id: str) -> None:
+        """A failed load still pins its holder's entries at the master: let go, off the step path."""
+        if lock_id:
+            try:
+                self._releaser.submit(self._master().release, lock_id)
+            except RuntimeError:  # closing
+                pass
+
     def _state(self, inf: _Inflight, delay: float | None) -> str | None:
-        if inf.error is None and inf.pending and not self._post_pending(inf):
-            if time.monotonic() - inf.started > self.cfg.load_timeout_s:
-                inf.error = f"no connection to the holder after {self.cfg.load_timeout_s} s"
-                self._cancel(inf)
-                return "failed"
-            return None
-        if inf.error is not None:
+        """"done", "failed", or None while the load goes on. A failed load is reported only once
+        every read of it has stopped: vLLM reuses (or recomputes into) the blocks right after, so
+        a byte landing later would be wrong KV in another request."""
+        if inf.error is None:
+            if self._progress(inf, delay) == "done":
+                return "done"
+            if inf.error is None:
+                return None
             self._cancel(inf)
+        if self._stopped(inf):
             return "failed"
+        if time.monotonic() - inf.started > self._stop_bound_s:
+            # Transports bound their own stops (socket timeouts, UCX errors); past this bound a
+            # transport broke that promise. Say so loudly rather than hold the request forever.
+            log.error("pdxfer: a read for %s has not stopped %.0f s after it failed (%s); reporting the "
+                      "load failed anyway: its blocks may still receive bytes", inf.spec.req_id,
+                      self._stop_bound_s, inf.error)
+            return "failed"
+        return None
+
+    def _progress(self, inf: _Inflight, delay: float | None) -> str | None:
+        """"done" when every read finished; sets ``inf.error`` when the load cannot succeed."""
         elapsed = time.monotonic() - inf.started
-        if delay is not None and elapsed < delay:
+        if inf.pending and not self._post_pending(inf):
+            if inf.error is None and elapsed > self.cfg.load_timeout_s:
+                inf.error = f"no connection to the holder after {self.cfg.load_timeout_s} s"
+                inf.pending = []  # nothing may be posted for this load any more
+            return None
+        if inf.error is not None or (delay is not None and elapsed < delay):
             return None
         states = []
         for h in inf.handles:
@@ -248,39 +307,42 @@ class WorkerSide:
                 states.append(h.poll())
             except Exception as exc:
                 inf.error = f"{type(exc).__name__}: {exc}"
-                return "failed"
+                return None
         if any(s in (ReadState.FAILED, ReadState.CANCELLED) for s in states):
             errs = [h.error for h in inf.handles if h.error is not None]
             inf.error = str(errs[0]) if errs else "read failed"
-            self._cancel(inf)
-            return "failed"
-        if all(s is ReadState.DONE for s in states):
+        elif all(s is ReadState.DONE for s in states):
             return "done"
-        if elapsed > self.cfg.load_timeout_s:
+        elif elapsed > self.cfg.load_timeout_s:
             inf.error = f"read still pending after {self.cfg.load_timeout_s} s"
-            self._cancel(inf)
-            return "failed"
         return None
 
     def _cancel(self, inf: _Inflight) -> None:
+        """Ask every read to stop; non-blocking (the step path must not wait on a transport)."""
+        if inf.cancelled:
+            return
+        inf.cancelled = True
         for h in inf.handles:
             try:
                 h.cancel()
-            except Exception:
-                pass
+            except Exception as exc:
+                log.debug("pdxfer: cancel of a read for %s: %s", inf.spec.req_id, exc)
 
-    def _finish(self, inf: _Inflight) -> None:
+    @staticmethod
+    def _stopped(inf: _Inflight) -> bool:
+        """True once no read of this load can write into its blocks any more."""
+        for h in inf.handles:
+            try:
+                if h.poll() is ReadState.PENDING:
+                    return False
+            except Exception:
+                return False
+        return True
+
+    def _conclude(self, inf: _Inflight, valid: bool) -> None:
+        """Count and log a load that ended; a load not validated at the master fails its blocks."""
         spec = inf.spec
         elapsed = time.monotonic() - inf.started
-        valid = False
-        if spec.lock_id:
-            try:
-                valid = bool(self._master().release(spec.lock_id))
-                if not valid and inf.error is None:
-                    inf.error = "lock expired during the read (master refused the release)"
-            except Exception as exc:
-                if inf.error is None:
-                    inf.error = f"release failed, bytes cannot be validated: {exc}"
         if inf.error is None and valid:
             self.stats.loads_ok += 1
             self.stats.tokens_loaded += spec.num_tokens
@@ -303,6 +365,7 @@ class WorkerSide:
             self._cancel(inf)
         self._inflight.clear()
         self._connect_pool.shutdown(wait=False, cancel_futures=True)
+        self._releaser.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             try:
                 self.transport.close()

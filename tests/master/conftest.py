@@ -5,20 +5,13 @@ Every process started here is killed at teardown, also when the test fails.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Iterator
 
 import pytest
 
-from pdxfer.master.client import LocalMaster, MasterClient, NodeInfo, start_local_master
+from pdxfer.master import LocalMaster, MasterClient, NodeInfo, start_local_master
 from pdxfer.master.local_etcd import LocalEtcd, etcd_binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_info(node_id: str, rank: int = 0) -> NodeInfo:

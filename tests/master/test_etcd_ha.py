@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from pdxfer.master.client import MasterClient, MasterUnavailable, NodeSession
+from pdxfer.master import MasterClient, MasterUnavailable, NodeSession, NotLeader
 
 from .conftest import keys_for, node_info, wait_until
 
@@ -110,14 +110,18 @@ def test_node_membership_key_expires_with_node_lease(etcd, masters):
     wait_until(lambda: f"{PREFIX}/nodes/quiet" not in etcd_keys(etcd.endpoint, PREFIX), 5, "node key gone")
 
 
-def test_etcd_killed_leader_serves_from_memory_degraded(etcd, masters):
-    m = masters.start(extra_args=ha_args(etcd))
+def test_etcd_killed_leader_serves_from_memory_while_its_lease_lasts(etcd, masters):
+    # A lease long enough to observe degraded serving; it ends at most TTL after the last keepalive.
+    ttl = 6
+    m = masters.start(extra_args=("--etcd", etcd.endpoint, "--etcd-prefix", PREFIX, "--leader-ttl", str(ttl),
+                                  "--etcd-timeout", "0.5"))
     wait_until(lambda: role(m.address), 10, "replica to lead")
     c = masters.client(m.address)
     c.register_node(node_info("p"), lease_ttl_s=30)
     keys = keys_for("deg", 3)
     c.publish("p", [(k, [i]) for i, k in enumerate(keys)])
     etcd.kill()
+    t_kill = time.monotonic()
     wait_until(lambda: c.stats()["degraded"], 8, "master to report degraded")
     with urllib.request.urlopen(f"http://{m.http_address}/health", timeout=2) as r:
         assert json.loads(r.read())["status"] == "degraded"
@@ -133,10 +137,18 @@ def test_etcd_killed_leader_serves_from_memory_degraded(etcd, masters):
     assert c.stats()["leader"] is True
     with urllib.request.urlopen(f"http://{m.http_address}/metrics", timeout=2) as resp:
         assert "pdxfer_master_degraded 1" in resp.read().decode()
-    # etcd back (same data dir): the master leaves degraded mode and still leads
+    # its lease may have run out by its own clock: it stops serving (a standby could lead now)
+    with pytest.raises(NotLeader, match="lease may have expired"):
+        wait_until(lambda: c.lookup_and_lock(keys, reader="d") and False, ttl + 1, "the leader to stop serving")
+    assert time.monotonic() - t_kill <= ttl + 0.5
+    assert c.stats()["leader"] is False
+    wait_until(lambda: c.stats()["nodes"] == 0, 3, "the index to be forgotten")
+    # etcd back (same data dir): the master leads again (under its old lease if etcd kept it),
+    # empty; the node re-registers and re-publishes as after a failover
     etcd.start()
-    wait_until(lambda: c.stats()["degraded"] is None, 15, "master to leave degraded mode")
-    assert c.stats()["leader"] is True
+    wait_until(lambda: c.stats()["leader"] and c.stats()["degraded"] is None, 20, "master to lead again")
+    c.register_node(node_info("p"), lease_ttl_s=30)
+    c.publish("p", [(k, [i]) for i, k in enumerate(keys)])
     assert c.lookup_and_lock(keys, reader="d").hit_chunks == 3
 
 
@@ -179,7 +191,7 @@ def test_graceful_stop_hands_over_before_lease_expiry(etcd, masters):
     b = masters.start(extra_args=args)
     wait_until(lambda: role(b.address) is False, 10, "second replica to stand by")
     # a client whose first etcd endpoint is dead still finds the leader through the second
-    from .conftest import free_port
+    from pdxfer.procs import free_port
 
     c = masters.client(f"etcd://127.0.0.1:{free_port()},{etcd.endpoint}{PREFIX}", timeout_s=2.0)
     assert c.stats()["leader_address"] == a.address

@@ -87,7 +87,7 @@ def test_named_errors(served):
     doc = _error_for(addr, P.encode_frame(P.OP_LOOKUP, 1, {"n": 1, "reader": 5, "ttl": 1.0}, keys[0]))
     assert doc["err"] == P.ERR_MALFORMED and "'reader'" in doc["msg"]
 
-    doc = _error_for(addr, P.encode_frame(P.OP_PUBLISH, 1, {"node_id": "h", "n": 1, "counts": ["a"]}, keys[0]))
+    doc = _error_for(addr, P.encode_frame(P.OP_PUBLISH, 1, {"node_id": "h", "epoch": 1, "seq": 1, "n": 1, "counts": ["a"]}, keys[0]))
     assert doc["err"] == P.ERR_MALFORMED and "'counts'" in doc["msg"]
 
     doc = _error_for(addr, P.encode_frame(99, 1, {}))

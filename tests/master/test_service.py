@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from pdxfer.master.client import (
+from pdxfer.master import (
     MasterAuthError,
     MasterClient,
     MasterUnavailable,
@@ -121,7 +121,7 @@ def test_node_session_keeps_lease_and_deregisters(master, masters):
 
 
 def test_node_session_reregisters_and_republishes_after_master_restart(masters, tmp_path):
-    from .conftest import free_port
+    from pdxfer.procs import free_port
 
     port = free_port()
     m1 = masters.start(extra_args=("--port", str(port)))
@@ -228,7 +228,7 @@ def test_metrics_and_health(master, masters):
 
 
 def test_unreachable_master_fails_within_timeout(tmp_path):
-    from .conftest import free_port
+    from pdxfer.procs import free_port
 
     c = MasterClient(f"127.0.0.1:{free_port()}", timeout_s=0.5)
     t0 = time.monotonic()
@@ -257,7 +257,7 @@ def test_silent_master_times_out(tmp_path):
 
 def test_node_descriptions_cached_per_epoch(master, masters):
     """The client tells the master which node descriptions it has; a new incarnation is re-sent."""
-    from pdxfer.master.client import NodeInfo
+    from pdxfer.master import NodeInfo
 
     c = masters.client(master.address)
     keys = keys_for("epoch", 2)

@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-os.environ.setdefault("UCX_MODULES", "^ib")  # before NIXL/UCX loads anywhere in this process
+import numpy as np
+import pytest
 
-import importlib  # noqa: E402
-import select  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
+from pdxfer.transport import KINDS, create_transport, kind_spec, unavailable_reason
+from pdxfer.transport import transport_options as registry_options
+from pdxfer.transport.base import RegisteredRegion, Transport
+from pdxfer.transport.nixl.env import apply_ucx_env, prepare_ucx_env
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from pdxfer.transport import KINDS, create_transport  # noqa: E402
-from pdxfer.transport.base import RegisteredRegion, Transport  # noqa: E402
+prepare_ucx_env()  # before NIXL/UCX loads anywhere in this process
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -27,19 +27,8 @@ MiB = 1 << 20
 HOLDER_SIZES = (160 * MiB, MiB + 12345)
 
 
-def kind_available(kind: str) -> str | None:
-    """None if the transport imports here, else the reason it does not."""
-    try:
-        importlib.import_module(f"pdxfer.transport.{kind}")
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"
-        return f"transport {kind!r} does not import here: {exc!r}"
-    return None
-
-
 def transport_options(kind: str, host: str | None = None) -> dict:
-    if kind == "tcp":
-        return {"listen_host": host or "127.0.0.1"}
-    return {}
+    return registry_options(kind, listen_host=host or "127.0.0.1")
 
 
 def _opt_args(opts: dict) -> list[str]:
@@ -52,8 +41,7 @@ def _opt_args(opts: dict) -> list[str]:
 def child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("UCX_MODULES", "^ib")
-    return env
+    return apply_ucx_env(env)
 
 
 def read_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
@@ -167,12 +155,13 @@ class Reader:
 
 
 def kind_params() -> list:
-    return [pytest.param(k, marks=[pytest.mark.nixl] if k == "nixl" else []) for k in KINDS]
+    return [pytest.param(k, marks=[getattr(pytest.mark, m) for m in [kind_spec(k).test_marker] if m])
+            for k in KINDS]
 
 
 @pytest.fixture(params=kind_params())
 def kind(request) -> str:
-    reason = kind_available(request.param)
+    reason = unavailable_reason(request.param)
     if reason:
         pytest.skip(reason)
     return request.param

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import signal
 import sys
 import time
 
-os.environ.setdefault("UCX_MODULES", "^ib")  # before any NIXL/UCX import: no InfiniBand here
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from pdxfer.probe.pattern import fill, mismatches, scattered_plan  # noqa: E402
-from pdxfer.transport import create_transport  # noqa: E402
-from pdxfer.transport.base import RegisteredRegion, TransportError  # noqa: E402
+from pdxfer.probe.pattern import fill, mismatches, scattered_plan
+from pdxfer.transport import create_transport
+from pdxfer.transport.base import RegisteredRegion, TransportError
 
 
 def _die_with_parent() -> None:
@@ -38,7 +35,13 @@ def _opts(pairs: list[str]) -> dict:
     out: dict = {}
     for p in pairs:
         k, _, v = p.partition("=")
-        out[k] = int(v) if v.lstrip("-").isdigit() else v
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
     return out
 
 

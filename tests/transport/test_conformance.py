@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from pdxfer.layout import TransferPlan, TransferRun
+from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import mismatches, scattered_plan
 from pdxfer.transport.base import (
     MetadataError,
@@ -121,6 +121,30 @@ def test_reads_outside_registered_memory_rejected(kind, shared):
         expect_error(lambda: reader.t.read(peer, TransferPlan(many, len(many))).wait(WAIT), exc)
     # A rejected read leaves the transport usable.
     read_and_check(reader, peer, scattered_plan(32 << 10, 64, size0, reader.dst.nbytes, seed=3))
+
+
+@pytest.mark.parametrize("pad", [0, 40])  # few runs (plain-Python checks) and many (vectorised)
+def test_zero_length_runs_are_skipped_but_still_checked(kind, shared, pad):
+    """The one run rule (pdxfer/transport/runs.py): plans built from empty token ranges carry
+    zero-length runs; every transport skips them, yet still rejects one naming a bad region."""
+    reader, peer = shared.reader(kind)
+    size0, size1 = HOLDER_SIZES
+    good = tuple(TransferRun(0, i * 8192, 0, i * 8192, 4096) for i in range(pad))
+    empty = (TransferRun(0, 0, 0, 0, 0),
+             TransferRun(1, size1, 0, reader.dst.nbytes, 0),  # at the very ends of both regions
+             TransferRun(0, 3 * MiB, 0, MiB, 0))
+    real = TransferRun(1, 10, 0, 2 * MiB + 5, 1000)
+    plan = TransferPlan(good + empty[:2] + (real,) + empty[2:], pad + 4)
+    read_and_check(reader, peer, plan)
+    untouched = np.concatenate([reader.dst[pad * 8192:2 * MiB + 5], reader.dst[2 * MiB + 1005:]])
+    assert not untouched.any(), "a zero-length run wrote bytes"
+    # A plan of nothing but zero-length runs completes at once.
+    assert reader.t.read(peer, TransferPlan(empty, 3)).wait(WAIT) is ReadState.DONE
+    for bad, exc in ((TransferRun(7, 0, 0, 0, 0), RegionUnknown), (TransferRun(0, 0, 3, 0, 0), RegionUnknown),
+                     (TransferRun(1, size1 + 1, 0, 0, 0), OutOfRange),
+                     (TransferRun(0, 0, 0, reader.dst.nbytes + 1, 0), OutOfRange),
+                     (TransferRun(0, size0 // 2, 0, 0, -1), OutOfRange)):
+        expect_error(lambda: reader.t.read(peer, TransferPlan(good + (bad,), pad + 1)).wait(WAIT), exc)
 
 
 def test_bad_metadata_and_unreachable_peer(kind, reader_factory, holder_factory):

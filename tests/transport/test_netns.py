@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from .conftest import MiB, spawn_reader, start_holder, stop
+from .conftest import MiB, spawn_reader, start_holder, stop, transport_options
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 
@@ -64,8 +64,8 @@ def veth_pair():
 
 def test_read_across_network_namespaces(kind, veth_pair):
     (ns_a, addr_a), (ns_b, addr_b) = veth_pair
-    hold_opts = {"listen_host": addr_a} if kind == "tcp" else {}
-    read_opts = {"listen_host": addr_b} if kind == "tcp" else {}
+    hold_opts = transport_options(kind, addr_a)
+    read_opts = transport_options(kind, addr_b)
     holder = start_holder(kind, sizes=(64 * MiB,), opts=hold_opts, prefix_cmd=["ip", "netns", "exec", ns_a])
     try:
         if kind == "tcp":

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer.layout import TransferPlan, TransferRun
+from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.transport.base import OutOfRange, RegionUnknown
-from pdxfer.transport.tcp_plan import SMALL_PLAN, check_plan, split_runs
+from pdxfer.transport.runs import SMALL_PLAN, check_plan
+from pdxfer.transport.tcp.plan import split_runs
 
 
 def byte_map(parts: list[np.ndarray]) -> list[tuple[int, int, int, int]]:
@@ -50,13 +51,20 @@ def plan(*runs: tuple[int, int, int, int, int]) -> TransferPlan:
 @pytest.mark.parametrize("pad", [0, SMALL_PLAN + 5])  # the plain-Python and the vectorized path
 def test_checks_name_the_bad_run_on_both_paths(pad):
     good = [(0, i * 8, 0, i * 8, 8) for i in range(pad)]
-    cases = [((0, 395, 0, 0, 10), OutOfRange, "remote bytes [395, 405)"),
+    cases = [((0, 395, 0, 0, 10), OutOfRange, "remote region 0 bytes [395, 405)"),
              ((2, 0, 0, 0, 1), RegionUnknown, "remote region 2"),
              ((0, 0, 1, 0, 1), RegionUnknown, "local region 1"),
-             ((0, 0, 0, 1000, 1), OutOfRange, "local bytes [1000, 1001)"),
+             ((0, 0, 0, 1000, 1), OutOfRange, "local region 0 bytes [1000, 1001)"),
              ((0, 0, 0, 0, -1), OutOfRange, "negative length")]
     for bad, exc, text in cases:
         with pytest.raises(exc, match=rf"run {pad}: .*{re.escape(text)}"):
             check_plan(plan(*good, bad), [400, 50], [1000], "peer-x")
     out = check_plan(plan(*good, (1, 40, 0, 500, 10), (0, 0, 0, 0, 0)), [400, 50], [1000], "peer-x")
     assert out.tolist()[-1] == [1, 40, 0, 500, 10]  # zero-length run dropped
+
+
+def test_split_never_exceeds_the_holders_run_cap():
+    a = check_plan(plan(*[(0, 100 * i, 0, 100 * i, 10) for i in range(10)]), [10_000], [10_000], "p")
+    parts = split_runs(a, 2, 1 << 30, max_runs=3)
+    assert all(len(p) <= 3 for p in parts)
+    assert np.array_equal(np.concatenate(parts), a)  # same runs, same order, nothing lost

@@ -14,9 +14,9 @@ import zlib
 import numpy as np
 import pytest
 
-from pdxfer.layout import TransferPlan, TransferRun
+from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import pattern
-from pdxfer.transport import wire
+from pdxfer.transport.tcp import wire
 from pdxfer.transport.base import (
     MetadataError,
     PeerDied,
@@ -316,3 +316,72 @@ def test_reader_deregister_cancels_in_flight_reads(reader_factory):
     finally:
         os.kill(holder.proc.pid, signal.SIGCONT)
         stop(holder.proc)
+
+
+def test_no_byte_lands_after_a_cancel_that_caught_a_part_reconnecting(procs):
+    """Issue 9, hole 5: a read cancelled while its part is (re)connecting must not write later.
+
+    The holder cuts idle connections after 0.3 s, so the read has to reconnect; the holder is
+    frozen meanwhile, so the part waits inside the hello. The cancel comes then; the holder thaws
+    and answers. No byte may land in the reader's memory after the cancel, and only then may the
+    handle say it has stopped."""
+    holder = start_holder("tcp", opts={"idle_timeout": 0.3})
+    procs.append(holder.proc)
+    dst = np.zeros(1 * MiB, dtype=np.uint8)
+    t = TcpTransport(connections=1, io_timeout=10.0)
+    try:
+        from pdxfer.transport.base import RegisteredRegion
+
+        t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+        peer = t.connect(holder.meta, timeout=10)
+        time.sleep(1.0)  # the holder has cut the idle connection by now
+        freeze(holder.proc.pid)
+        h = t.read(peer, TransferPlan((TransferRun(0, 0, 0, 0, 1 * MiB),), 1))
+        time.sleep(0.3)  # the part is inside its reconnect, waiting for the frozen holder's hello
+        h.cancel(timeout=0.5)
+        os.kill(holder.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while h.poll() is ReadState.PENDING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert h.poll() is ReadState.CANCELLED
+        time.sleep(1.0)  # give a late receive every chance to land
+        assert not dst.any(), "bytes landed after the read was cancelled"
+    finally:
+        t.close()
+
+
+def test_many_concurrent_reads_on_few_connections_all_finish(procs):
+    """Issue 9, hole 10: a read that sent its request from the caller's thread handed its
+    connection lock to a queued task; pool workers blocked on that lock could all be taken,
+    and every read on the transport then hung until its timeout."""
+    holder = start_holder("tcp")
+    procs.append(holder.proc)
+    dst = np.zeros(16 * MiB, dtype=np.uint8)
+    t = TcpTransport(connections=2, io_timeout=10.0)
+    from pdxfer.transport.base import RegisteredRegion
+
+    t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+    errors: list[str] = []
+    done = [0]
+    try:
+        peer = t.connect(holder.meta, timeout=10)
+
+        def reads(i: int) -> None:
+            for k in range(40):
+                plan = TransferPlan((TransferRun(0, (i * 7 + k) % 64 * 65536, 0, i * MiB, 65536),), 1)
+                try:
+                    t.read(peer, plan).wait(10)
+                    done[0] += 1
+                except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                    errors.append(repr(exc))
+                    return
+
+        threads = [threading.Thread(target=reads, args=(i,)) for i in range(16)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors, f"{len(errors)} threads failed after {done[0]} reads: {errors[0]}"
+        assert done[0] == 16 * 40
+    finally:
+        t.close()

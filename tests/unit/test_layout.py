@@ -4,10 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer.layout import (
-    BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout, LayoutError, blocks_for_chunks,
-    blocks_for_tokens, build_plan, chunk_span, describe_kv_caches, detect_format,
-)
+from pdxfer.layout import (BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout, LayoutError, describe_kv_caches,
+                           detect_format)
+from pdxfer.plan import blocks_for_chunks, blocks_for_tokens, build_plan, chunk_span
 
 
 def make_caches(fmt, layers, blocks, block_size, heads=2, head_dim=8, dtype=torch.float16,

@@ -7,6 +7,8 @@ validate at release, load errors, retention, locks vs. unpublish, the held-block
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -17,7 +19,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 from pdxfer.layout import describe_kv_caches  # noqa: E402
-from pdxfer.master.client import start_local_master  # noqa: E402
+from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.vllm.config import TEST_HOOKS_ENV, parse_extra_config  # noqa: E402
 from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
@@ -145,6 +147,24 @@ def test_local_prefix_is_skipped_and_keys_isolate_salt(pair):
     assert ext_salt == 0
 
 
+def test_unkeyable_requests_are_neither_looked_up_nor_published(pair):
+    """Issue 9, hole 3: a request whose KV its tokens do not name (LoRA, images, embeddings)."""
+    holder, reader = pair()
+    toks = _tokens(2 * C + 5, 21)
+    blocks = holder.pool.get_new_blocks(-(-len(toks) // BS))
+    holder.sched.request_finished("p-lora", toks, [b.block_id for b in blocks], None,
+                                  unkeyable="it uses a LoRA adapter")
+    holder.pool.free_blocks(blocks)
+    assert holder.sched.held_chunks == 0  # nothing published for the adapter's KV
+    holder.run_request("p", toks)  # the same tokens without the adapter: published
+    assert holder.sched.held_chunks == 2
+    # A reader with an adapter must not take the base model's chunks for the same tokens.
+    assert reader.sched.get_num_new_matched_tokens("d-lora", toks, len(toks), 0, None,
+                                                   unkeyable="it uses a LoRA adapter") == (0, False)
+    assert reader.sched.stats.lookups == 0 and reader.sched.stats.unkeyable_requests == 1
+    assert reader.sched.get_num_new_matched_tokens("d", toks, len(toks), 0, None)[0] == 2 * C
+
+
 def test_expired_lock_turns_into_load_errors(pair, tmp_path, monkeypatch):
     holder, reader = pair()
     toks = _tokens(2 * C + 5, 4)
@@ -240,10 +260,10 @@ def test_unplannable_or_unknown_loads_fail_every_expected_block(pair):
 
 
 def test_chunks_the_master_lost_are_freed_after_the_stale_bound(pair, master):
-    from pdxfer.master.client import MasterClient
+    from pdxfer.master import MasterClient
 
     holder, _ = pair(retention_s=0.3)
-    holder.sched._stale_after_s = 1.0  # normally max(10 x lock TTL, 60 s)
+    holder.sched.holder.stale_after_s_override = 1.0  # normally max(10 x the master's lock TTL cap, 60 s)
     toks = _tokens(2 * C + 1, 9)
     free_before = holder.pool.get_num_free_blocks()
     holder.run_request("p", toks)
@@ -270,3 +290,63 @@ def test_kv_both_never_reads_from_itself(master):
         assert both.sched.get_num_new_matched_tokens("q", toks, len(toks), 0, None) == (0, False)
     finally:
         both.close()
+
+
+@pytest.fixture
+def frozen_master_pair():
+    """A holder and a reader on a master of their own, which the test may freeze (SIGSTOP)."""
+    m = start_local_master()
+    nodes: list[Node] = []
+
+    def make(**extra):
+        h = Node("fh", m.address, True, False, seed=31, **extra)
+        r = Node("fr", m.address, False, True, seed=None, **extra)
+        nodes.extend([h, r])
+        return h, r
+
+    try:
+        yield m, make
+    finally:
+        os.kill(m.proc.pid, signal.SIGCONT)
+        for n in nodes:
+            n.close()
+        m.stop()
+
+
+def test_a_frozen_master_never_blocks_the_workers_step(frozen_master_pair):
+    """Issue 9, hole 10: validating a load at the master (release) must not hold vLLM's step."""
+    m, make = frozen_master_pair
+    holder, reader = make()
+    toks = _tokens(2 * C + 5, 32)
+    holder.run_request("p", toks)
+    ext, _ = reader.sched.get_num_new_matched_tokens("d", toks, len(toks), 0, None)
+    assert ext == 2 * C
+    blocks = reader.pool.get_new_blocks(-(-len(toks) // BS))
+    reader.sched.update_state_after_alloc("d", [b.block_id for b in blocks], ext)
+    os.kill(m.proc.pid, signal.SIGSTOP)  # the read still works; the release cannot be answered
+    reader.worker.start_loads(reader.sched.build_connector_meta())
+    slowest, deadline = 0.0, time.monotonic() + 10
+    while True:
+        t0 = time.perf_counter()
+        finished = reader.worker.get_finished()
+        slowest = max(slowest, time.perf_counter() - t0)
+        if "d" in finished:
+            break
+        assert time.monotonic() < deadline, "the load never ended"
+        time.sleep(0.005)
+    assert slowest < 0.05, f"get_finished blocked the step for {slowest * 1e3:.0f} ms"
+    assert reader.worker.take_load_errors()  # unvalidated bytes are never used
+
+
+def test_a_frozen_master_never_blocks_request_finished_at_the_cap(frozen_master_pair):
+    """Issue 9, hole 10: making room under the held cap (an unpublish) must not hold the step."""
+    m, make = frozen_master_pair
+    holder, _ = make(max_held_fraction=0.25, publish_wait_s=0.05)  # 8 of 32 blocks
+    for i in range(2):  # 2 x 3 chunks x 2 blocks: the cap is reached
+        holder.run_request(f"p{i}", _tokens(3 * C + 1, 40 + i))
+    os.kill(m.proc.pid, signal.SIGSTOP)
+    t0 = time.perf_counter()
+    holder.run_request("p-more", _tokens(3 * C + 1, 50))  # wants room: a reclaim is due
+    took = time.perf_counter() - t0
+    assert took < 0.05 + 0.1, f"request_finished blocked the step for {took * 1e3:.0f} ms"
+    assert holder.sched.held_blocks <= 8

@@ -19,13 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.vllm.launch import (
-    TRANSFER_COUNTER,
-    default_tiny_model_dir,
-    make_tiny_model,
-    read_prom_counter,
-    run_demo,
-)
+from pdxfer.vllm.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
+from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,6 +6,7 @@ that kill processes come last.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -50,6 +51,24 @@ def test_second_decode_reuses_held_chunks(pair):
     assert complete(pair.decode_port, prompt, MAX_TOKENS) == ref
     got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + 5 * CHUNK) - before
     assert got == 5 * CHUNK
+
+
+def test_concurrent_requests_sharing_prefixes_answer_like_plain(pair):
+    """Issue 9, hole 0: 16 requests at once, 4 prefixes of 1024 tokens x 4 suffixes of 200, each
+    through prefill then decode as the proxy does. Every answer equals the producer's own answer
+    computed alone afterwards, and the decode loaded the shared prefixes instead of computing them."""
+    prefixes = [prompt_of(1024, 500 + i) for i in range(4)]
+    prompts = [p + prompt_of(200, 600 + 10 * i + j) for i, p in enumerate(prefixes) for j in range(4)]
+    failed, before = pair.failed_loads(), pair.loaded_tokens()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: _through_pair(pair, p), prompts))
+    refs = [complete(pair.prefill_port, p, MAX_TOKENS) for p in prompts]
+    wrong = [i for i, (a, r) in enumerate(zip(answers, refs)) if a != r]
+    assert not wrong, f"answers {wrong} differ from the producer's own"
+    assert pair.failed_loads() == failed
+    # Each prefix reaches the decode at least once as a load (later siblings may hit its local cache).
+    assert wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + 4 * 4 * CHUNK) \
+        >= before + 4 * 4 * CHUNK
 
 
 def test_lock_expired_mid_read_recomputes(pair):

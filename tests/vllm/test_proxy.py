@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pdxfer.vllm.launch import free_port, wait_http_ready
+from pdxfer.procs import free_port, wait_http_ready
 from pdxfer.vllm.proxy import PDProxy, RunningProxy
 
 ROOT = Path(__file__).resolve().parents[2]

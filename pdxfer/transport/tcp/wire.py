@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pdxfer import netio
 from pdxfer.transport.base import (
     OutOfRange,
     PeerDied,
@@ -36,6 +37,10 @@ from pdxfer.transport.base import (
     TransportError,
 )
 
+# Version history of the framing (in every header; both sides must speak the same version):
+#   1  hello/hello-ok with the holder's 16-byte instance id; request = run list (region u32,
+#      offset u64, nbytes u64) with a body CRC; response + payload + trailer (length, optional
+#      payload CRC); every fixed header sealed by a CRC32
 WIRE_VERSION = 1
 
 MAGIC_HELLO = 0x50445848  # "PDXH"
@@ -68,7 +73,9 @@ HELLO_OK_SIZE = _HELLO_OK.size + _CRC.size
 REQ_SIZE = _REQ.size + _CRC.size
 RESP_SIZE = _RESP.size + _CRC.size
 
-MAX_RUNS_PER_REQUEST = 1 << 20  # 20 MiB of run list: far beyond any plan, small enough to refuse junk
+# 1.25 MiB of run list at most: a holder buffers no more per request than this, whatever a 32-byte
+# header announces; readers split larger plans into several requests.
+MAX_RUNS_PER_REQUEST = 1 << 16
 MAX_ERROR_TEXT = 1 << 16
 IOV_MAX = 1024  # Linux UIO_MAXIOV: the most buffers one sendmsg/recvmsg may take
 
@@ -173,15 +180,7 @@ def error_for_status(status: int, text: str, peer: str) -> TransportError:
 
 def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
     """Read exactly ``n`` bytes; EOF part-way is a dead peer, not a short frame."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise PeerDied(f"connection closed while reading {what} ({got} of {n} bytes)")
-        got += k
-    return bytes(buf)
+    return netio.recv_exact(sock, n, what, PeerDied)
 
 
 def _advance(views: list[memoryview], i: int, k: int) -> int:
@@ -208,12 +207,7 @@ def recv_into_views(sock: socket.socket, views: list[memoryview], total: int, wh
     got = 0
     n = len(views)
     if n == 1:
-        view = views[0]
-        while got < total:
-            k = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
-            if k == 0:
-                raise PeerDied(f"connection closed during {what} after {got} of {total} bytes")
-            got += k
+        netio.recv_exact_into(sock, views[0][:total], what, PeerDied, socket.MSG_WAITALL)
         return
     while i < n:
         # MSG_WAITALL on a blocking socket: one syscall fills up to IOV_MAX buffers (the kernel

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pdxfer.transport.base import MetadataError
 
 MAGIC = b"PDXNIXL\x00"
+# Version history of this blob (a reader refuses any version but its own, naming both):
+#   1  header JSON: kind, agent, host, pid, regions [index, ptr, nbytes, mem_type, dev_id],
+#      cookie_ptr, cookie (hex), nixl_md_len; then the NIXL agent metadata
 VERSION = 1
 _HDR = struct.Struct("<HI")
 

@@ -1,4 +1,8 @@
-"""Import NIXL safely: the UCX environment must be fixed *before* the first import.
+"""The UCX environment rule, and loading NIXL after it is applied.
+
+This is the one module that decides ``UCX_MODULES``; the probe, the tests, the launcher and the
+benchmarks call into it for this process (``prepare_ucx_env``) or for a child's environment
+(``apply_ucx_env``).
 
 Measured here (PLATFORM.md): every process that creates a UCX backend segfaults at exit (rc 139, in
 the bundled libnl) unless ``UCX_MODULES=^ib`` is set before NIXL loads UCX. On a host with real
@@ -12,6 +16,7 @@ import logging
 import os
 import sys
 from types import ModuleType
+from typing import Mapping, MutableMapping
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +31,27 @@ def has_infiniband(sysfs: str = _IB_SYSFS) -> bool:
         return False
 
 
+def ucx_env_defaults(env: Mapping[str, str], sysfs: str = _IB_SYSFS) -> dict[str, str]:
+    """The UCX variables ``env`` lacks on this host: ``UCX_MODULES=^ib`` where there is no
+    InfiniBand and ``env`` does not set UCX_MODULES itself, else nothing."""
+    if "UCX_MODULES" in env or has_infiniband(sysfs):
+        return {}
+    return {"UCX_MODULES": "^ib"}
+
+
+def apply_ucx_env(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Add :func:`ucx_env_defaults` to a (child process's) environment in place; returns it."""
+    env.update(ucx_env_defaults(env))
+    return env
+
+
 def prepare_ucx_env() -> None:
-    """Set the UCX variables this host needs; idempotent, never overrides the operator."""
-    if not has_infiniband():
-        if any(m in sys.modules for m in ("nixl_cu12", "nixl_cu13", "nixl")) and "UCX_MODULES" not in os.environ:
-            # Too late to help this process: UCX already read its environment.
-            log.warning("NIXL was imported before pdxfer could set UCX_MODULES=^ib; "
-                        "this process may segfault at exit (set it in the environment)")
-        os.environ.setdefault("UCX_MODULES", "^ib")
+    """Apply the rule to this process before NIXL loads; idempotent, never overrides the operator."""
+    if ucx_env_defaults(os.environ) and any(m in sys.modules for m in ("nixl_cu12", "nixl_cu13", "nixl")):
+        # Too late to help this process: UCX already read its environment.
+        log.warning("NIXL was imported before pdxfer could set UCX_MODULES=^ib; "
+                    "this process may segfault at exit (set it in the environment)")
+    apply_ucx_env(os.environ)
     # NIXL logs every agent creation at INFO; keep test and probe output readable.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -59,3 +77,12 @@ def load_bindings() -> ModuleType:
     api = load_nixl()
     pkg = api.__name__.rsplit(".", 1)[0]
     return __import__(f"{pkg}._bindings", fromlist=["nixlAgent"])
+
+
+def unavailable_reason() -> str | None:
+    """None if NIXL loads in this process (the registry's availability check), else why not."""
+    try:
+        load_nixl()
+    except ImportError as exc:
+        return str(exc)
+    return None

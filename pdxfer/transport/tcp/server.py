@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import socket
 import struct
 import threading
+import time
 import zlib
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from pdxfer.transport import wire
+from pdxfer.transport.tcp import wire
 from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
+from pdxfer.transport.runs import SMALL_PLAN, fault, first_fault
 
 log = logging.getLogger(__name__)
 
@@ -73,35 +76,89 @@ class RegionTable:
             return self._cond.wait_for(lambda: self._active == 0, timeout)
 
 
+def _rejection(i: int, region: int, offset: int, nbytes: int, sizes: Sequence[int]) -> tuple[int, str]:
+    """(status, text) for run ``i`` of a request that :func:`runs.fault` rejected."""
+    if not region < len(sizes):
+        have = f"0..{len(sizes) - 1}" if sizes else "none"
+        return wire.ERR_REGION_UNKNOWN, f"run {i}: region {region} is not registered (registered: {have})"
+    return wire.ERR_OUT_OF_RANGE, (f"run {i}: bytes [{offset}, {offset + nbytes}) of region {region} "
+                                   f"lie outside its {sizes[region]} registered bytes")
+
+
 def validate_runs(runs: np.ndarray, sizes: Sequence[int]) -> tuple[int, str] | None:
     """None if every run (a RUN_DTYPE array) lies inside a registered region, else
     (status, text naming the first bad run)."""
-    nregions = len(sizes)
-    region = runs["region"].astype(np.int64)
-    known = region < nregions
-    if not known.all():
-        i = int(np.flatnonzero(~known)[0])
-        have = f"0..{nregions - 1}" if nregions else "none"
-        return wire.ERR_REGION_UNKNOWN, f"run {i}: region {region[i]} is not registered (registered: {have})"
-    # Compare without computing offset + nbytes: that sum could wrap around 2**64 in uint64.
-    size = np.array(list(sizes), dtype=np.uint64)[region] if nregions else np.zeros(0, np.uint64)
-    off, n = runs["offset"], runs["nbytes"]
-    bad = (off > size) | (n > size - np.minimum(off, size))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        o, k = int(off[i]), int(n[i])
-        return wire.ERR_OUT_OF_RANGE, (f"run {i}: bytes [{o}, {o + k}) of region {region[i]} "
-                                       f"lie outside its {int(size[i])} registered bytes")
-    return None
+    i = first_fault(runs["region"].astype(np.uint64), runs["offset"], runs["nbytes"], sizes)
+    if i is None:
+        return None
+    return _rejection(i, int(runs["region"][i]), int(runs["offset"][i]), int(runs["nbytes"][i]), sizes)
+
+
+# accept() errors that say "not now" (out of descriptors or memory, a peer gone before we took it):
+# the listener stays up and tries again; anything else while open is logged and retried too.
+_TRANSIENT_ACCEPT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+                     errno.EPROTO, errno.EPERM, errno.EINTR}
+
+
+def _rcv_timeout(sock: socket.socket, seconds: float) -> None:
+    """Kernel receive timeout (0: none), which keeps the socket blocking (see wire.set_io_timeout)."""
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Find readers whose host vanished (no FIN ever comes) within about a minute."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+class _RateLimitedLog:
+    """One warning per ``every`` seconds for a condition that can repeat thousands of times."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last = -1e9
+        self.suppressed = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            extra = f" ({self.suppressed} more since the last warning)" if self.suppressed else ""
+            log.warning(msg + extra, *args)
+            self._last, self.suppressed = now, 0
+        else:
+            self.suppressed += 1
 
 
 class TcpServer:
-    """Accepts reader connections and serves their READ requests from a :class:`RegionTable`."""
+    """Accepts reader connections and serves their READ requests from a :class:`RegionTable`.
 
-    def __init__(self, table: RegionTable, instance: bytes, host: str, port: int, bufsize: int) -> None:
+    What a peer can cost the holder is bounded: ``max_connections`` connections at once (more are
+    closed at accept), ``hello_timeout`` to say hello, ``frame_timeout`` to finish a frame it
+    started, ``idle_timeout`` between requests (readers reconnect transparently), and at most
+    ``wire.MAX_RUNS_PER_REQUEST`` runs buffered per request. Running out of descriptors never
+    stops the listener.
+    """
+
+    def __init__(self, table: RegionTable, instance: bytes, host: str, port: int, bufsize: int,
+                 max_connections: int = 256, hello_timeout: float = 10.0, frame_timeout: float = 30.0,
+                 idle_timeout: float = 600.0) -> None:
+        for name, v in (("max_connections", max_connections), ("hello_timeout", hello_timeout),
+                        ("frame_timeout", frame_timeout), ("idle_timeout", idle_timeout)):
+            if v <= 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
         self._table = table
         self._instance = instance
         self._bufsize = bufsize
+        self._max_conns = int(max_connections)
+        self._hello_timeout = float(hello_timeout)
+        self._frame_timeout = float(frame_timeout)
+        self._idle_timeout = float(idle_timeout)
+        self._accept_log = _RateLimitedLog()
+        self._cap_log = _RateLimitedLog()
+        self.refused_connections = 0
         self.send_timeout = 60.0
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -117,13 +174,29 @@ class TcpServer:
         while True:
             try:
                 conn, addr = self._sock.accept()  # blocks: no CPU while idle
-            except OSError:
-                return  # listening socket shut down by close()
+            except OSError as exc:
+                with self._lock:
+                    if self._closed:
+                        return  # listening socket shut down by close()
+                self._accept_log.warn("pdxfer tcp holder on port %d: accept failed (%s); still listening",
+                                      self.port, exc)
+                # EMFILE leaves the pending connection queued, so accept() would fail again at
+                # once: wait for descriptors to come back instead of spinning a core.
+                time.sleep(0.1 if exc.errno in _TRANSIENT_ACCEPT else 0.5)
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
+                if len(self._conns) >= self._max_conns:
+                    self.refused_connections += 1
+                    self._cap_log.warn("pdxfer tcp holder on port %d: refusing a connection from %s: "
+                                       "%d connections open (max_connections)", self.port, addr[0],
+                                       len(self._conns))
+                    conn.close()
+                    continue
                 wire.tune_socket(conn, self._bufsize)
+                _keepalive(conn)
                 # Idle readers may keep a connection for hours: only sends get a bound, so a
                 # reader that stops reading cannot pin a serving thread (and deregister) forever.
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(self.send_timeout), 0))
@@ -148,6 +221,7 @@ class TcpServer:
             conn.close()
 
     def _handshake(self, conn: socket.socket) -> None:
+        _rcv_timeout(conn, self._hello_timeout)
         want = wire.unpack_hello(wire.recv_exact(conn, wire.HELLO_SIZE, "hello"))
         if want != self._instance:
             conn.sendall(wire.pack_hello_ok(wire.ERR_WRONG_INSTANCE, self._instance))
@@ -156,9 +230,11 @@ class TcpServer:
 
     def _serve_one(self, conn: socket.socket) -> bool:
         head = bytearray(wire.REQ_SIZE)
+        _rcv_timeout(conn, self._idle_timeout)
         k = conn.recv_into(head)
         if k == 0:
             return False  # reader closed between requests: a normal end
+        _rcv_timeout(conn, self._frame_timeout)  # a frame once started must finish in time
         if k < wire.REQ_SIZE:
             head[k:] = wire.recv_exact(conn, wire.REQ_SIZE - k, "request header")
         flags, req_id, nruns, body_crc = wire.unpack_request_head(bytes(head))
@@ -167,7 +243,7 @@ class TcpServer:
             raise wire.CorruptFrame("request run list CRC mismatch")
         runs = np.frombuffer(body, dtype=wire.RUN_DTYPE)
         with self._table.serving() as views:
-            if nruns <= 32:
+            if nruns <= SMALL_PLAN:  # plain Python is cheaper for a few runs
                 self._serve_small(conn, req_id, flags, list(wire.RUN.iter_unpack(body)), views)
                 return True
             bad = validate_runs(runs, [len(v) for v in views])
@@ -189,15 +265,10 @@ class TcpServer:
                      views: tuple[memoryview, ...]) -> None:
         """The same checks and reply as the vectorized path, in plain Python (cheaper for few runs)."""
         out: list[memoryview] = []
+        sizes = [len(v) for v in views]
         for i, (r, o, n) in enumerate(runs):
-            if r >= len(views):
-                have = f"0..{len(views) - 1}" if views else "none"
-                self._reject(conn, req_id, wire.ERR_REGION_UNKNOWN,
-                             f"run {i}: region {r} is not registered (registered: {have})")
-                return
-            if o + n > len(views[r]):
-                self._reject(conn, req_id, wire.ERR_OUT_OF_RANGE, f"run {i}: bytes [{o}, {o + n}) of region {r} "
-                                                                  f"lie outside its {len(views[r])} registered bytes")
+            if fault(r, o, n, sizes) is not None:
+                self._reject(conn, req_id, *_rejection(i, r, o, n, sizes))
                 return
             if n:
                 out.append(views[r][o:o + n])

@@ -1,7 +1,8 @@
 """HA coordination through etcd (``aetcd``): leader election, leader address, node membership.
 
 - Election: ``<prefix>/leader`` is created only if absent (txn on version == 0) under this
-  replica's lease; its value is ``{"addr": ADVERTISE, "id": REPLICA_ID}``. Standbys poll for the
+  replica's lease; its value is ``{"addr": ADVERTISE, "id": REPLICA_ID}`` (key names and value
+  encoding: ``etcd_layout.py``, shared with the clients that read it). Standbys poll for the
   key to disappear (the leader's lease ran out or it stepped down) and then race to create it.
 - Renewal: the leader refreshes its lease whenever a third of the TTL has passed since the last
   *successful* refresh was sent (i.e. on the remaining time, with two more chances before expiry),
@@ -9,9 +10,12 @@
 - Membership: the leader mirrors each registered node as ``<prefix>/nodes/<id>`` under a per-node
   etcd lease (refreshed on heartbeats, revoked on deregister/drop). The in-memory index stays the
   authority for the hot path; etcd writes are queued and never block a request.
-- etcd unreachable: the leader keeps serving from memory and reports ``degraded``; when etcd
-  answers again it re-asserts (or re-acquires) leadership and re-mirrors the nodes, or steps down
-  (clearing its index) if another replica took over meanwhile.
+- etcd unreachable: the leader keeps serving from memory and reports ``degraded``, but only while
+  its lease cannot have expired by its own clock: from the send time of the last successful
+  keepalive plus the lease TTL minus a margin (``lease_margin``). Past that a standby may hold the
+  key, so it stops serving (``is_leader`` is False at once: requests get "not leader"), then steps
+  down (clearing its index) and campaigns again when etcd answers (issue 9, hole 4). Measuring from
+  the *send* time is conservative: etcd starts the TTL when it receives the request, later.
 - After a failover the new leader starts empty; nodes find out through ``heartbeat -> False``,
   re-register and re-publish what they hold (``NodeSession`` does this).
 """
@@ -19,7 +23,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -28,6 +31,8 @@ from typing import Any, Callable
 
 import aetcd
 
+from pdxfer.master import etcd_layout
+from pdxfer.master.coordinator import Members
 log = logging.getLogger("pdxfer.master.etcd")
 
 _POLL_S = 0.2  # standby poll and membership sync cadence
@@ -36,15 +41,9 @@ _POLL_S = 0.2  # standby poll and membership sync cadence
 class EtcdCoordinator:
     kind = "etcd"
 
-    def __init__(self, endpoints: str, prefix: str = "/pdxfer/master", leader_ttl: float = 5.0,
-                 timeout_s: float = 1.0) -> None:
-        self.endpoints: list[tuple[str, int]] = []
-        for ep in endpoints.split(","):
-            host, _, port = ep.strip().rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"etcd endpoint {ep!r} is not host:port")
-            self.endpoints.append((host, int(port)))
-        self.prefix = prefix.rstrip("/")
+    def __init__(self, target: etcd_layout.EtcdTarget, leader_ttl: float = 5.0, timeout_s: float = 1.0) -> None:
+        self.endpoints = list(target.endpoints)
+        self.prefix = target.prefix
         # etcd leases have whole-second TTLs.
         self.leader_ttl = max(1, math.ceil(leader_ttl))
         self.timeout_s = timeout_s
@@ -60,26 +59,32 @@ class EtcdCoordinator:
         self._lease: Any = None
         self._lease_sent = 0.0  # when the last successful refresh (or the grant) was sent
         self._lease_ttl = float(self.leader_ttl)
+        self._stale_lease: Any = None  # our lease after a clock step-down: re-adopted if etcd kept it
         self._task: asyncio.Task[None] | None = None
         # membership mirror
         self._pending: dict[str, tuple[str, float, str]] = {}  # node id -> ("put", ttl, json) | ("del", 0, "")
         self._touched: set[str] = set()
         self._node_leases: dict[str, tuple[Any, float, float]] = {}  # id -> (lease, ttl, last refresh)
         self.failovers = 0
-        self.members: Callable[[], list[tuple[str, float, str]]] | None = None
-
-    @property
-    def leader_key(self) -> bytes:
-        return f"{self.prefix}/leader".encode()
-
-    def node_key(self, node_id: str) -> bytes:
-        return f"{self.prefix}/nodes/{node_id}".encode()
+        self.members: Members | None = None
+        self.leader_key = etcd_layout.leader_key(self.prefix)
 
     # ---- what the service reads -----------------------------------------------------------------
 
+    @staticmethod
+    def lease_margin(ttl: float) -> float:
+        """How long before its lease could run out (by our clock) a leader stops serving: covers
+        clock-rate differences and a standby's poll. A quarter of the TTL, at most 1 s."""
+        return min(ttl / 4, 1.0)
+
+    def _lease_may_have_expired(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return now >= self._lease_sent + self._lease_ttl - self.lease_margin(self._lease_ttl)
+
     @property
     def is_leader(self) -> bool:
-        return self._leader
+        # Checked on every request: the background loop may sit in a stuck etcd call meanwhile.
+        return self._leader and not self._lease_may_have_expired()
 
     @property
     def degraded(self) -> str | None:
@@ -87,12 +92,14 @@ class EtcdCoordinator:
 
     @property
     def leader_address(self) -> str | None:
-        return self.advertise if self._leader else self._leader_addr
+        if self._leader:
+            return None if self._lease_may_have_expired() else self.advertise
+        return self._leader_addr
 
     def status(self) -> dict[str, Any]:
         return {
             "store": self.kind,
-            "leader": self._leader,
+            "leader": self.is_leader,
             "leader_address": self.leader_address,
             "degraded": self._degraded,
             "replica_id": self.replica_id,
@@ -182,23 +189,34 @@ class EtcdCoordinator:
             except Exception as exc:
                 reason = f"etcd unreachable: {type(exc).__name__}: {exc}"[:300]
                 if self._degraded is None:
-                    log.warning("%s; %s", reason, "serving from memory" if self._leader else "standby waits")
+                    log.warning("%s; %s", reason, "serving from memory while the leader lease lasts"
+                                if self._leader else "standby waits")
                 self._degraded = reason
                 await self._reset_client()
+            if self._leader and self._lease_may_have_expired():
+                # Already refusing requests (is_leader); now forget what we knew: another replica
+                # may lead, and holders may have moved to it and freed blocks.
+                self._stale_lease = self._lease
+                self._step_down(f"leader lease may have expired: no successful keepalive for "
+                                f"{time.monotonic() - self._lease_sent:.1f} s (lease ttl {self._lease_ttl:.0f} s)",
+                                None)
             await asyncio.sleep(_POLL_S if not self._leader else min(_POLL_S, self._lease_ttl / 6))
 
-    async def _take_leader_key(self, client: aetcd.Client) -> bool:
-        """Create the leader key under a fresh lease if nobody holds it; on success adopt the lease."""
-        lease = await self._call(client.lease(self.leader_ttl))
-        sent = time.monotonic()
-        value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
+    async def _create_leader_key(self, client: aetcd.Client, lease: Any) -> bool:
+        """Create the leader key under ``lease`` only if nobody holds it (one txn)."""
         tx = client.transactions
         ok, _ = await self._call(client.transaction(
             compare=[tx.version(self.leader_key) == 0],
-            success=[tx.put(self.leader_key, value, lease)],
+            success=[tx.put(self.leader_key, etcd_layout.encode_leader(self.advertise, self.replica_id), lease)],
             failure=[],
         ))
-        if not ok:
+        return bool(ok)
+
+    async def _take_leader_key(self, client: aetcd.Client) -> bool:
+        """Create the leader key under a fresh lease if nobody holds it; on success adopt the lease."""
+        sent = time.monotonic()  # before the grant: etcd's TTL starts later than this, never earlier
+        lease = await self._call(client.lease(self.leader_ttl))
+        if not await self._create_leader_key(client, lease):
             await self._call(lease.revoke())
             return False
         self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(lease.ttl or self.leader_ttl)
@@ -207,9 +225,12 @@ class EtcdCoordinator:
     async def _campaign(self, client: aetcd.Client) -> None:
         got = await self._call(client.get(self.leader_key))
         if got is not None:
-            self._leader_addr = self._addr_of(got.value)
-            return
-        if not await self._take_leader_key(client):
+            if self._holds_key(got) and await self._readopt_stale_lease():
+                pass  # our key under our lease survived the outage: nobody else led meanwhile
+            else:
+                self._leader_addr = _addr_of(got)
+                return
+        elif not await self._take_leader_key(client):
             return
         self._leader = True
         self._leader_addr = self.advertise
@@ -220,13 +241,27 @@ class EtcdCoordinator:
         if self.on_become_leader is not None:
             self.on_become_leader()
 
+    async def _readopt_stale_lease(self) -> bool:
+        """After a clock step-down: if etcd still keeps our lease, lead again under it (with the
+        empty index the step-down left) instead of waiting for it to run out."""
+        lease, self._stale_lease = self._stale_lease, None
+        if lease is None:
+            return False
+        sent = time.monotonic()
+        reply = await self._call(lease.refresh())
+        ttl = getattr(reply, "TTL", 0) if reply is not None else 0
+        if ttl <= 0:
+            return False
+        self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(ttl)
+        return True
+
     async def _keep_leadership(self, client: aetcd.Client) -> None:
         now = time.monotonic()
         if now - self._lease_sent < self._lease_ttl / 3:
             # Not due for renewal: still check (one cheap get per round) that the key is ours,
             # so a replica that lost the key stops serving within a poll interval.
             got = await self._call(client.get(self.leader_key))
-            if got is not None and self._id_of(got.value) == self.replica_id:
+            if self._holds_key(got):
                 return
         sent = time.monotonic()
         reply = await self._call(self._lease.refresh())
@@ -234,20 +269,14 @@ class EtcdCoordinator:
         if ttl > 0:
             self._lease_sent, self._lease_ttl = sent, float(ttl)
             got = await self._call(client.get(self.leader_key))
-            if got is not None and self._id_of(got.value) == self.replica_id:
+            if self._holds_key(got):
                 return
             if got is None:
                 # Our lease lives but the key is gone (deleted by hand): re-create it under the lease.
-                value = json.dumps({"addr": self.advertise, "id": self.replica_id}).encode()
-                tx = client.transactions
-                ok, _ = await self._call(client.transaction(
-                    compare=[tx.version(self.leader_key) == 0],
-                    success=[tx.put(self.leader_key, value, self._lease)], failure=[]))
-                if ok:
+                if await self._create_leader_key(client, self._lease):
                     return
                 got = await self._call(client.get(self.leader_key))
-            self._step_down("another replica holds the leader key",
-                            self._addr_of(got.value) if got is not None else None)
+            self._step_down("another replica holds the leader key", _addr_of(got))
             return
         # Our lease is gone (expired while etcd was unreachable, or revoked). Try to take the key
         # back; if somebody else has it, step down.
@@ -259,7 +288,7 @@ class EtcdCoordinator:
                 self._remirror_all()
                 return
             got = await self._call(client.get(self.leader_key))
-        self._step_down("leader lease lost", self._addr_of(got.value) if got is not None else None)
+        self._step_down("leader lease lost", _addr_of(got))
 
     def _remirror_all(self) -> None:
         # Set by the service: current members to write again after losing our etcd state.
@@ -291,10 +320,10 @@ class EtcdCoordinator:
                     await self._call(old[0].revoke())
                 if op == "put":
                     lease = await self._call(client.lease(max(1, math.ceil(ttl))))
-                    await self._call(client.put(self.node_key(node_id), info_json.encode(), lease))
+                    await self._call(client.put(etcd_layout.node_key(self.prefix, node_id), info_json.encode(), lease))
                     self._node_leases[node_id] = (lease, ttl, time.monotonic())
                 else:
-                    await self._call(client.delete(self.node_key(node_id)))
+                    await self._call(client.delete(etcd_layout.node_key(self.prefix, node_id)))
                 del pending[node_id]
             now = time.monotonic()
             for node_id in list(touched):
@@ -308,16 +337,22 @@ class EtcdCoordinator:
                 self._pending.setdefault(node_id, v)
             self._touched |= touched
 
-    @staticmethod
-    def _addr_of(value: bytes) -> str | None:
-        try:
-            return str(json.loads(value)["addr"])
-        except (ValueError, KeyError, TypeError):
-            return None
+    def _holds_key(self, got: Any) -> bool:
+        """Whether a get of the leader key found this replica's record."""
+        record = _record_of(got)
+        return record is not None and record.replica_id == self.replica_id
 
-    @staticmethod
-    def _id_of(value: bytes) -> str | None:
-        try:
-            return str(json.loads(value)["id"])
-        except (ValueError, KeyError, TypeError):
-            return None
+
+def _record_of(got: Any) -> etcd_layout.LeaderRecord | None:
+    """The leader record of a get result (None: no key, or a value that is no leader record)."""
+    if got is None:
+        return None
+    try:
+        return etcd_layout.decode_leader(got.value)
+    except ValueError:
+        return None
+
+
+def _addr_of(got: Any) -> str | None:
+    record = _record_of(got)
+    return record.addr if record is not None else None

@@ -4,7 +4,7 @@ Used where there is no RDMA. The reader sends one request per connection listing
 (region, offset, nbytes); the holder validates every run against what it registered and
 streams the bytes back, and the reader receives them straight into its own registered memory
 with vectored ``recvmsg_into`` (no staging copy). Large plans are split over several parallel
-connections. Frames carry CRC-protected headers and a length trailer (see ``wire.py``), plus
+connections. Frames carry CRC-protected headers and a length trailer (see ``wire.py``; metadata in ``metadata.py``), plus
 an optional payload CRC, so truncation and corruption are detected rather than loaded.
 
 Reads are posted to a small worker pool and return a handle whose ``wait`` is bounded; a
@@ -14,27 +14,20 @@ Only host (CPU) memory is served: CUDA regions are refused with a clear error.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import os
 import socket
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from pdxfer.layout import TransferPlan
-from pdxfer.transport import wire
+from pdxfer.plan import TransferPlan
 from pdxfer.transport.base import (
-    MetadataError,
     PeerDied,
     PeerUnreachable,
-    ReadHandle,
     ReadState,
     RegionUnknown,
     RegisteredRegion,
@@ -43,191 +36,13 @@ from pdxfer.transport.base import (
     TransferTimeout,
     TransportError,
 )
-from pdxfer.transport.tcp_plan import SMALL_PLAN, check_plan, split_runs
-from pdxfer.transport.tcp_server import RegionTable, TcpServer, region_view
-
-METADATA_VERSION = 1
-
-
-@dataclass(frozen=True)
-class TcpPeerInfo:
-    host: str
-    port: int
-    instance: bytes
-    region_sizes: tuple[int, ...]
-
-    @property
-    def peer_id(self) -> str:
-        return f"tcp://{self.host}:{self.port}/{self.instance.hex()[:12]}"
-
-
-def parse_metadata(blob: bytes) -> TcpPeerInfo:
-    """Decode a peer's metadata; MetadataError says what is wrong with it."""
-    try:
-        doc = json.loads(bytes(blob).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise MetadataError(f"tcp metadata is not JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise MetadataError("tcp metadata must be a JSON object")
-    if doc.get("kind") != "tcp":
-        raise MetadataError(f"metadata is for transport kind {doc.get('kind')!r}, not 'tcp'")
-    if doc.get("v") != METADATA_VERSION:
-        raise MetadataError(f"tcp metadata version {doc.get('v')!r}, this side speaks {METADATA_VERSION}")
-    try:
-        regions = doc["regions"]
-        for i, r in enumerate(regions):
-            if int(r["index"]) != i:
-                raise MetadataError(f"tcp metadata region {i} carries index {r['index']}")
-        info = TcpPeerInfo(str(doc["host"]), int(doc["port"]), bytes.fromhex(doc["instance"]),
-                           tuple(int(r["nbytes"]) for r in regions))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise MetadataError(f"tcp metadata is missing or has a bad field: {exc!r}") from exc
-    if len(info.instance) != 16 or not 0 < info.port < 65536:
-        raise MetadataError(f"tcp metadata has a bad instance id or port {info.port}")
-    return info
-
-
-def _is_stale(sock: socket.socket) -> bool:
-    """True if an idle connection has EOF, an error or unexpected bytes waiting (a non-blocking
-    peek: unlike select() it works for any fd number)."""
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        return True  # EOF (b"") or bytes nobody asked for
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-class _Conn:
-    """One reader connection to a holder; requests on it are serialized by ``lock``."""
-
-    def __init__(self, info: TcpPeerInfo, connect_timeout: float, io_timeout: float, bufsize: int) -> None:
-        self.info = info
-        self.lock = threading.Lock()
-        self.sock: socket.socket | None = None
-        self._connect_timeout = connect_timeout
-        self._io_timeout = io_timeout
-        self._bufsize = bufsize
-
-    def ensure(self) -> socket.socket:
-        """The live socket, (re)connecting and handshaking if needed. Caller holds ``lock``."""
-        if self.sock is not None:
-            # Between requests nothing may arrive: readable means the holder closed (or restarted),
-            # so reconnect now instead of failing the read on a stale socket.
-            if not _is_stale(self.sock):
-                return self.sock
-            self.drop()
-        info = self.info
-        sock = wire.connect_socket(info.host, info.port, self._connect_timeout, self._bufsize)
-        try:
-            sock.sendall(wire.pack_hello(info.instance))
-            status, instance = wire.unpack_hello_ok(wire.recv_exact(sock, wire.HELLO_OK_SIZE, "hello reply"))
-        except (OSError, TransportError) as exc:
-            sock.close()
-            raise PeerUnreachable(f"handshake with {info.peer_id} failed: {exc}") from exc
-        if status != wire.OK:
-            sock.close()
-            raise PeerDied(f"{info.host}:{info.port} is now holder instance {instance.hex()[:12]}, "
-                           f"not {info.peer_id}: the holder restarted; reconnect with its new metadata")
-        wire.set_io_timeout(sock, self._io_timeout)
-        self.sock = sock
-        return sock
-
-    def abort(self) -> None:
-        """Wake any thread blocked on this socket; the next request reconnects."""
-        s = self.sock
-        if s is not None:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def drop(self) -> None:
-        s, self.sock = self.sock, None
-        if s is not None:
-            with contextlib.suppress(OSError):
-                s.close()
-
-
-class _Peer:
-    def __init__(self, info: TcpPeerInfo, nconns: int, connect_timeout: float, io_timeout: float,
-                 bufsize: int) -> None:
-        self.info = info
-        self.conns = [_Conn(info, connect_timeout, io_timeout, bufsize) for _ in range(nconns)]
-        self.rr = itertools.count()
-
-
-class TcpReadHandle(ReadHandle):
-    """A read split into parts (one per connection). Terminal only once every part has stopped,
-    so after FAILED or CANCELLED no more bytes land in local memory."""
-
-    def __init__(self, peer: str, nparts: int) -> None:
-        self._peer = peer
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._pending = nparts
-        self._state = ReadState.PENDING
-        self._error: TransportError | None = None
-        self._active: set[_Conn] = set()
-        if nparts == 0:
-            self._state = ReadState.DONE
-            self._done.set()
-
-    # ---- called by workers
-    def _begin(self, conn: _Conn) -> bool:
-        with self._lock:
-            if self._error is not None:
-                return False
-            self._active.add(conn)
-            return True
-
-    def _end(self, conn: _Conn | None, err: TransportError | None) -> None:
-        abort: list[_Conn] = []
-        with self._lock:
-            if conn is not None:
-                self._active.discard(conn)
-            if err is not None and self._error is None:
-                self._error = err
-                abort = list(self._active)  # stop sibling parts: their bytes are useless now
-            self._pending -= 1
-            finished = self._pending == 0
-            if finished:
-                if self._error is None:
-                    self._state = ReadState.DONE
-                elif isinstance(self._error, TransferCancelled):
-                    self._state = ReadState.CANCELLED
-                else:
-                    self._state = ReadState.FAILED
-        for c in abort:
-            c.abort()
-        if finished:
-            self._done.set()
-
-    # ---- public
-    def poll(self) -> ReadState:
-        return self._state
-
-    def wait(self, timeout: float) -> ReadState:
-        if not self._done.wait(timeout):
-            raise TransferTimeout(f"read from {self._peer} still pending after {timeout:.3f}s")
-        if self._state is ReadState.DONE:
-            return self._state
-        assert self._error is not None
-        raise self._error
-
-    def cancel(self, timeout: float = 2.0) -> None:
-        with self._lock:
-            if self._done.is_set() or self._error is not None:
-                return
-            self._error = TransferCancelled(f"read from {self._peer} cancelled")
-            active = list(self._active)
-        for c in active:
-            c.abort()
-        # Bounded: shutdown() wakes blocked receives at once; queued parts see the error and skip.
-        self._done.wait(timeout)
-
-    @property
-    def error(self) -> TransportError | None:
-        return self._error if self._state is not ReadState.PENDING else None
+from pdxfer.transport.tcp import wire
+from pdxfer.transport.tcp.connection import Conn, PeerConns, is_stale
+from pdxfer.transport.tcp.handle import TcpReadHandle
+from pdxfer.transport.tcp.metadata import encode_metadata, parse_metadata
+from pdxfer.transport.runs import SMALL_PLAN, check_plan
+from pdxfer.transport.tcp.plan import split_runs
+from pdxfer.transport.tcp.server import RegionTable, TcpServer
 
 
 class TcpTransport(Transport):
@@ -246,7 +61,10 @@ class TcpTransport(Transport):
         io_timeout: float = 30.0,
         payload_crc: bool = False,
         socket_buffer: int = 4 << 20,
-        workers: int = 8,
+        max_connections: int = 256,
+        hello_timeout: float = 10.0,
+        frame_timeout: float = 30.0,
+        idle_timeout: float = 600.0,
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
@@ -259,15 +77,17 @@ class TcpTransport(Transport):
         self._io_timeout = float(io_timeout)
         self._flags = wire.FLAG_PAYLOAD_CRC if payload_crc else 0
         self._bufsize = int(socket_buffer)
+        # Holder-side bounds on what one reader connection may cost (see TcpServer).
+        self._server_limits = {"max_connections": max_connections, "hello_timeout": hello_timeout,
+                               "frame_timeout": frame_timeout, "idle_timeout": idle_timeout}
         self._instance = os.urandom(16)
         self._table = RegionTable()
         self._local_views: tuple[memoryview, ...] = ()
         self._server: TcpServer | None = None
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerConns] = {}
         self._lock = threading.Lock()
         self._inflight: set[TcpReadHandle] = set()
         self._req_ids = itertools.count(1)
-        self._pool = ThreadPoolExecutor(max_workers=max(workers, connections), thread_name_prefix="pdxfer-tcp-read")
         self._closed = False
 
     # ------------------------------------------------------------------ memory
@@ -305,7 +125,8 @@ class TcpTransport(Transport):
             if self._server is None:
                 host, port = self._listen
                 try:
-                    self._server = TcpServer(self._table, self._instance, host, port, self._bufsize)
+                    self._server = TcpServer(self._table, self._instance, host, port, self._bufsize,
+                                             **self._server_limits)
                 except OSError as exc:
                     raise TransportError(f"tcp transport cannot listen on {host}:{port}: {exc}") from exc
             return self._server
@@ -320,16 +141,7 @@ class TcpTransport(Transport):
         host = self._advertise or self._listen[0]
         if host in ("", "0.0.0.0", "::"):
             host = socket.gethostbyname(socket.gethostname())
-        doc = {
-            "kind": "tcp",
-            "v": METADATA_VERSION,
-            "wire": wire.WIRE_VERSION,
-            "host": host,
-            "port": server.port,
-            "instance": self._instance.hex(),
-            "regions": [{"index": r.index, "nbytes": r.nbytes, "device": r.device} for r in self._table.regions],
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        return encode_metadata(host, server.port, self._instance, wire.WIRE_VERSION, self._table.regions)
 
     # ------------------------------------------------------------------ reader side
     def connect(self, peer_metadata: bytes, timeout: float = 5.0) -> str:
@@ -339,14 +151,14 @@ class TcpTransport(Transport):
         with self._lock:
             if pid in self._peers:
                 return pid
-        peer = _Peer(info, self._nconns, timeout, self._io_timeout, self._bufsize)
+        peer = PeerConns(info, self._nconns, timeout, self._io_timeout, self._bufsize)
         deadline = time.monotonic() + timeout
         try:
             for c in peer.conns:
                 with c.lock:
-                    c._connect_timeout = max(0.05, deadline - time.monotonic())
+                    c.connect_timeout = max(0.05, deadline - time.monotonic())
                     c.ensure()
-                    c._connect_timeout = timeout
+                    c.connect_timeout = timeout
         except (TransportError, OSError) as exc:
             for c in peer.conns:
                 c.drop()
@@ -368,6 +180,7 @@ class TcpTransport(Transport):
             for c in p.conns:
                 c.abort()
                 c.drop()
+                c.queue.shutdown(wait=False)  # its thread ends once queued parts settled
 
     def read(self, peer: str, plan: TransferPlan) -> TcpReadHandle:
         self._check_open()
@@ -384,52 +197,52 @@ class TcpTransport(Transport):
         start = next(p.rr)
         for i, part in enumerate(parts):
             conn = p.conns[(start + i) % len(p.conns)]
-            # Send the request from the caller's thread when its connection is idle and live, so
-            # the holder starts while a worker wakes up to receive (one less hand-off of latency).
-            req_id = self._send_now(handle, conn, part)
-            try:
-                self._pool.submit(self._run_part, handle, conn, part, peer, req_id)
-            except RuntimeError as exc:  # pool shut down by a concurrent close()
-                if req_id is not None:
-                    conn.drop()
-                    conn.lock.release()
-                handle._end(conn if req_id is not None else None, TransferCancelled(f"transport closed: {exc}"))
+            with conn.lock:  # submission order on a connection is request order on its socket
+                # Send from the caller's thread when nothing is queued on the connection, so the
+                # holder starts while the queue thread wakes up to receive (one hand-off less).
+                req_id = self._send_now(handle, conn, part) if conn.queued == 0 else None
+                try:
+                    conn.queue.submit(self._run_part, handle, conn, part, peer, req_id)
+                    conn.queued += 1
+                except RuntimeError as exc:  # queue shut down by a concurrent close()
+                    if req_id is not None:
+                        conn.drop()
+                    handle._end(conn if req_id is not None else None,
+                                TransferCancelled(f"transport closed: {exc}"))
         return handle
 
-    def _send_now(self, handle: TcpReadHandle, conn: _Conn, runs: np.ndarray) -> int | None:
-        """Request id if the request went out now (``conn.lock`` then stays held for the worker),
-        None if the worker must connect and send itself. Never blocks on a busy connection."""
-        if conn.sock is None or not conn.lock.acquire(blocking=False):
-            return None
+    def _send_now(self, handle: TcpReadHandle, conn: Conn, runs: np.ndarray) -> int | None:
+        """Request id if the request went out now, None if the queue thread must (re)connect and
+        send. Caller holds ``conn.lock`` and nothing is queued on ``conn``."""
+        if conn.sock is None or is_stale(conn.sock) or not handle._begin(conn):
+            return None  # no live socket, or the read is already over: leave it to the queue
         try:
-            if conn.sock is None or _is_stale(conn.sock) or not handle._begin(conn):
-                conn.lock.release()  # stale socket or read already over: leave it to the worker
-                return None
             return self._send_request(conn.sock, runs)
         except OSError:
             conn.drop()
             with handle._lock:
                 handle._active.discard(conn)
-            conn.lock.release()
             return None
 
-    def _run_part(self, handle: TcpReadHandle, conn: _Conn, runs: np.ndarray, peer: str,
+    def _run_part(self, handle: TcpReadHandle, conn: Conn, runs: np.ndarray, peer: str,
                   sent: int | None = None) -> None:
-        """Worker: receive one part (sending it first unless ``read`` already did, in which case
-        ``conn.lock`` is held on our behalf and ``sent`` is the request id)."""
+        """The connection's queue thread: receive one part (sending it first unless ``read``
+        already did, in which case ``sent`` is the request id)."""
         err: TransportError | None = None
-        used: _Conn | None = conn if sent is not None else None
-        locked = sent is not None
+        used: Conn | None = conn if sent is not None else None
         try:
-            if not locked:
-                conn.lock.acquire()
-                locked = True
+            if sent is None:
                 if not handle._begin(conn):
                     return
                 used = conn
             try:
                 if sent is None:
-                    sent = self._send_request(conn.ensure(), runs)
+                    sock = conn.ensure()
+                    # A cancel that came while we (re)connected found no socket to cut: check now
+                    # that conn.sock is set, so a later cancel cuts it and nothing lands after it.
+                    if not handle._wanted():
+                        return
+                    sent = self._send_request(sock, runs)
                 self._receive(conn, runs, sent)
             except BaseException:
                 conn.drop()  # stream position unknown: never reuse this socket
@@ -443,8 +256,8 @@ class TcpTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - a worker must always settle its handle
             err = TransportError(f"read from {peer} failed: {exc!r}")
         finally:
-            if locked:
-                conn.lock.release()
+            with conn.lock:
+                conn.queued -= 1
             # If the caller cancelled or a sibling failed first, that first error stands.
             handle._end(used, err)
             if handle.poll() is not ReadState.PENDING:
@@ -459,7 +272,7 @@ class TcpTransport(Transport):
             sock.sendall(wire.pack_request_array(req_id, runs[:, 0], runs[:, 1], runs[:, 4], self._flags))
         return req_id
 
-    def _receive(self, conn: _Conn, runs: np.ndarray, req_id: int) -> None:
+    def _receive(self, conn: Conn, runs: np.ndarray, req_id: int) -> None:
         sock = conn.sock
         if sock is None:
             raise PeerDied(f"connection to {conn.info.peer_id} was aborted")
@@ -516,9 +329,11 @@ class TcpTransport(Transport):
                 c.drop()
         if server is not None:
             server.close()
-        self._pool.shutdown(wait=False)  # queued parts still run, see the cancel, and settle
+        for p in peers:
+            for c in p.conns:
+                c.queue.shutdown(wait=False)  # queued parts still run, see the cancel, and settle
         self._table.clear(timeout=1.0)
         self._local_views = ()
 
 
-__all__ = ["TcpTransport", "TcpReadHandle", "parse_metadata", "region_view"]
+__all__ = ["TcpTransport"]

@@ -1,0 +1,106 @@
+"""The records the chunk index (index.py) keeps: nodes, entries, locks, counters, and what a
+lookup returns. Plain data with slots: millions of entries live in memory at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UnknownNodeError(KeyError):
+    """The node id is not registered (never was, deregistered, or its lease ran out)."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id)
+        self.node_id = node_id
+
+    def __str__(self) -> str:
+        return f"node {self.node_id!r} is not registered (unknown, deregistered, or its lease expired)"
+
+
+class SupersededError(KeyError):
+    """A call names a registration of the node that a newer registration (same node id, maybe
+    another process) has replaced: it must not be applied to the newer one (issue 9, hole 2)."""
+
+    def __init__(self, node_id: str, epoch: int, current: int) -> None:
+        super().__init__(node_id)
+        self.node_id, self.epoch, self.current = node_id, epoch, current
+
+    def __str__(self) -> str:
+        return (f"registration {self.epoch:#x} of node {self.node_id!r} was superseded by registration "
+                f"{self.current:#x} (the node id was registered again, by another process or a restart)")
+
+
+class FencedError(ValueError):
+    """A publish whose sequence number the holder had fenced: it gave up on it (issue 9, hole 1)."""
+
+    def __init__(self, node_id: str, seq: int, fence: int) -> None:
+        super().__init__(node_id)
+        self.node_id, self.seq, self.fence = node_id, seq, fence
+
+    def __str__(self) -> str:
+        return (f"publish seq {self.seq} of node {self.node_id!r} is at or below its fence {self.fence}: "
+                "the holder gave up on it, nothing of it was applied")
+
+
+class Node:
+    __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks", "fence_seq")
+
+    def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int) -> None:
+        self.node_id = node_id
+        self.info_json = info_json  # pre-encoded JSON object sent with every lookup that hits it
+        self.ttl = ttl
+        self.expires_at = expires_at
+        self.epoch = epoch
+        self.entries: dict[bytes, Entry] = {}
+        self.locks: set[str] = set()
+        # Publishes with seq <= this are refused: the holder gave up on them (and may have freed
+        # their blocks). Per registration: a new registration starts with a new Node.
+        self.fence_seq = 0
+
+
+class Entry:
+    __slots__ = ("node", "blocks", "nblocks", "hold_until", "pins", "pin_until")
+
+    def __init__(self, node: Node, blocks: bytes, hold_until: float) -> None:
+        self.node = node
+        self.blocks = blocks  # little-endian uint32 block ids, in token order
+        self.nblocks = len(blocks) // 4
+        self.hold_until = hold_until
+        # Locks pinning this entry (not yet released or reaped) and the latest of their deadlines.
+        self.pins = 0
+        self.pin_until = 0.0
+
+
+@dataclass
+class Lock:
+    lock_id: str
+    reader: str
+    deadline: float
+    pins: list[Entry]
+    nodes: set[str]
+
+
+@dataclass
+class LookupOutcome:
+    lock_id: str | None
+    hit: int
+    runs: list[tuple[str, int]]  # (node id, number of consecutive chunks taken from it)
+    counts: list[int]  # blocks per hit chunk
+    blocks: bytes  # concatenated uint32 block ids of all hit chunks
+    nodes: dict[str, Node]
+
+
+@dataclass
+class Counters:
+    lookups: int = 0
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
+    releases_ok: int = 0
+    releases_expired: int = 0
+    published: int = 0
+    publish_refused: int = 0
+    publish_fenced: int = 0
+    unpublished: int = 0
+    unpublish_refused: int = 0
+    nodes_expired: int = 0
+    locks_invalidated: int = 0

@@ -1,0 +1,442 @@
+"""One request codec and one reply codec per master op, used by the client and by the service.
+
+``encode_<op>(...)`` builds a request (op, JSON document, blob); ``decode_<op>(doc, blob)`` checks
+and parses it on the service side. ``encode_<op>_reply(...)`` builds the reply document and
+``decode_<op>_reply(doc, blob, ...)`` checks and parses it on the client side. Every check names the
+field that is wrong (a ``ProtocolError`` with code ``malformed`` or ``oversized``), so a field's
+name, type and bounds are written down once, here.
+
+The lookup reply is assembled as JSON text, not as a dict: node descriptions are encoded once, at
+registration, and spliced in (a real layout description is ~12 KB of JSON).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, NamedTuple, Sequence
+
+from pdxfer.keys import KEY_BYTES
+from pdxfer.master import protocol as P
+from pdxfer.master.records import NodeInfo, Registration
+
+MAX_TTL_S = 3600.0  # node leases and reader locks
+MAX_RETENTION_S = 30 * 24 * 3600.0
+MAX_RANK = 1 << 20
+MIN_LEASE_TTL_S = 0.1
+MIN_LOCK_TTL_S = 0.001
+
+
+class Request(NamedTuple):
+    op: int
+    doc: dict[str, Any]
+    blob: bytes
+
+
+def _malformed(message: str) -> P.ProtocolError:
+    return P.ProtocolError(P.ERR_MALFORMED, message)
+
+
+def _exact_blob(blob: bytes | memoryview, expected: int) -> None:
+    if len(blob) != expected:
+        raise _malformed(f"blob is {len(blob)} bytes, the fields announce {expected}")
+
+
+def _keys_of(doc: dict[str, Any], blob: bytes | memoryview, extra_bytes: int = 0) -> list[bytes]:
+    """The ``n`` keys at the start of a blob that holds exactly them plus ``extra_bytes``."""
+    n = P.get_int(doc, "n", 0, P.MAX_KEYS_PER_REQUEST)
+    _exact_blob(blob, n * KEY_BYTES + extra_bytes)
+    return P.split_keys(blob, n)
+
+
+def _get_bool(doc: dict[str, Any], name: str) -> bool:
+    value = doc.get(name)
+    if not isinstance(value, bool):
+        raise _malformed(f"field {name!r} must be true or false, got {value!r:.40}")
+    return value
+
+
+# ---- block counts: uniform ("per") or one per chunk ("counts"), in publishes and lookup replies --
+
+
+def put_block_counts(doc: dict[str, Any], counts: Sequence[int]) -> None:
+    if counts and counts.count(counts[0]) == len(counts):  # C-speed uniformity check
+        doc["per"] = counts[0]
+    else:
+        doc["counts"] = list(counts)
+
+
+def get_block_counts(doc: dict[str, Any], n: int) -> list[int]:
+    if "per" in doc:
+        return [P.get_int(doc, "per", 0, P.MAX_BLOCKS_PER_CHUNK)] * n
+    counts = doc.get("counts")
+    if (
+        not isinstance(counts, list)
+        or len(counts) != n
+        or not all(type(c) is int and 0 <= c <= P.MAX_BLOCKS_PER_CHUNK for c in counts)
+    ):
+        raise _malformed(f"field 'counts' must be {n} integers in [0, {P.MAX_BLOCKS_PER_CHUNK}]")
+    return counts
+
+
+# ---- register -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegisterRequest:
+    node_id: str
+    rank: int
+    transport: str
+    layout: dict
+    fingerprint: str
+    ttl: float
+    metadata: bytes
+
+
+def encode_register(info: NodeInfo, lease_ttl_s: float) -> Request:
+    doc = {
+        "node_id": info.node_id, "rank": int(info.rank), "transport": info.transport,
+        "layout": info.layout, "fp": info.layout_fingerprint, "ttl": float(lease_ttl_s),
+    }
+    return Request(P.OP_REGISTER, doc, bytes(info.transport_metadata))
+
+
+def decode_register(doc: dict[str, Any], blob: bytes | memoryview) -> RegisterRequest:
+    node_id = P.get_str(doc, "node_id")
+    rank = P.get_int(doc, "rank", 0, MAX_RANK)
+    transport = P.get_str(doc, "transport")
+    fp = P.get_str(doc, "fp")
+    layout = doc.get("layout")
+    if not isinstance(layout, dict):
+        raise _malformed("field 'layout' must be an object")
+    ttl = P.get_float(doc, "ttl", MIN_LEASE_TTL_S, MAX_TTL_S)
+    if len(blob) > P.MAX_METADATA_BYTES:
+        raise P.ProtocolError(P.ERR_OVERSIZED, f"transport metadata of {len(blob)} bytes exceeds {P.MAX_METADATA_BYTES}")
+    return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob))
+
+
+def encode_register_reply(epoch: int, ttl: float, max_lock_ttl: float) -> dict[str, Any]:
+    return {"ok": True, "epoch": epoch, "ttl": ttl, "max_lock_ttl": max_lock_ttl}
+
+
+def decode_register_reply(doc: dict[str, Any], blob: bytes | memoryview, node_id: str) -> Registration:
+    """The registration: its epoch, lease TTL and the master's lock TTL cap."""
+    return Registration(node_id, P.get_int(doc, "epoch", 0, 1 << 62), P.get_float(doc, "ttl", 0.0, MAX_TTL_S),
+                        P.get_float(doc, "max_lock_ttl", MIN_LOCK_TTL_S, MAX_TTL_S))
+
+
+def encode_node_description(req: RegisterRequest, epoch: int) -> str:
+    """The JSON object a lookup reply carries for this registration (encoded once, spliced often)."""
+    return json.dumps({
+        "node_id": req.node_id, "rank": req.rank, "transport": req.transport,
+        "meta": base64.b64encode(req.metadata).decode(), "layout": req.layout, "fp": req.fingerprint,
+        "epoch": epoch,
+    }, separators=(",", ":"))
+
+
+def decode_node_description(node_id: str, d: Any) -> tuple[int, NodeInfo | None]:
+    """(epoch, description); the description is None when the master sent the epoch only."""
+    if not isinstance(d, dict):
+        raise _malformed(f"node {node_id!r} in a lookup reply must be an object")
+    epoch = P.get_int(d, "epoch", 0, 1 << 62)
+    if "meta" not in d:
+        return epoch, None
+    layout = d.get("layout")
+    if not isinstance(layout, dict):
+        raise _malformed(f"field 'layout' of node {node_id!r} must be an object")
+    try:
+        meta = base64.b64decode(d["meta"], validate=True)
+    except (ValueError, TypeError):
+        raise _malformed(f"field 'meta' of node {node_id!r} must be base64 text") from None
+    info = NodeInfo(node_id, P.get_int(d, "rank", 0, MAX_RANK), P.get_str(d, "transport"), meta, layout,
+                    P.get_str(d, "fp"))
+    return epoch, info
+
+
+# ---- heartbeat, deregister ------------------------------------------------------------------------
+# Every call of a node after registration names the registration ("epoch" from the register reply):
+# a registration superseded by a newer one of the same node id is refused (issue 9, hole 2).
+
+MAX_EPOCH = 1 << 62
+MAX_SEQ = 1 << 62
+
+
+class NodeRef(NamedTuple):
+    node_id: str
+    epoch: int
+
+
+def _node_ref(doc: dict[str, Any]) -> NodeRef:
+    return NodeRef(P.get_str(doc, "node_id"), P.get_int(doc, "epoch", 0, MAX_EPOCH))
+
+
+def encode_heartbeat(node_id: str, epoch: int) -> Request:
+    return Request(P.OP_HEARTBEAT, {"node_id": node_id, "epoch": epoch}, b"")
+
+
+def decode_heartbeat(doc: dict[str, Any], blob: bytes | memoryview) -> NodeRef:
+    return _node_ref(doc)
+
+
+def encode_heartbeat_reply(lease_left_s: float | None) -> dict[str, Any]:
+    return {"ok": lease_left_s is not None, "ttl": lease_left_s}
+
+
+def decode_heartbeat_reply(doc: dict[str, Any], blob: bytes | memoryview) -> bool:
+    """False: the master does not know the node (any more)."""
+    return _get_bool(doc, "ok")
+
+
+def encode_deregister(node_id: str, epoch: int) -> Request:
+    return Request(P.OP_DEREGISTER, {"node_id": node_id, "epoch": epoch}, b"")
+
+
+decode_deregister = decode_heartbeat  # the same fields
+
+
+def encode_deregister_reply(known: bool) -> dict[str, Any]:
+    return {"ok": known}
+
+
+decode_deregister_reply = decode_heartbeat_reply  # {"ok": bool}
+
+
+# ---- publish --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublishRequest:
+    node_id: str
+    epoch: int
+    items: list[tuple[bytes, bytes]]  # (key, little-endian uint32 block ids)
+    retention_s: float | None
+    seq: int  # per node, increasing; refused at or below the node's fence
+
+
+def encode_publish(node_id: str, entries: Sequence[tuple[bytes, Sequence[int]]],
+                   retention_s: float | None, epoch: int, seq: int) -> Request:
+    counts = [len(b) for _, b in entries]
+    blocks = P.pack_u32([int(x) for _, b in entries for x in b])
+    doc: dict[str, Any] = {"node_id": node_id, "epoch": epoch, "seq": seq, "n": len(entries)}
+    put_block_counts(doc, counts)
+    if retention_s is not None:
+        doc["ret"] = float(retention_s)
+    return Request(P.OP_PUBLISH, doc, P.join_keys([k for k, _ in entries]) + blocks)
+
+
+def decode_publish(doc: dict[str, Any], blob: bytes | memoryview) -> PublishRequest:
+    node_id, epoch = _node_ref(doc)
+    seq = P.get_int(doc, "seq", 1, MAX_SEQ)
+    n = P.get_int(doc, "n", 0, P.MAX_KEYS_PER_REQUEST)
+    counts = get_block_counts(doc, n)
+    keys = _keys_of(doc, blob, 4 * sum(counts))
+    blocks = bytes(blob[n * KEY_BYTES :])
+    offs = itertools.accumulate((4 * c for c in counts), initial=0)
+    start = next(offs)
+    items = []
+    for key, end in zip(keys, offs):
+        items.append((key, blocks[start:end]))
+        start = end
+    retention = P.get_float(doc, "ret", 0.0, MAX_RETENTION_S, optional=True)
+    return PublishRequest(node_id, epoch, items, retention, seq)
+
+
+def encode_publish_reply(accepted: int) -> dict[str, Any]:
+    return {"accepted": accepted}
+
+
+def decode_publish_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: int) -> int:
+    return P.get_int(doc, "accepted", 0, asked)
+
+
+# ---- lookup_and_lock ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LookupRequest:
+    keys: list[bytes]
+    reader: str
+    ttl: float
+    have: dict[str, int]  # node id -> epoch whose description the client already holds
+
+
+def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict[str, int]) -> Request:
+    """``joined_keys``: ``protocol.join_keys(keys)`` (the caller may retry with the same bytes)."""
+    doc = {"n": len(joined_keys) // KEY_BYTES, "reader": reader, "ttl": float(lock_ttl_s), "have": have}
+    return Request(P.OP_LOOKUP, doc, joined_keys)
+
+
+def decode_lookup(doc: dict[str, Any], blob: bytes | memoryview) -> LookupRequest:
+    keys = _keys_of(doc, blob)
+    reader = P.get_str(doc, "reader")
+    ttl = P.get_float(doc, "ttl", MIN_LOCK_TTL_S, MAX_TTL_S)
+    have = doc.get("have")
+    # "have" only saves bytes: anything unusable means "send every description".
+    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {})
+
+
+def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tuple[str, int]],
+                        counts: list[int], nodes: Iterable[tuple[str, int, str]],
+                        have: dict[str, int]) -> bytes:
+    """The reply's JSON part. ``nodes``: (node id, epoch, pre-encoded description) of every holder
+    in ``runs``; one the client has at that epoch is sent as its epoch only."""
+    head: dict[str, Any] = {"lock": lock_id, "hit": hit, "ttl": ttl, "runs": runs}
+    put_block_counts(head, counts)
+    parts = ",".join(
+        f'{json.dumps(nid)}:{{"epoch":{epoch}}}' if have.get(nid) == epoch else f"{json.dumps(nid)}:{info_json}"
+        for nid, epoch, info_json in nodes
+    )
+    return (json.dumps(head, separators=(",", ":"))[:-1] + ',"nodes":{' + parts + "}}").encode()
+
+
+@dataclass(frozen=True)
+class LookupReply:
+    lock_id: str | None
+    hit: int
+    ttl: float
+    holders: list[str]  # node id per hit chunk
+    block_lists: list[list[int]]  # block ids per hit chunk
+    nodes: dict[str, tuple[int, NodeInfo | None]]  # node id -> (epoch, description or None)
+
+
+def decode_lookup_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: int) -> LookupReply:
+    hit = P.get_int(doc, "hit", 0, asked)
+    ttl = P.get_float(doc, "ttl", 0.0, MAX_TTL_S)
+    if hit == 0:
+        return LookupReply(None, 0, ttl, [], [], {})
+    lock_id = P.get_str(doc, "lock")
+    runs = doc.get("runs")
+    if not isinstance(runs, list):
+        raise _malformed("field 'runs' must be a list of [node id, chunks]")
+    holders: list[str] = []
+    for run in runs:
+        if (not isinstance(run, list) or len(run) != 2 or not isinstance(run[0], str)
+                or type(run[1]) is not int or run[1] < 1):
+            raise _malformed(f"field 'runs' holds {run!r:.60}, not [node id, chunks >= 1]")
+        holders += [run[0]] * run[1]
+    counts = get_block_counts(doc, hit)
+    blocks = P.unpack_u32(blob)
+    if len(holders) != hit or sum(counts) != len(blocks):
+        raise _malformed(f"lookup reply inconsistent: {len(holders)} holders, {len(blocks)} block ids, hit {hit}")
+    raw_nodes = doc.get("nodes")
+    if not isinstance(raw_nodes, dict) or not set(holders) <= raw_nodes.keys():
+        raise _malformed("field 'nodes' must describe every holder named in 'runs'")
+    nodes = {nid: decode_node_description(nid, d) for nid, d in raw_nodes.items()}
+    offs = list(itertools.accumulate(counts, initial=0))
+    block_lists = [blocks[offs[j] : offs[j + 1]] for j in range(hit)]
+    return LookupReply(lock_id, hit, ttl, holders, block_lists, nodes)
+
+
+# ---- release --------------------------------------------------------------------------------------
+
+
+def encode_release(lock_id: str) -> Request:
+    return Request(P.OP_RELEASE, {"lock": lock_id}, b"")
+
+
+def decode_release(doc: dict[str, Any], blob: bytes | memoryview) -> str:
+    return P.get_str(doc, "lock")
+
+
+def encode_release_reply(valid: bool) -> dict[str, Any]:
+    return {"ok": valid}
+
+
+decode_release_reply = decode_heartbeat_reply  # {"ok": bool}: True only if the lock was still valid
+
+
+# ---- unpublish_if_unlocked ------------------------------------------------------------------------
+
+
+class UnpublishRequest(NamedTuple):
+    node: NodeRef
+    keys: list[bytes]
+    fence: int | None  # first refuse every later publish with seq <= this
+
+
+def encode_unpublish(node_id: str, keys: Sequence[bytes], epoch: int, fence: int | None = None) -> Request:
+    doc: dict[str, Any] = {"node_id": node_id, "epoch": epoch, "n": len(keys)}
+    if fence is not None:
+        doc["fence"] = fence
+    return Request(P.OP_UNPUBLISH, doc, P.join_keys(keys))
+
+
+def decode_unpublish(doc: dict[str, Any], blob: bytes | memoryview) -> UnpublishRequest:
+    fence = P.get_int(doc, "fence", 0, MAX_SEQ) if "fence" in doc else None
+    return UnpublishRequest(_node_ref(doc), _keys_of(doc, blob), fence)
+
+
+def encode_unpublish_reply(removed: list[int]) -> dict[str, Any]:
+    return {"removed": removed}
+
+
+def decode_unpublish_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: int) -> list[int]:
+    """Indices into the request's keys that the node no longer publishes."""
+    removed = doc.get("removed")
+    if not isinstance(removed, list) or not all(type(i) is int and 0 <= i < asked for i in removed):
+        raise _malformed(f"field 'removed' must be a list of key indices in [0, {asked})")
+    return removed
+
+
+# ---- fence ----------------------------------------------------------------------------------------
+
+
+def encode_fence(node_id: str, epoch: int, upto: int) -> Request:
+    return Request(P.OP_FENCE, {"node_id": node_id, "epoch": epoch, "upto": upto}, b"")
+
+
+def decode_fence(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[NodeRef, int]:
+    return _node_ref(doc), P.get_int(doc, "upto", 0, MAX_SEQ)
+
+
+def encode_fence_reply(fence: int) -> dict[str, Any]:
+    return {"fence": fence}
+
+
+def decode_fence_reply(doc: dict[str, Any], blob: bytes | memoryview) -> int:
+    """The node's fence now (>= what was asked: it never goes back)."""
+    return P.get_int(doc, "fence", 0, MAX_SEQ)
+
+
+# ---- hello ----------------------------------------------------------------------------------------
+
+
+def encode_hello(token: str | None) -> Request:
+    return Request(P.OP_HELLO, {"tok": token} if token is not None else {}, b"")
+
+
+def decode_hello(doc: dict[str, Any], blob: bytes | memoryview) -> str | None:
+    """The token the peer presents (None: none); the service compares it."""
+    tok = doc.get("tok")
+    return tok if isinstance(tok, str) else None
+
+
+def decode_hello_reply(doc: dict[str, Any], blob: bytes | memoryview) -> bool:
+    return _get_bool(doc, "ok")
+
+
+# ---- stats, ping ----------------------------------------------------------------------------------
+
+
+def encode_stats() -> Request:
+    return Request(P.OP_STATS, {}, b"")
+
+
+def decode_stats_reply(doc: dict[str, Any], blob: bytes | memoryview) -> dict[str, Any]:
+    """Counters and status; their names are the service's (see service_stats.py), not checked here."""
+    return doc
+
+
+def encode_ping() -> Request:
+    return Request(P.OP_PING, {}, b"")
+
+
+def encode_ping_reply(leader: bool, leader_address: str | None) -> dict[str, Any]:
+    return {"leader": leader, "leader_address": leader_address}
+
+
+def decode_ping_reply(doc: dict[str, Any], blob: bytes | memoryview) -> dict[str, Any]:
+    _get_bool(doc, "leader")
+    return doc

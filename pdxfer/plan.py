@@ -1,0 +1,221 @@
+"""Which blocks hold which tokens, and how bytes move from a holder's blocks into a reader's.
+
+A transfer plan is a list of runs ``(remote region, offset) -> (local region, offset, nbytes)``
+in region-relative offsets, so it is independent of where either side mapped its memory; each
+transport turns region indices into whatever its wire needs. Runs that are adjacent on both
+sides are coalesced, which is what keeps descriptor counts (the limit NixlConnector hits)
+low when vLLM hands out consecutive blocks.
+
+Three steps, each in one place:
+- chunk -> blocks (:func:`chunk_span`) and a hit's chunks -> (holder blocks, reader blocks)
+  pairs per holder (:func:`pair_hit_blocks`);
+- a :class:`PeerPlanner` made once per holder when the reader connects: the two layouts are
+  checked for compatibility there, not on every read;
+- :meth:`PeerPlanner.plan`: block pairs -> coalesced byte runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from pdxfer.layout import KVLayout, LayoutError
+
+
+# --------------------------------------------------------------------------- tokens and blocks
+
+def blocks_for_tokens(start: int, end: int, block_size: int) -> range:
+    """Block indices (within a request's block table) that hold tokens ``[start, end)``."""
+    if block_size <= 0:
+        raise LayoutError(f"block_size must be positive, got {block_size}")
+    if start < 0 or end < start:
+        raise LayoutError(f"token range [{start}, {end}) is invalid")
+    if start == end:
+        return range(0)
+    return range(start // block_size, (end - 1) // block_size + 1)
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Where chunk ``chunk`` lives in a request's block table."""
+
+    chunk: int
+    first_block: int
+    num_blocks: int
+    chunks_per_block: int  # > 1 when one block holds several chunks: the block moves as a whole
+
+
+def chunk_span(chunk: int, chunk_tokens: int, block_size: int) -> ChunkSpan:
+    """Map a chunk to blocks, for block sizes that divide or are a multiple of ``chunk_tokens``.
+
+    Any other ratio would put a chunk boundary inside a block whose inner token order pdxfer
+    cannot assume, so it is refused.
+    """
+    if chunk < 0:
+        raise LayoutError(f"chunk index must be >= 0, got {chunk}")
+    if chunk_tokens <= 0 or block_size <= 0:
+        raise LayoutError(f"chunk_tokens and block_size must be positive, got {chunk_tokens}, {block_size}")
+    if chunk_tokens % block_size == 0:
+        per = chunk_tokens // block_size
+        return ChunkSpan(chunk, chunk * per, per, 1)
+    if block_size % chunk_tokens == 0:
+        per = block_size // chunk_tokens
+        return ChunkSpan(chunk, chunk // per, 1, per)
+    raise LayoutError(f"block_size {block_size} neither divides nor is a multiple of chunk_tokens "
+                      f"{chunk_tokens}; pick a chunk size that is a multiple or divisor of the block size")
+
+
+def blocks_for_chunks(num_chunks: int, chunk_tokens: int, block_size: int) -> int:
+    """How many leading blocks of a block table hold exactly ``num_chunks`` whole chunks.
+
+    When a block spans several chunks only whole blocks count, so the chunk count is rounded
+    down to a block boundary.
+    """
+    span = chunk_span(0, chunk_tokens, block_size)
+    if span.chunks_per_block == 1:
+        return num_chunks * span.num_blocks
+    return num_chunks // span.chunks_per_block
+
+
+# --------------------------------------------------------------------------- transfer plans
+
+@dataclass(frozen=True)
+class TransferRun:
+    remote_region: int
+    remote_offset: int
+    local_region: int
+    local_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    runs: tuple[TransferRun, ...]
+    uncoalesced_runs: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.runs)
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+
+def check_compatible(remote: KVLayout, local: KVLayout) -> None:
+    """Refuse a holder whose blocks cannot be copied byte for byte into ours, naming both sides."""
+    if remote.fingerprint() != local.fingerprint():
+        raise LayoutError(f"layouts differ: remote {remote.fingerprint()} vs local {local.fingerprint()}")
+    if remote.block_size != local.block_size:
+        raise LayoutError(f"block size differs (remote {remote.block_size}, local {local.block_size}); "
+                          "blocks are opaque, so plans need equal block sizes")
+    if [(s.layer, s.part, s.block_bytes) for s in remote.segments] != \
+            [(s.layer, s.part, s.block_bytes) for s in local.segments]:
+        raise LayoutError("layouts have the same fingerprint but different segment lists (layer names?)")
+
+
+def coalesce(runs: Iterable[TransferRun]) -> list[TransferRun]:
+    """Merge each run into the previous one when both sides continue exactly where it ended."""
+    out: list[TransferRun] = []
+    for r in runs:
+        if out:
+            p = out[-1]
+            if (p.remote_region == r.remote_region and p.local_region == r.local_region
+                    and p.remote_offset + p.nbytes == r.remote_offset
+                    and p.local_offset + p.nbytes == r.local_offset):
+                out[-1] = TransferRun(p.remote_region, p.remote_offset, p.local_region, p.local_offset,
+                                      p.nbytes + r.nbytes)
+                continue
+        out.append(r)
+    return out
+
+
+class PeerPlanner:
+    """Plans from one holder's layout into this reader's: made once per holder at connect, so the
+    compatibility check and the segment pairing are paid once, not on every read."""
+
+    def __init__(self, remote: KVLayout, local: KVLayout) -> None:
+        check_compatible(remote, local)
+        self.remote = remote
+        self.local = local
+        # (remote segment, local segment, both densely packed): dense segments move a run of
+        # consecutive blocks as one byte range.
+        self._segments = [(rs, ls, rs.block_stride == rs.block_bytes and ls.block_stride == ls.block_bytes)
+                          for rs, ls in zip(remote.segments, local.segments)]
+
+    def plan(self, remote_blocks: Sequence[int], local_blocks: Sequence[int],
+             coalesce_runs: bool = True) -> TransferPlan:
+        """Copy ``remote_blocks[i]`` of the holder into ``local_blocks[i]`` of the reader."""
+        if len(remote_blocks) != len(local_blocks):
+            raise LayoutError(f"{len(remote_blocks)} remote blocks but {len(local_blocks)} local blocks")
+        self.remote.check_blocks(remote_blocks, "remote")
+        self.local.check_blocks(local_blocks, "local")
+        if len(set(local_blocks)) != len(local_blocks):
+            raise LayoutError("local block ids repeat: two chunks would land in one block")
+
+        # Pair up runs of block ids that are consecutive on both sides once, then emit one run per
+        # (segment, block run) where a segment's blocks are densely packed: the cost scales with the
+        # number of runs, not blocks x layers (this sits on the per-request path).
+        block_runs: list[list[int]] = []  # [remote start, local start, count]
+        for rb, lb in zip(remote_blocks, local_blocks):
+            if coalesce_runs and block_runs:
+                last = block_runs[-1]
+                if last[0] + last[2] == rb and last[1] + last[2] == lb:
+                    last[2] += 1
+                    continue
+            block_runs.append([rb, lb, 1])
+
+        def generate() -> Iterable[TransferRun]:
+            for rs, ls, dense in self._segments:
+                for rb, lb, count in block_runs:
+                    if dense:
+                        yield TransferRun(rs.region, rs.block_offset(rb), ls.region, ls.block_offset(lb),
+                                          rs.block_bytes * count)
+                    else:
+                        for i in range(count):
+                            yield TransferRun(rs.region, rs.block_offset(rb + i), ls.region,
+                                              ls.block_offset(lb + i), rs.block_bytes)
+
+        n = len(self._segments) * len(remote_blocks)
+        runs = coalesce(generate()) if coalesce_runs else list(generate())
+        return TransferPlan(tuple(runs), n)
+
+
+def build_plan(remote: KVLayout, remote_blocks: Sequence[int], local: KVLayout, local_blocks: Sequence[int],
+               coalesce_runs: bool = True) -> TransferPlan:
+    """One-off plan (tests, benchmarks); readers keep a :class:`PeerPlanner` per holder instead."""
+    return PeerPlanner(remote, local).plan(remote_blocks, local_blocks, coalesce_runs)
+
+
+# --------------------------------------------------------------------------- a hit's block pairs
+
+def pair_hit_blocks(first_chunk: int, chunk_holders: Sequence[tuple[str, Sequence[int]]], chunk_tokens: int,
+                    block_size: int, start: int, end: int, local_blocks: Sequence[int],
+                    ) -> dict[str, tuple[list[int], list[int]]]:
+    """Per holder node, (holder block ids, reader block ids) covering tokens ``[start, end)``.
+
+    ``chunk_holders[i]`` is (node id, that holder's block ids) of chunk ``first_chunk + i``;
+    ``local_blocks`` is the reader request's whole block table. ``start`` and ``end`` must be
+    block aligned and inside the hit: only whole blocks are copied.
+    """
+    bs = block_size
+    if start % bs or end % bs or start < first_chunk * chunk_tokens or end < start:
+        raise LayoutError(f"token range [{start}, {end}) is not block aligned within the hit starting at "
+                          f"chunk {first_chunk}")
+    remote_of: dict[int, tuple[str, int]] = {}
+    for i, (node_id, ids) in enumerate(chunk_holders):
+        span = chunk_span(first_chunk + i, chunk_tokens, bs)
+        if len(ids) != span.num_blocks:
+            raise LayoutError(f"chunk {first_chunk + i} has {len(ids)} holder blocks, expected {span.num_blocks}")
+        for j, rb in enumerate(ids):
+            remote_of[span.first_block + j] = (node_id, int(rb))
+    if end // bs > len(local_blocks):
+        raise LayoutError(f"tokens up to {end} need {end // bs} reader blocks, the request has {len(local_blocks)}")
+    per_node: dict[str, tuple[list[int], list[int]]] = {}
+    for tb in range(start // bs, end // bs):
+        if tb not in remote_of:
+            raise LayoutError(f"block {tb} of the token range has no holder block in the hit")
+        node_id, rb = remote_of[tb]
+        remote, local = per_node.setdefault(node_id, ([], []))
+        remote.append(rb)
+        local.append(int(local_blocks[tb]))
+    return per_node

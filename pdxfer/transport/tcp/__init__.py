@@ -1,0 +1,9 @@
+"""pdxfer's own TCP transport: transport.py (reader side and the Transport), server.py (holder),
+wire.py (framing), metadata.py (what a holder exports), plan.py (splitting a read over connections),
+connection.py and handle.py (reader connections and read handles)."""
+
+from pdxfer.transport.tcp.metadata import TcpPeerInfo, parse_metadata
+from pdxfer.transport.tcp.server import region_view
+from pdxfer.transport.tcp.transport import TcpTransport
+
+__all__ = ["TcpPeerInfo", "TcpTransport", "parse_metadata", "region_view"]

@@ -1,0 +1,429 @@
+"""The holder (producer) path of the scheduler half: publish a finished request's full chunks,
+hold their blocks, keep held blocks under a cap, and give them back only after the master's
+compare-and-unpublish (the reaper), re-publishing what is held when the master forgot this node.
+
+Holding published blocks: instead of vLLM's delay-free (``request_finished`` -> True, which
+keeps the engine stepping until the worker reports the send finished, i.e. a busy engine while
+anything is held), the holder takes one extra reference per held chunk on the blocks in vLLM's
+block pool. The request frees its own references as usual; the blocks stay allocated (and in
+the local prefix cache) until pdxfer drops its reference. Dropping happens only after the
+master's compare-and-unpublish succeeded (no valid reader lock), decided on a background thread
+that sleeps until the next retention deadline; the block-pool call itself is made on the
+scheduler thread at its next hook (every step, and before any new request is allocated), since
+vLLM's block pool is not thread-safe. An idle engine therefore costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from pdxfer.keys import IncrementalHasher
+from pdxfer.master import MasterError, MasterUnavailable, NodeInfo, NodeSession, PublishFenced
+from pdxfer.plan import chunk_span
+from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
+
+log = logging.getLogger("pdxfer.vllm.scheduler")
+
+
+class BlockPoolHolder:
+    """Takes and drops pdxfer's references on vLLM ``BlockPool`` blocks (scheduler thread only)."""
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.pool.num_gpu_blocks)
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        self.pool.touch([self.pool.blocks[b] for b in block_ids])
+
+    def unhold(self, block_ids: Sequence[int]) -> None:
+        self.pool.free_blocks([self.pool.blocks[b] for b in block_ids])
+
+
+@dataclass
+class _Held:
+    blocks: tuple[int, ...]
+    retain_until: float  # monotonic; pushed forward while unpublish is refused
+    retention_end: float = 0.0  # when retention first ran out (the master stops serving then)
+
+
+@dataclass
+
+class HolderPath:
+    def __init__(self, cfg: ConnectorConfig, *, block_size: int, hot: Any, bg: Any,
+                 stats: SchedulerStats) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self._hot = hot  # publishes and pressure unpublishes, in order, on the publisher thread
+        self._bg = bg  # reaper and re-publish
+        self.stats = stats
+        self.node_id: str | None = None
+        self._pool: BlockPoolHolder | None = None
+        self._publish_log = EpisodeLog("master publishes")
+        # Held chunks, oldest first. Guarded by _lock: the reaper and re-registration threads read it.
+        self._lock = threading.Lock()
+        self._held: OrderedDict[bytes, _Held] = OrderedDict()
+        self._held_block_refs: dict[int, int] = {}
+        self._to_free: deque[tuple[int, ...]] = deque()  # filled by the reaper, drained here
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._session: Any = None
+        self._reaper: threading.Thread | None = None
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-publish")  # keeps order
+        self._master_unreachable_since: float | None = None
+        self._superseded = False
+        self._reclaiming = False
+        self.stale_after_s_override: float | None = None  # tests shorten the last-resort bound
+
+    def bind_block_pool(self, pool: Any) -> None:
+        self._pool = pool if isinstance(pool, BlockPoolHolder) else BlockPoolHolder(pool)
+
+    def start(self, info: NodeInfo) -> None:
+        """Register the node under a lease and start the reaper."""
+        self.node_id = info.node_id
+        self._session = NodeSession(self._bg, info, lease_ttl_s=self.cfg.lease_ttl_s,
+                                    on_reregistered=self._republish, on_superseded=self._on_superseded)
+        self._session.start()
+        self._reaper = threading.Thread(target=self._reap_loop, name="pdxfer-reaper", daemon=True)
+        self._reaper.start()
+        log.info("pdxfer: holder node %s registered with master %s (transport %s)",
+                 info.node_id, self.cfg.master, info.transport)
+
+    def _on_superseded(self) -> None:
+        """Another process registered our node id: stop publishing (NodeSession logged the ERROR).
+        What we hold drains through the reaper, whose calls now fail, on the unreachable bound."""
+        self._superseded = True
+
+    @property
+    def max_lock_ttl_s(self) -> float:
+        """The longest reader lock the master grants on our entries: every force-free waits at
+        least this long (our own lock_ttl_s says nothing about other readers' locks)."""
+        reg = self._hot.registration(self.node_id) if self.node_id else None
+        return float(reg.max_lock_ttl_s) if reg is not None else max(self.cfg.lock_ttl_s, 3600.0)
+
+    @property
+    def stale_after_s(self) -> float:
+        """After this long past retention, a key the master never confirmed gone is freed anyway."""
+        if self.stale_after_s_override is not None:
+            return self.stale_after_s_override
+        return max(10 * self.max_lock_ttl_s, 60.0)
+
+    def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
+                         hasher: IncrementalHasher | None,
+                         new_hasher: Callable[[], IncrementalHasher]) -> None:
+        """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
+        tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
+        ``hasher``: the request's own, if the reader path made one; ``new_hasher()`` makes one."""
+        try:
+            self.drain_frees()
+            if tokens is None or self._pool is None or self.node_id is None:
+                return
+            C = self.cfg.chunk_tokens
+            chunk_blocks: list[tuple[int, ...]] = []
+            for i in range(min(len(tokens), len(block_ids) * self.block_size) // C):
+                blocks = self._chunk_blocks(i, block_ids)
+                if blocks is None:
+                    break
+                chunk_blocks.append(blocks)
+            n_chunks = len(chunk_blocks)
+            if n_chunks == 0:
+                return
+            if hasher is None:
+                hasher = new_hasher()
+            t0 = time.perf_counter()
+            keys = hasher.update(list(tokens[: n_chunks * C]))[:n_chunks]
+            t1 = time.perf_counter()
+            self._publish(keys, chunk_blocks)
+            t2 = time.perf_counter()
+            if t2 - t0 > 0.02:
+                log.warning("pdxfer: publishing %d chunks of %s took %.1f ms (hash %.1f ms)", n_chunks,
+                            req_id, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
+        except Exception as exc:  # publishing is best effort; never fail vLLM's request
+            log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
+
+    def _chunk_blocks(self, chunk: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
+        span = chunk_span(chunk, self.cfg.chunk_tokens, self.block_size)
+        if span.first_block + span.num_blocks > len(block_ids):
+            return None
+        return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
+
+    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> None:
+        assert self._pool is not None and self.node_id is not None
+        if self._superseded:
+            return
+        now = time.monotonic()
+        retain = test_hook_float("retention_s") or self.cfg.retention_s
+        with self._lock:
+            new = [(k, b) for k, b in zip(keys, blocks) if k not in self._held]
+        if new:
+            new = self._fit_under_cap(new)  # may reclaim (free) old chunks: before the refresh
+        # Chunks already held are wanted again: extend their retention here and at the master,
+        # with the blocks already held for them. The reaper frees only chunks still past their
+        # retention when its unpublish returns, so a refreshed chunk is never freed under it.
+        refresh: list[tuple[bytes, tuple[int, ...]]] = []
+        with self._lock:
+            for k in keys:
+                h = self._held.get(k)
+                if h is not None:
+                    h.retain_until, h.retention_end = now + retain, 0.0
+                    self._held.move_to_end(k)
+                    refresh.append((k, h.blocks))
+        if not new and not refresh:
+            return
+        for _, b in new:
+            self._pool.hold(b)
+        # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
+        with self._lock:
+            for k, b in new:
+                self._held[k] = _Held(b, now + retain)
+                for x in b:
+                    self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
+            self._wake.notify()
+        entries = [(k, list(b)) for k, b in refresh + new]
+        # Sequence number and registration are fixed now, when the publish is queued: a fence
+        # (every free goes through one) or a newer registration then refuses it wherever it is.
+        seq = self._hot.next_publish_seq(self.node_id)
+        reg = self._hot.registration(self.node_id)
+        fut = self._publisher.submit(self._send_publish, entries, [k for k, _ in new], len(refresh), retain,
+                                     seq, reg.epoch if reg is not None else None)
+        # Wait briefly so the chunks are at the master before the response reaches the proxy
+        # (and the decode's lookup); a slow master only delays the publish, never the prefill.
+        try:
+            fut.result(timeout=self.cfg.publish_wait_s)
+        except FutureTimeout:
+            self.stats.late_publishes += 1
+
+    def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
+                      retain: float, seq: int, epoch: int | None) -> None:
+        assert self.node_id is not None
+        try:
+            try:
+                accepted = self._hot.publish(self.node_id, entries, retention_s=retain, seq=seq, epoch=epoch)
+            except PublishFenced:
+                # A free elsewhere fenced everything queued before it, this publish too. What we
+                # still hold may be published again under a new number: a later free fences that.
+                with self._lock:
+                    entries = [(k, b) for k, b in entries
+                               if k in self._held and list(self._held[k].blocks) == list(b)]
+                if not entries:
+                    return
+                accepted = self._hot.publish(self.node_id, entries, retention_s=retain,
+                                             seq=self._hot.next_publish_seq(self.node_id), epoch=epoch)
+        except MasterUnavailable as exc:
+            # A timeout may hide an applied publish: keep the blocks as if published, so the
+            # reaper unpublishes (or, failing that, frees) them through the normal path.
+            self._publish_log.fail(exc)
+            return
+        except MasterError as exc:  # refused (unknown node, auth, protocol): nothing was stored
+            self._publish_log.fail(exc)
+            self._forget(new_keys)
+            return
+        self._publish_log.ok()
+        # Entries the master did not accept stay held until retention: freeing them early would
+        # be unsafe if the master accepted a different subset than we think.
+        self.stats.published_chunks += max(int(accepted) - n_refresh, 0)
+
+    def _fit_under_cap(self, new: list[tuple[bytes, tuple[int, ...]]]) -> list[tuple[bytes, tuple[int, ...]]]:
+        """Keep held blocks under ``max_held_fraction`` of the pool: reclaim the oldest unlocked
+        chunks first, then publish only the leading chunks that fit (a prefix is what readers use)."""
+        assert self._pool is not None
+        cap = int(self.cfg.max_held_fraction * self._pool.num_blocks)
+        with self._lock:  # the reaper thread mutates the held set: work on a snapshot
+            held_now = set(self._held_block_refs)
+        extra = len({x for _, b in new for x in b} - held_now)
+        if len(held_now) + extra > cap:
+            # Room comes from the master's compare-and-unpublish: ask in the background and
+            # publish what fits now; later requests find the room (never block the step).
+            self._reclaim_async(len(held_now) + extra - cap)
+        out: list[tuple[bytes, tuple[int, ...]]] = []
+        seen: set[int] = set()
+        for k, b in new:
+            add = {x for x in b if x not in held_now and x not in seen}
+            if len(held_now) + len(seen) + len(add) > cap:
+                break
+            seen |= add
+            out.append((k, b))
+        return out
+
+    def _reclaim_async(self, want_blocks: int) -> None:
+        """Unpublish the oldest held chunks in the background until enough blocks free; their
+        blocks return to vLLM at the scheduler's next hook (one reclaim at a time)."""
+        assert self._pool is not None and self.node_id is not None
+        with self._lock:
+            if self._reclaiming:
+                return
+            candidates = list(self._held)[: max(8, want_blocks)]
+            if not candidates:
+                return
+            self._reclaiming = True
+
+        def run() -> None:
+            try:
+                done = self._unpublish(self._hot, candidates)
+            except MasterError as exc:
+                log.debug("pdxfer: pressure unpublish failed: %s", exc)
+                return
+            finally:
+                with self._lock:
+                    self._reclaiming = False
+            self.stats.pressure_reclaims += len(done)
+            self._forget(done)
+
+        # On the publisher thread: an unpublish must not overtake a queued publish of the same key.
+        try:
+            self._publisher.submit(run)
+        except RuntimeError:  # closing
+            with self._lock:
+                self._reclaiming = False
+
+    def _forget(self, keys: Iterable[bytes], only_if_due: bool = False) -> None:
+        """Keys no reader can lock any more: queue their blocks for release on the scheduler thread.
+        ``only_if_due``: skip keys whose retention was extended meanwhile (re-published)."""
+        with self._lock:
+            now = time.monotonic()
+            for k in keys:
+                h = self._held.get(bytes(k))
+                if h is None or (only_if_due and h.retain_until > now):
+                    continue
+                del self._held[bytes(k)]
+                for x in h.blocks:
+                    n = self._held_block_refs.get(x, 0) - 1
+                    if n <= 0:
+                        self._held_block_refs.pop(x, None)
+                    else:
+                        self._held_block_refs[x] = n
+                self._to_free.append(h.blocks)
+                self.stats.freed_chunks += 1
+
+    def drain_frees(self) -> None:
+        """Return blocks the reaper let go to vLLM's pool (scheduler thread only)."""
+        if self._pool is None:
+            return
+        while self._to_free:
+            try:
+                blocks = self._to_free.popleft()
+            except IndexError:
+                break
+            self._pool.unhold(blocks)
+
+    def has_pending_frees(self) -> bool:
+        return bool(self._to_free)
+
+    @property
+    def held_chunks(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    @property
+    def held_blocks(self) -> int:
+        with self._lock:
+            return len(self._held_block_refs)
+
+    def _reap_loop(self) -> None:
+        """Unpublish chunks whose retention is over; sleeps until the next deadline (no polling)."""
+
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+                now = time.monotonic()
+                due = [k for k, h in self._held.items() if h.retain_until <= now]
+                if not due:
+                    nxt = min((h.retain_until for h in self._held.values()), default=None)
+                    self._wake.wait(None if nxt is None else max(nxt - now, 0.01))
+                    continue
+            assert self.node_id is not None
+            try:
+                done = self._unpublish(self._bg, due)
+                self._master_unreachable_since = None
+                # The master reports keys it never had as gone, so "not removed" means locked.
+                # Past its retention an entry is never served, so no lock on it can be newer than
+                # its retention end: after a generous multiple of the lock TTL the key is freed
+                # anyway, a last resort should a master misbehave.
+                gone = set(done)
+                with self._lock:
+                    stale = [k for k in due if k not in gone and k in self._held
+                             and now - (self._held[k].retention_end or now) > self.stale_after_s]
+                if stale:
+                    log.warning("pdxfer: %d held chunks were never confirmed unpublished; freeing them",
+                                len(stale))
+                    done = list(done) + stale
+            except MasterError as exc:
+                done = []
+                t0 = self._master_unreachable_since = self._master_unreachable_since or now
+                # After lease + lock TTL without the master, it has dropped our entries and every
+                # lock it granted has expired: freeing can no longer hand a reader wrong bytes.
+                if now - t0 > self.cfg.lease_ttl_s + self.max_lock_ttl_s:
+                    log.warning("pdxfer: master unreachable for %.0f s (%s): freeing %d held chunks",
+                                now - t0, exc, len(due))
+                    done = due
+            self._forget(done, only_if_due=True)
+            with self._lock:
+                # Locked (or not yet unpublishable) chunks: try again shortly, not in a tight loop.
+                retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)
+                for k in due:
+                    h = self._held.get(k)
+                    if h is not None and h.retain_until <= now:  # not re-published meanwhile
+                        h.retention_end = h.retention_end or now
+                        h.retain_until = retry
+                if self._closing:
+                    return
+                self._wake.wait(0.05 if done else 0.0)
+
+    def _unpublish(self, client: Any, keys: list[bytes]) -> list[bytes]:
+        """Keys the master no longer serves for us, after fencing every publish queued so far: a
+        publish that timed out here, or still waits in a queue or a socket, can never land after
+        we free the blocks it names."""
+        assert self.node_id is not None
+        return client.unpublish_if_unlocked(self.node_id, keys,
+                                            fence_seq=client.last_publish_seq(self.node_id))
+
+    def _republish(self) -> None:
+        """The master forgot us (restart, failover, lost lease): publish again what we hold, each
+        chunk with the retention it has left (never longer: the master must stop serving an
+        entry no later than this holder's deadline for it)."""
+
+        now = time.monotonic()
+        groups: dict[int, list[tuple[bytes, list[int]]]] = {}
+        with self._lock:
+            for k, h in self._held.items():
+                if h.retention_end:  # already past retention: must not be served again
+                    continue
+                left = int(h.retain_until - now)  # rounded down to whole seconds: few calls
+                # Only chunks the reaper cannot pick up while this publish may still be in flight.
+                if left >= self.cfg.master_timeout_s + 1:
+                    groups.setdefault(left, []).append((k, list(h.blocks)))
+        if not groups or self.node_id is None:
+            return
+        n = total = 0
+        try:
+            for left, entries in sorted(groups.items()):
+                total += len(entries)
+                n += self._bg.publish(self.node_id, entries, retention_s=float(left))
+            log.info("pdxfer: re-published %d/%d held chunks after re-registration", n, total)
+        except MasterError as exc:
+            log.warning("pdxfer: re-publish after re-registration failed: %s", exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake.notify_all()
+        if self._session is not None:
+            try:
+                self._session.stop(deregister=True)
+            except Exception as exc:
+                log.debug("pdxfer: node session stop: %s", exc)
+        self._publisher.shutdown(wait=False, cancel_futures=True)

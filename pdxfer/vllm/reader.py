@@ -1,0 +1,198 @@
+"""The reader (consumer) path of the scheduler half: look up and lock a prompt's chunks, plan the
+load into the blocks vLLM allocated, hand load specs to the worker half.
+
+Runs on vLLM's scheduler thread; only unused locks are given back on a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from pdxfer.keys import IncrementalHasher
+from pdxfer.master import MasterError
+from pdxfer.plan import pair_hit_blocks
+from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
+from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
+
+log = logging.getLogger("pdxfer.vllm.scheduler")
+
+
+@dataclass
+class _Lookup:
+    lock_id: str
+    local_tokens: int  # tokens vLLM already had locally when we looked up
+    first_chunk: int  # chunk index of locations[0]
+    hit_end: int  # tokens [0, hit_end) are available locally + remotely
+    locations: list[Any]
+    nodes: dict[str, Any]
+    expires_at: float  # wall clock
+
+
+class ReaderPath:
+    def __init__(self, cfg: ConnectorConfig, *, block_size: int, layout_fingerprint: str, reader_id: str,
+                 hot: Any, bg: Any, stats: SchedulerStats,
+                 hasher: Callable[[str, str | None], IncrementalHasher],
+                 own_node: Callable[[], str | None]) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.layout_fingerprint = layout_fingerprint
+        self.reader_id = reader_id
+        self._hot = hot  # lookups: the short bound of the scheduler's hot path
+        self._bg = bg
+        self.stats = stats
+        self._hasher = hasher
+        self._own_node = own_node
+        self._lookups: dict[str, _Lookup] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._pending_nodes: dict[str, HolderRef] = {}
+        # One remote load per request: after a failed load (or a preemption) vLLM asks again,
+        # and a fault that persists must not turn into a load-fail-recompute loop.
+        self._attempted: set[str] = set()
+        self._lookup_log = EpisodeLog("master lookups")
+        self._backoff_until = 0.0
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-release")
+
+    # ------------------------------------------------------------------ lookup
+
+    def get_num_new_matched_tokens(self, req_id: str, tokens: Sequence[int], num_tokens: int,
+                                   num_computed_tokens: int, cache_salt: str | None) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that can be read from holders; never raises."""
+        try:
+            return self._match(req_id, tokens, num_tokens, num_computed_tokens, cache_salt)
+        except Exception as exc:  # never an exception into vLLM's scheduler
+            log.exception("pdxfer: lookup for %s failed unexpectedly: %s", req_id, exc)
+            self.drop_lookup(req_id)
+            return 0, False
+
+    def _match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local: int,
+               cache_salt: str | None) -> tuple[int, bool]:
+        C = self.cfg.chunk_tokens
+        if req_id in self._attempted:
+            return 0, False
+        prev = self._lookups.get(req_id)
+        if prev is not None:
+            # vLLM asks again when it could not schedule the request: reuse a lock with time left.
+            if prev.local_tokens == local and prev.expires_at - time.time() > self.cfg.lookup_timeout_s + 0.5:
+                return max(prev.hit_end - local, 0), prev.hit_end > local
+            self.drop_lookup(req_id)
+        # At least one token must be computed here: never offer the whole prompt.
+        max_chunks = (num_tokens - 1) // C
+        first = local // C
+        if max_chunks <= first:
+            return 0, False
+        now_mono = time.monotonic()
+        if now_mono < self._backoff_until:
+            return 0, False
+        keys = self._hasher(req_id, cache_salt).update(list(tokens[: max_chunks * C]))
+        ttl = test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s
+
+        self.stats.lookups += 1
+        try:
+            res = self._hot.lookup_and_lock(keys[first:max_chunks], self.reader_id, lock_ttl_s=ttl)
+        except MasterError as exc:
+            self.stats.master_errors += 1
+            self._lookup_log.fail(exc)
+            self._backoff_until = now_mono + 1.0  # a dead master must not cost every request a timeout
+            return 0, False
+        self._lookup_log.ok()
+        if res.hit_chunks == 0 or res.lock_id is None:
+            return 0, False
+        lk = _Lookup(res.lock_id, local, first, 0, list(res.locations), dict(res.nodes),
+                     time.time() + res.lock_ttl_s)
+        usable = self._usable_chunks(lk)
+        hit_end = (first + usable) * C
+        hit_end -= hit_end % self.block_size  # only whole local blocks can be filled
+        if hit_end <= local:
+            self._release_async(res.lock_id)
+            return 0, False
+        lk.hit_end = hit_end
+        lk.locations = lk.locations[:usable]
+        self._lookups[req_id] = lk
+        self.stats.lookup_hit_tokens += hit_end - local
+        return hit_end - local, True
+
+    def _usable_chunks(self, lk: _Lookup) -> int:
+        """Leading hit chunks this reader can plan: same block size and layout, not itself."""
+        n = 0
+        own = self._own_node()
+        for loc in lk.locations:
+            node = lk.nodes.get(loc.node_id)
+            if node is None or loc.node_id == own:
+                break
+            if node.layout_fingerprint != self.layout_fingerprint or \
+                    int(node.layout.get("block_size", -1)) != self.block_size:
+                break
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ plan
+
+    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        lk = self._lookups.pop(req_id, None)
+        if lk is None:
+            if num_external_tokens > 0:
+                # vLLM waits for a load we never offered: fail it (all blocks) rather than hang.
+                log.error("pdxfer: %s: %d external tokens without a lookup; recomputing", req_id,
+                          num_external_tokens)
+                self._attempted.add(req_id)
+                self._pending_loads.append(LoadSpec(req_id, "", num_external_tokens, (), 0.0,
+                                                    tuple(int(b) for b in block_ids)))
+            return
+        if num_external_tokens <= 0:
+            self._release_async(lk.lock_id)
+            return
+        bs = self.block_size
+        start = lk.hit_end - num_external_tokens
+        covered = tuple(int(b) for b in block_ids[max(start, 0) // bs: -(-lk.hit_end // bs)])
+        try:
+            per_node = pair_hit_blocks(lk.first_chunk, [(loc.node_id, loc.block_ids) for loc in lk.locations],
+                                       self.cfg.chunk_tokens, bs, start, lk.hit_end, block_ids)
+            for node_id in per_node:
+                n = lk.nodes[node_id]
+                self._pending_nodes[node_id] = HolderRef(node_id, n.transport, bytes(n.transport_metadata),
+                                                         dict(n.layout))
+            reads = tuple(NodeRead(nid, tuple(r), tuple(loc)) for nid, (r, loc) in per_node.items())
+        except Exception as exc:
+            # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
+            log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
+            reads = ()
+        self._attempted.add(req_id)
+        self._pending_loads.append(LoadSpec(req_id, lk.lock_id, num_external_tokens, reads, lk.expires_at,
+                                            covered))
+
+    def take_metadata(self) -> PdxferConnectorMetadata:
+        meta = PdxferConnectorMetadata(loads=self._pending_loads, nodes=self._pending_nodes)
+        self._pending_loads, self._pending_nodes = [], {}
+        return meta
+
+    # ------------------------------------------------------------------ locks we will not use
+
+    def finish_request(self, req_id: str) -> None:
+        self.drop_lookup(req_id)
+        self._attempted.discard(req_id)
+
+    def drop_lookup(self, req_id: str) -> None:
+        lk = self._lookups.pop(req_id, None)
+        if lk is not None:
+            self._release_async(lk.lock_id)
+
+    def _release_async(self, lock_id: str) -> None:
+        """A lock we will not use: give it back off the hot path (it expires anyway)."""
+        def run() -> None:
+            try:
+                self._bg.release(lock_id)
+            except Exception as exc:  # expiry covers it
+                log.debug("pdxfer: release of unused lock %s failed: %s", lock_id, exc)
+        try:
+            self._releaser.submit(run)
+        except RuntimeError:  # shutting down
+            pass
+
+    def close(self) -> None:
+        self._releaser.shutdown(wait=False, cancel_futures=True)

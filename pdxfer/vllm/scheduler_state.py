@@ -1,0 +1,39 @@
+"""What both scheduler-side paths (reader and holder) share: the counters vLLM's stats carry,
+and logging master trouble once per episode."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("pdxfer.vllm.scheduler")
+
+
+@dataclass
+class SchedulerStats:
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    master_errors: int = 0
+    published_chunks: int = 0
+    freed_chunks: int = 0
+    pressure_reclaims: int = 0
+    late_publishes: int = 0  # publishes still in flight when the request's wait ran out
+    unkeyable_requests: int = 0  # kept out: LoRA, multimodal inputs or prompt embeddings
+
+
+class EpisodeLog:
+    """Log master trouble once per episode (not once per request) and say when it ends."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.failing = False
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.failing:
+            log.warning("pdxfer: %s failing (%s); recomputing instead until it recovers", self.what, exc)
+        self.failing = True
+
+    def ok(self) -> None:
+        if self.failing:
+            log.warning("pdxfer: %s recovered", self.what)
+        self.failing = False

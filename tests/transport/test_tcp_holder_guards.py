@@ -1,0 +1,112 @@
+"""Issue 9, hole 9 (TCP holder): a peer must not be able to stop a holder from serving.
+
+Real holder processes and raw sockets: running out of file descriptors, connections that never
+say hello or stall inside a frame, a header that announces a huge run list, and more connections
+than the holder takes must each cost at most that connection, never the holder.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+from pdxfer.transport.tcp import wire
+from pdxfer.transport.tcp.metadata import parse_metadata
+from pdxfer.probe.pattern import mismatches, scattered_plan
+from pdxfer.transport.base import ReadState
+from tests.transport.conftest import Reader, start_holder
+
+
+
+def _connect(info) -> socket.socket:
+    s = socket.create_connection((info.host, info.port), timeout=5)
+    s.settimeout(5)
+    return s
+
+
+def _hello(s: socket.socket, info) -> None:
+    s.sendall(wire.pack_hello(info.instance))
+    wire.unpack_hello_ok(wire.recv_exact(s, wire.HELLO_OK_SIZE, "hello reply"))
+
+
+def read_and_check_scattered(reader: Reader, holder, timeout: float) -> None:
+    """A fresh connection from a real reader moves exact bytes (the holder still serves)."""
+    peer = reader.t.connect(holder.meta, timeout=timeout)
+    plan = scattered_plan(4096, 64, holder.sizes[0], reader.dst.nbytes, seed=3)
+    assert reader.t.read(peer, plan).wait(timeout) is ReadState.DONE
+    assert mismatches(plan, {0: reader.dst}, {0: holder.sizes[0]}) == []
+
+
+def _closed_by_peer(s: socket.socket, within: float) -> bool:
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
+
+
+def test_holder_keeps_serving_after_running_out_of_file_descriptors(procs):
+    holder = start_holder("tcp", prefix_cmd=["prlimit", "--nofile=48:48"])
+    procs.append(holder.proc)
+    info = parse_metadata(holder.meta)
+    flood = []
+    for _ in range(80):  # more than the holder can accept: its accept() hits EMFILE
+        try:
+            flood.append(_connect(info))
+        except OSError:
+            break
+    time.sleep(1.0)
+    for s in flood:
+        s.close()
+    time.sleep(0.5)
+    reader = Reader("tcp")
+    try:
+        read_and_check_scattered(reader, holder, timeout=10)
+    finally:
+        reader.close()
+
+
+def test_silent_and_stalled_connections_are_cut(procs):
+    holder = start_holder("tcp", opts={"hello_timeout": 0.5, "frame_timeout": 0.5})
+    procs.append(holder.proc)
+    info = parse_metadata(holder.meta)
+    silent = _connect(info)
+    assert _closed_by_peer(silent, 5), "a connection that never says hello was kept"
+    stalled = _connect(info)
+    _hello(stalled, info)
+    stalled.sendall(b"\x00" * 3)  # the start of a request header, then nothing
+    assert _closed_by_peer(stalled, 5), "a connection stalled inside a frame was kept"
+
+
+def test_huge_run_list_header_is_refused_before_buffering(procs):
+    holder = start_holder("tcp")
+    procs.append(holder.proc)
+    info = parse_metadata(holder.meta)
+    s = _connect(info)
+    _hello(s, info)
+    # Just over the per-request cap: 32 bytes must not make the holder wait for (and buffer) MiBs.
+    head = wire._seal(wire._REQ.pack(wire.MAGIC_REQ, wire.WIRE_VERSION, 0, 1, wire.MAX_RUNS_PER_REQUEST + 1, 0))
+    s.sendall(head)
+    assert _closed_by_peer(s, 5), "a header announcing more runs than the cap was not refused at once"
+
+
+def test_connections_beyond_the_cap_are_refused_and_the_rest_served(procs):
+    holder = start_holder("tcp", opts={"max_connections": 4})
+    procs.append(holder.proc)
+    info = parse_metadata(holder.meta)
+    kept = [_connect(info) for _ in range(4)]
+    for s in kept:
+        _hello(s, info)
+    extra = _connect(info)
+    assert _closed_by_peer(extra, 5), "a fifth connection was taken beyond max_connections=4"
+    for s in kept:
+        s.close()
+    time.sleep(0.5)
+    reader = Reader("tcp")
+    try:
+        read_and_check_scattered(reader, holder, timeout=10)
+    finally:
+        reader.close()

@@ -1,0 +1,40 @@
+"""The plan module's own pieces: a hit's block pairs per holder, and the per-peer planner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdxfer.layout import CPU, LayoutError, describe_kv_caches
+from pdxfer.plan import PeerPlanner, build_plan, pair_hit_blocks
+from tests.unit.test_layout import make_caches
+
+
+def test_pair_hit_blocks_maps_token_blocks_to_each_holder():
+    # Chunks 1..3 (256 tokens, 2 blocks of 128 each): chunk 1 and 3 on node a, chunk 2 on node b.
+    holders = [("a", [10, 11]), ("b", [20, 21]), ("a", [12, 13])]
+    local = list(range(100, 110))
+    # Reader already has tokens [0, 384): the first block of chunk 1 is local, so it starts at block 3.
+    pairs = pair_hit_blocks(1, holders, 256, 128, 384, 1024, local)
+    assert pairs == {"a": ([11, 12, 13], [103, 106, 107]), "b": ([20, 21], [104, 105])}
+
+
+def test_pair_hit_blocks_refuses_what_it_cannot_place():
+    holders = [("a", [10, 11])]
+    with pytest.raises(LayoutError, match="not block aligned"):
+        pair_hit_blocks(0, holders, 256, 128, 100, 256, list(range(4)))
+    with pytest.raises(LayoutError, match="has 1 holder blocks, expected 2"):
+        pair_hit_blocks(0, [("a", [10])], 256, 128, 0, 256, list(range(4)))
+    with pytest.raises(LayoutError, match="no holder block"):
+        pair_hit_blocks(0, holders, 256, 128, 0, 512, list(range(4)))
+    with pytest.raises(LayoutError, match="the request has 1"):
+        pair_hit_blocks(0, holders, 256, 128, 0, 256, [7])
+
+
+def test_peer_planner_checks_the_pair_once_and_plans_like_build_plan():
+    lay = describe_kv_caches(make_caches(CPU, 3, 16, 16, one_allocation=True))
+    planner = PeerPlanner(lay, lay)
+    assert planner.plan([1, 2, 3], [7, 8, 9]) == build_plan(lay, [1, 2, 3], lay, [7, 8, 9])
+    other = describe_kv_caches(make_caches(CPU, 3, 16, 16, dtype=torch.float32))
+    with pytest.raises(LayoutError, match="layouts differ"):
+        PeerPlanner(lay, other)  # refused at connect, before any read is planned
