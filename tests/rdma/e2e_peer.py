@@ -15,7 +15,7 @@ import torch
 
 from pdxfer.keys import chunk_hashes
 from pdxfer.layout import KVLayout, describe_kv_caches
-from pdxfer.master.client import MasterClient, NodeInfo, NodeSession
+from pdxfer.master import MasterClient, NodeInfo, NodeSession
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion
 
