@@ -248,6 +248,10 @@ def _cpu(row: dict, addr: tuple[str, int], iters: int, nbytes: int, read_once, r
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "--devices" in (sys.argv[1:] if argv is None else argv):
+        from pdxfer.probe import devices  # noqa: PLC0415 - RDMA device report, no sweep
+
+        return devices.main(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.mode == "serve":
         return server.run_server(args.host, args.port, args.region_size, args.transport, args.advertise)

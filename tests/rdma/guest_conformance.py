@@ -1,0 +1,113 @@
+"""Transport conformance core cases over soft-RoCE (inside the guest): the reader on rxe0, every
+holder process on rxe1. The cases are the transport suite's own functions, run with fixtures that
+pin each side to its RDMA device."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.transport.conftest import HOLDER_SIZES, REPO, Holder, MiB, Reader, child_env, read_line, start_holder, stop
+from tests.transport.test_conformance import (  # noqa: F401  (collected here, with these fixtures)
+    test_4096_scattered_runs_exact,
+    test_holder_killed_mid_read_gives_typed_error_in_time,
+    test_reads_outside_registered_memory_rejected,
+    test_single_run_exact,
+)
+
+from .conftest import HOLDER_DEV, HOLDER_PREFIX, NOT_RDMA, READER_DEV, ucx_lane_lines
+
+KINDS_OVER_RXE = ("nixl",)
+
+
+@pytest.fixture(scope="module", params=KINDS_OVER_RXE)
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def shared(kind):
+    holders: dict[str, Holder] = {}
+    readers: dict[str, Reader] = {}
+
+    class Shared:
+        def holder(self, k: str) -> Holder:
+            if k not in holders:
+                holders[k] = start_holder(k, prefix_cmd=HOLDER_PREFIX, timeout=120)
+            return holders[k]
+
+        def reader(self, k: str) -> tuple[Reader, str]:
+            if k not in readers:
+                readers[k] = Reader(k)
+            r = readers[k]
+            return r, r.t.connect(self.holder(k).meta, timeout=30)
+
+    yield Shared()
+    for r in readers.values():
+        r.close()
+    for h in holders.values():
+        stop(h.proc)
+
+
+@pytest.fixture
+def holder_factory():
+    made: list[Holder] = []
+
+    def make(k: str, sizes: tuple[int, ...] = HOLDER_SIZES) -> Holder:
+        h = start_holder(k, sizes=sizes, prefix_cmd=HOLDER_PREFIX, timeout=120)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        stop(h.proc)
+
+
+@pytest.fixture
+def reader_factory():
+    made: list[Reader] = []
+
+    def make(k: str, size: int = HOLDER_SIZES[0]) -> Reader:
+        r = Reader(k, size)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_ucx_carried_the_reads_over_rc_verbs_on_rxe(tmp_path):
+    """A holder and a reader process with UCX at info level (to unbuffered stderr, since UCX
+    processes die at exit here): RMA must be rc_verbs on the reader's rxe0 and the holder's rxe1,
+    and no lane may be TCP or shared memory (a silent fallback would still pass the byte checks)."""
+    env = child_env()
+    env.update(UCX_LOG_LEVEL="info", UCX_LOG_FILE="stderr")
+    logs = {side: tmp_path / f"{side}.log" for side in ("holder", "reader")}
+    base = [sys.executable, "-m", "tests.transport.peer_proc"]
+    with open(logs["holder"], "w") as herr:
+        holder = subprocess.Popen(base + ["hold", "--kind", "nixl", "--sizes", str(MiB)], cwd=REPO, text=True,
+                                  stdout=subprocess.PIPE, stderr=herr, env=dict(env, UCX_NET_DEVICES=f"{HOLDER_DEV}:1"))
+    try:
+        meta = read_line(holder, "META ", 120).split()[1]
+        with open(logs["reader"], "w") as rerr:
+            reader = subprocess.run(base + ["read", "--kind", "nixl", "--meta", meta, "--remote-size", str(MiB),
+                                            "--block", "4096", "--batch", "64", "--timeout", "30"],
+                                    cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=rerr, timeout=120,
+                                    env=dict(env, UCX_NET_DEVICES=f"{READER_DEV}:1"))
+    finally:
+        stop(holder)
+    # The exit status is not checked: UCX processes segfault in a destructor after their work here.
+    assert "OK 0" in reader.stdout, f"reader did not read correct bytes: {reader.stdout[-500:]}"
+    lines = {side: ucx_lane_lines(p.read_text(errors="replace")) for side, p in logs.items()}
+    print(lines)
+    assert any("inter-node" in ln for ln in lines["reader"]), \
+        f"the reader logged no inter-node endpoint configuration: {logs['reader'].read_text()[-2000:]}"
+    for side, dev in (("reader", READER_DEV), ("holder", HOLDER_DEV)):
+        assert lines[side], f"the {side} logged no UCX lane configuration"
+        for ln in lines[side]:
+            assert f"rma(rc_verbs/{dev}:1)" in ln, f"{side}: RMA lane is not rc_verbs on {dev}: {ln}"
+            for tl in NOT_RDMA:
+                assert f"({tl}/" not in ln, f"{side}: UCX fell back to {tl}: {ln}"

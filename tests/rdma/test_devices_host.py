@@ -1,0 +1,56 @@
+"""pdxfer-probe --devices on this host (runs everywhere, no guest): a clean answer without RDMA,
+and the warning rules on device reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from pdxfer.probe import devices
+from tests.transport.conftest import REPO, child_env
+
+
+def _has_rdma() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def test_probe_devices_json_gives_a_clean_answer_on_this_host():
+    res = subprocess.run([sys.executable, "-m", "pdxfer.probe.cli", "--devices", "--json"], cwd=REPO,
+                         env=child_env(), capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in res.stderr, res.stderr
+    rep = json.loads(res.stdout)
+    if _has_rdma():
+        assert rep["devices"], rep
+    else:
+        assert res.returncode == 0
+        assert rep["devices"] == [] and rep["reason"], rep
+
+
+def test_probe_devices_text_is_one_line_without_rdma():
+    if _has_rdma():
+        return  # a host with devices prints a device table instead; covered in the guest
+    res = subprocess.run([sys.executable, "-m", "pdxfer.probe.cli", "--devices"], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stderr == ""
+    assert res.stdout.count("\n") == 1 and "no RDMA devices" in res.stdout
+
+
+def _port(state="ACTIVE", mtu=4096, gtypes=("RoCE v2",)) -> dict:
+    gids = [{"index": i, "gid": "x", "type": t, "ipv4": None, "netdev": "eth0"} for i, t in enumerate(gtypes)]
+    return {"port": 1, "state": state, "link_layer": "Ethernet", "active_mtu": mtu, "max_mtu": 4096, "gids": gids}
+
+
+def test_warnings_name_the_device_and_the_problem():
+    ok = [{"name": "a", "ports": [_port()]}, {"name": "b", "ports": [_port()]}]
+    assert devices.warnings_for(ok) == []
+    down = devices.warnings_for([{"name": "a", "ports": [_port(state="DOWN")]}])
+    assert len(down) == 1 and down[0].startswith("a port 1: state DOWN")
+    v1 = devices.warnings_for([{"name": "a", "ports": [_port(gtypes=("RoCE v1",))]}])
+    assert len(v1) == 1 and "no RoCE v2 GID" in v1[0]
+    mtu = devices.warnings_for([{"name": "a", "ports": [_port(mtu=1024)]}, {"name": "b", "ports": [_port()]}])
+    assert len(mtu) == 1 and "MTU differs" in mtu[0] and "a port 1 1024" in mtu[0]

@@ -1,0 +1,239 @@
+"""Soft-RoCE testbed: run a command inside a QEMU (TCG) guest that has two rxe devices.
+
+    tools/softroce/run.sh [--repo DIR] [--venv DIR] [--timeout S] [--mem MiB] [--no-install] -- CMD...
+
+Installs the Debian packages it needs (when root and apt exists), builds and caches the guest
+(kernel package + busybox initramfs, under <repo>/.pdxfer-run/softroce or $PDXFER_SOFTROCE_CACHE),
+boots it with the host root shared read-only over 9p, creates rxe0/rxe1 on a veth pair inside the
+guest (192.168.77.1/.2, guest-only), runs CMD in the repository with the venv's bin first on PATH,
+streams its output, and exits with its status. The guest is always killed on the way out.
+
+Exit statuses besides the command's: 120 guest set-up failed, 124 timeout, 125 testbed error.
+Stdlib only: it runs with the system python3, before any venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import guest
+
+# Debian package -> a file it provides that proves it is installed.
+PACKAGES = {
+    "qemu-system-x86": "/usr/bin/qemu-system-x86_64",
+    "linux-image-amd64": None,  # checked through guest.find_kernel()
+    "busybox-static": None,  # checked through guest.static_busybox()
+    "rdma-core": "/usr/sbin/rdma-ndd",
+    "iproute2": "/usr/sbin/ip",
+    "kmod": "/usr/bin/kmod",
+    "ibverbs-utils": "/usr/bin/ibv_devices",
+    "ibverbs-providers": "/etc/libibverbs.d/rxe.driver",
+    "perftest": "/usr/bin/ib_read_bw",
+    "python3-pyverbs": "/usr/lib/python3/dist-packages/pyverbs",
+    "ucx-utils": "/usr/bin/ucx_info",
+}
+APT_TIMEOUT = 900.0
+
+
+class TestbedError(RuntimeError):
+    """Something the testbed needs is missing or broke; the message says what."""
+
+
+def missing_packages() -> list[str]:
+    out = []
+    for pkg, path in PACKAGES.items():
+        if pkg == "linux-image-amd64":
+            ok = guest.find_kernel() is not None
+        elif pkg == "busybox-static":
+            ok = guest.static_busybox() is not None
+        else:
+            ok = path is not None and os.path.exists(path)
+        if not ok:
+            out.append(pkg)
+    return out
+
+
+def ensure_packages(install: bool) -> None:
+    """Install what is missing with apt (idempotent: nothing happens when all is there)."""
+    missing = missing_packages()
+    if not missing:
+        return
+    if not install:
+        raise TestbedError(f"missing Debian packages: {' '.join(missing)} (run as root without --no-install)")
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise TestbedError(f"missing Debian packages: {' '.join(missing)}; installing needs root and apt-get")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    print(f"softroce: installing {' '.join(missing)}", file=sys.stderr, flush=True)
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
+        try:
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            raise TestbedError(f"{' '.join(cmd)} did not finish within {APT_TIMEOUT:.0f} s") from exc
+        if res.returncode != 0:
+            raise TestbedError(f"{' '.join(cmd)} failed (rc {res.returncode}): {res.stderr[-2000:]}")
+    still = missing_packages()
+    if still:
+        raise TestbedError(f"still missing after apt-get install: {' '.join(still)}")
+
+
+def cache_dir(repo: Path) -> Path:
+    env = os.environ.get("PDXFER_SOFTROCE_CACHE")
+    return Path(env) if env else repo / ".pdxfer-run" / "softroce"
+
+
+def _die_with_runner() -> None:
+    """In the qemu child: SIGKILL when the runner dies (a killed runner must not leave a guest)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill qemu's whole process group and reap it (bounded)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _tail(path: Path, pos: int, sink) -> int:
+    """Copy what was appended to ``path`` since ``pos`` to ``sink``; returns the new position."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(pos)
+            data = f.read()
+    except FileNotFoundError:
+        return pos
+    if data:
+        sink.write(data.decode(errors="replace"))
+        sink.flush()
+    return pos + len(data)
+
+
+def run_in_guest(command: str, repo: Path, venv: Path | None = None, timeout: float = 900.0,
+                 mem_mib: int = 3072, cpus: int = 2, mtu: int = 9000, install: bool = True,
+                 sink=sys.stdout, keep: bool = False) -> int:
+    """Boot the guest, run ``command`` (a shell string) in ``repo`` inside it; its exit status.
+
+    ``timeout`` bounds the whole guest life, boot included; the command gets the same bound minus
+    a margin for boot and power-off.
+    """
+    ensure_packages(install)
+    kernel = guest.find_kernel()
+    busybox = guest.static_busybox()
+    if kernel is None or busybox is None:
+        raise TestbedError("no kernel with rdma_rxe in /boot + /lib/modules (apt-get install linux-image-amd64), "
+                          "or no static busybox (apt-get install busybox-static)")
+    cache = cache_dir(repo)
+    initrd = guest.build_initramfs(kernel, busybox, cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    rundir = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
+    guest.copy_setup_script(HERE / "guest_setup.sh", rundir)
+    path = f"{venv}/bin:" if venv else ""
+    env_lines = {
+        "SOFTROCE_CWD": str(repo),
+        "SOFTROCE_MTU": str(mtu),
+        "SOFTROCE_CMD_TIMEOUT": str(max(10, int(timeout - 60))),
+        "SOFTROCE_VENV": str(venv or ""),
+        "SOFTROCE_REPO": str(repo),
+    }
+    needed = [repo] + ([venv, (venv / "bin" / "python").resolve().parent.parent] if venv else [])
+    (rundir / "binds").write_text("".join(f"{b}\n" for b in guest.binds_for(needed)))
+    (rundir / "env").write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env_lines.items()))
+    (rundir / "cmd").write_text(f"export PATH={shlex.quote(path)}\"$PATH\"\n{command}\n")
+    qemu = [
+        "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-smp", str(cpus), "-m", str(mem_mib),
+        "-cpu", "max", "-kernel", str(kernel.vmlinuz), "-initrd", str(initrd),
+        "-append", "console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off",
+        "-display", "none", "-monitor", "none", "-serial", f"file:{rundir}/console.log",
+        "-nic", "none", "-no-reboot",
+        "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+        "-virtfs", f"local,path={rundir},mount_tag=xfer,security_model=none",
+    ]
+    t0 = time.monotonic()
+    with open(rundir / "qemu.log", "wb") as qlog:  # a file, not a pipe: nothing can block qemu
+        proc = subprocess.Popen(qemu, stdin=subprocess.DEVNULL, stdout=qlog, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_die_with_runner)
+    pos = 0
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - t0 > timeout:
+                sink.write(f"\nsoftroce: guest still running after {timeout:.0f} s; killing it\n")
+                _kill_group(proc)
+                _report_boot(rundir, sink)
+                return 124
+            pos = _tail(rundir / "out", pos, sink)
+            time.sleep(0.5)
+        pos = _tail(rundir / "out", pos, sink)
+    finally:
+        _kill_group(proc)
+    qemu_out = (rundir / "qemu.log").read_text(errors="replace")
+    rc_file = rundir / "rc"
+    if not rc_file.exists():
+        sink.write(f"\nsoftroce: the guest stopped without a result (qemu rc {proc.returncode}) {qemu_out[-2000:]}\n")
+        _report_boot(rundir, sink)
+        return 125
+    rc = int(rc_file.read_text().strip() or 125)
+    if rc == 120:
+        _report_boot(rundir, sink)
+    sink.write(f"softroce: guest finished in {time.monotonic() - t0:.1f} s, command rc {rc}\n")
+    if not keep:
+        shutil.rmtree(rundir, ignore_errors=True)
+    return rc
+
+
+def _report_boot(rundir: Path, sink) -> None:
+    for name in ("qemu.log", "setup.log", "console.log"):
+        p = rundir / name
+        if p.exists():
+            sink.write(f"--- softroce {name} (last 3000 chars) ---\n{p.read_text(errors='replace')[-3000:]}\n")
+    sink.write(f"softroce: run directory kept: {rundir}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="softroce", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repo", default=os.environ.get("PDXFER_REPO", os.getcwd()),
+                    help="repository root; the command runs there inside the guest")
+    ap.add_argument("--venv", default=os.environ.get("PDXFER_VENV"),
+                    help="virtual environment whose bin/ goes first on PATH (default <repo>/.venv if present)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="bound on the whole guest life, seconds")
+    ap.add_argument("--mem", type=int, default=3072, help="guest memory, MiB")
+    ap.add_argument("--cpus", type=int, default=2)
+    ap.add_argument("--mtu", type=int, default=9000, help="veth MTU (rxe's active MTU follows: 9000 -> 4096)")
+    ap.add_argument("--no-install", action="store_true", help="never call apt-get; fail if something is missing")
+    ap.add_argument("--keep", action="store_true", help="keep the run directory (logs) on success too")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="command to run inside (after --)")
+    a = ap.parse_args(argv)
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not cmd:
+        ap.error("no command given (tools/softroce/run.sh -- CMD ...)")
+    repo = Path(a.repo).resolve()
+    venv = Path(a.venv).resolve() if a.venv else (repo / ".venv" if (repo / ".venv" / "bin").is_dir() else None)
+    command = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
+    try:
+        return run_in_guest(command, repo, venv, a.timeout, a.mem, a.cpus, a.mtu, not a.no_install, keep=a.keep)
+    except TestbedError as exc:
+        print(f"softroce: {exc}", file=sys.stderr)
+        return 125
+
+
+if __name__ == "__main__":
+    sys.exit(main())
