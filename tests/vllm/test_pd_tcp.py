@@ -5,6 +5,8 @@ that kill processes come last.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,6 +74,26 @@ def test_concurrent_requests_sharing_prefixes_answer_like_plain(pair):
         >= before + 4 * 4 * CHUNK
 
 
+def test_frozen_prefill_costs_at_most_a_recompute_and_a_second(pair):
+    """Issue 12: a holder that stops answering (SIGSTOP) while the decode reads its chunks costs
+    the read's small bound, not a fixed 10 s: TTFT stays within recompute + 1 s, same answer."""
+    prompt = prompt_of(1500, seed=16)
+    first = complete(pair.prefill_port, prompt, 1)  # computed, published, held
+    fresh = prompt_of(1500, seed=17)  # nobody holds it: the decode computes it all
+    t0 = time.monotonic()
+    complete(pair.decode_port, fresh, 1)
+    recompute = time.monotonic() - t0
+    os.killpg(pair.prefill.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        out = complete(pair.decode_port, prompt, 1)
+        took = time.monotonic() - t0
+    finally:
+        os.killpg(pair.prefill.pid, signal.SIGCONT)
+    assert out == first
+    assert took < recompute + 1.0, f"TTFT {took:.2f} s with the holder frozen; recompute {recompute:.2f} s"
+
+
 def test_lock_expired_mid_read_recomputes(pair):
     prompt = prompt_of(900, seed=12)
     ref = complete(pair.prefill_port, prompt, MAX_TOKENS)
@@ -123,3 +145,4 @@ def test_prefill_killed_after_publishing_decode_recomputes(pair):
     assert time.monotonic() - t0 < 30
     # The master still listed the dead holder (lease not yet expired): the read failed -> recompute.
     assert wait_metric(pair.decode_port, "vllm:pdxfer_loads_failed_total", failed + 1) == failed + 1
+
