@@ -38,6 +38,9 @@ class ConnectorConfig:
     retention_s: float = 60.0  # how long a holder keeps published chunks after the request ends
     max_held_fraction: float = 0.5  # cap on the share of KV blocks held for readers
     load_timeout_s: float = 10.0  # a read still pending after this is cancelled -> recompute
+    # A read may take at most this floor plus 4x what its bytes take at the holder's observed
+    # bandwidth (never more than load_timeout_s): a frozen holder costs well under a second.
+    read_timeout_floor_s: float = 0.5
     lease_ttl_s: float = 10.0
     listen_host: str = "127.0.0.1"
     advertise_host: str | None = None
@@ -55,6 +58,7 @@ class ConnectorConfig:
 
 
 _FLOATS = {"lookup_timeout_s", "master_timeout_s", "publish_wait_s", "lock_ttl_s", "retention_s", "load_timeout_s",
+           "read_timeout_floor_s",
            "lease_ttl_s"}
 # Keys vLLM's own connectors read from the same dict; harmless to carry, so not an error.
 _IGNORED = {"backends"}

@@ -30,6 +30,9 @@ log = logging.getLogger("pdxfer.vllm.worker")
 # How long get_finished waits for a release answer before leaving it to the next step: a
 # master on the same rack answers in well under this; a slow one costs a step, never a stall.
 _INLINE_RELEASE_WAIT_S = 0.003
+# Until a holder's first load is seen: low for any transport pdxfer runs on, so the first read's
+# bound is generous (4 MiB -> 0.5 s + 0.34 s).
+_ASSUMED_BANDWIDTH = 50e6
 
 
 class LayoutMismatch(RuntimeError):
@@ -46,6 +49,7 @@ class _Inflight:
     pending: list[tuple[HolderRef, Any]] = field(default_factory=list)  # reads awaiting a connection
     validation: Future | None = None  # the master's answer to release(): did the lock hold?
     handle_nodes: list[str] = field(default_factory=list)  # holder of each handle, in order
+    read_deadline: float = 0.0  # monotonic; past it a read still pending is given up
     cancelled: bool = False
 
 
@@ -94,6 +98,7 @@ class WorkerSide:
         self._done_ok: set[str] = set()
         self._load_errors: set[int] = set()
         self._stop_bound_s = 10 * cfg.load_timeout_s
+        self._bandwidth: dict[str, float] = {}  # holder node -> bytes/s its loads achieved
         self.stats = WorkerStats()
 
     # ------------------------------------------------------------------ start
@@ -166,6 +171,8 @@ class WorkerSide:
             inf.nbytes += plan.total_bytes
             inf.handles.append(self.transport.read(peer, plan))
             inf.handle_nodes.append(ref.node_id)
+            bound = self._read_bound(ref.node_id, plan.total_bytes)
+            inf.read_deadline = max(inf.read_deadline, time.monotonic() + bound)
         except Exception as exc:
             inf.error = f"{type(exc).__name__}: {exc}"
 
@@ -335,8 +342,9 @@ class WorkerSide:
             inf.error = str(errs[0]) if errs else "read failed"
         elif all(s is ReadState.DONE for s in states):
             return "done"
-        elif elapsed > self.cfg.load_timeout_s:
-            inf.error = f"read still pending after {self.cfg.load_timeout_s} s"
+        elif time.monotonic() > inf.read_deadline:
+            inf.error = (f"read still pending after {time.monotonic() - inf.started:.2f} s, past its bound "
+                         f"(the holder is frozen or much slower than it was)")
         return None
 
     def _cancel(self, inf: _Inflight) -> None:
@@ -361,6 +369,21 @@ class WorkerSide:
                 return False
         return True
 
+    def _read_bound(self, node_id: str, nbytes: int) -> float:
+        """How long a read of ``nbytes`` from this holder may take before it is given up."""
+        bw = self._bandwidth.get(node_id, _ASSUMED_BANDWIDTH)
+        return min(self.cfg.load_timeout_s, self.cfg.read_timeout_floor_s + 4.0 * nbytes / bw)
+
+    def _observe(self, inf: _Inflight, elapsed: float) -> None:
+        """Remember each holder's bandwidth as loads saw it (posting to validation: slow steps
+        count too, which keeps the bound generous)."""
+        if elapsed <= 0 or inf.nbytes <= 0:
+            return
+        seen = inf.nbytes / elapsed
+        for node_id in set(inf.handle_nodes):
+            old = self._bandwidth.get(node_id)
+            self._bandwidth[node_id] = seen if old is None else 0.7 * old + 0.3 * seen
+
     def _conclude(self, inf: _Inflight, valid: bool) -> None:
         """Count and log a load that ended; a load not validated at the master fails its blocks."""
         spec = inf.spec
@@ -370,6 +393,7 @@ class WorkerSide:
             self.stats.tokens_loaded += spec.num_tokens
             self.stats.bytes_loaded += inf.nbytes
             self.stats.transfer_s.append(elapsed)
+            self._observe(inf, elapsed)
             log.info("pdxfer: loaded %d tokens (%.1f MiB) for %s in %.2f ms", spec.num_tokens,
                      inf.nbytes / 2**20, spec.req_id, elapsed * 1e3)
             return
