@@ -29,26 +29,10 @@ from pdxfer.master import MasterError, MasterUnavailable, NodeInfo, NodeSession,
 from pdxfer.plan import chunk_span
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.block_pool import BlockPoolHolder
 from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
-
-
-class BlockPoolHolder:
-    """Takes and drops pdxfer's references on vLLM ``BlockPool`` blocks (scheduler thread only)."""
-
-    def __init__(self, pool: Any):
-        self.pool = pool
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.pool.num_gpu_blocks)
-
-    def hold(self, block_ids: Sequence[int]) -> None:
-        self.pool.touch([self.pool.blocks[b] for b in block_ids])
-
-    def unhold(self, block_ids: Sequence[int]) -> None:
-        self.pool.free_blocks([self.pool.blocks[b] for b in block_ids])
 
 
 @dataclass

@@ -17,7 +17,8 @@ from pdxfer.layout import LayoutError
 from pdxfer.master import MasterClient, NodeInfo
 from pdxfer.plan import chunk_span
 from pdxfer.vllm.config import ConnectorConfig
-from pdxfer.vllm.holder import BlockPoolHolder, HolderPath
+from pdxfer.vllm.block_pool import BlockPoolHolder
+from pdxfer.vllm.holder import HolderPath
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
 from pdxfer.vllm.reader import ReaderPath
 from pdxfer.vllm.scheduler_state import SchedulerStats
