@@ -94,6 +94,47 @@ def test_frozen_prefill_costs_at_most_a_recompute_and_a_second(pair):
     assert took < recompute + 1.0, f"TTFT {took:.2f} s with the holder frozen; recompute {recompute:.2f} s"
 
 
+def test_answers_stay_right_under_concurrent_load_with_faults(pair):
+    """Issue 9: the pair under concurrent load while the prefill is frozen, the master restarts,
+    and locks expire mid-read. Every answer equals the producer's own, computed alone afterwards."""
+    prefixes = [prompt_of(700, 800 + i) for i in range(3)]
+    waves = [[p + prompt_of(150, 900 + 10 * w + j) for p in prefixes for j in range(3)] for w in range(3)]
+
+    def freeze_prefill() -> None:
+        time.sleep(0.3)
+        os.killpg(pair.prefill.pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        os.killpg(pair.prefill.pid, signal.SIGCONT)
+
+    def restart_master() -> None:
+        time.sleep(0.3)
+        pair.master.kill()
+        time.sleep(1.0)
+        pair.start_master()
+
+    def expire_locks() -> None:
+        pair.set_hook("lock_ttl_s", 0.5)
+        pair.set_hook("read_delay_s", 1.0)
+        time.sleep(3.0)
+        pair.set_hook("lock_ttl_s", None)
+        pair.set_hook("read_delay_s", None)
+
+    answers: list[str] = []
+    try:
+        for prompts, fault in zip(waves, (freeze_prefill, restart_master, expire_locks)):
+            with ThreadPoolExecutor(len(prompts) + 1) as pool:
+                injected = pool.submit(fault)
+                answers += list(pool.map(lambda p: _through_pair(pair, p), prompts))
+                injected.result(timeout=30)
+    finally:
+        os.killpg(pair.prefill.pid, signal.SIGCONT)
+        pair.set_hook("lock_ttl_s", None)
+        pair.set_hook("read_delay_s", None)
+    refs = [complete(pair.prefill_port, p, MAX_TOKENS) for w in waves for p in w]
+    wrong = [i for i, (a, r) in enumerate(zip(answers, refs)) if a != r]
+    assert not wrong, f"answers {wrong} differ from the producer's own"
+
+
 def test_lock_expired_mid_read_recomputes(pair):
     prompt = prompt_of(900, seed=12)
     ref = complete(pair.prefill_port, prompt, MAX_TOKENS)
