@@ -41,6 +41,9 @@ class ConnectorConfig:
     # A read may take at most this floor plus 4x what its bytes take at the holder's observed
     # bandwidth (never more than load_timeout_s): a frozen holder costs well under a second.
     read_timeout_floor_s: float = 0.5
+    # Reader-side staging for holders whose block size differs (READ whole blocks, then scatter
+    # by token range); 0 turns such holders away (their chunks are recomputed).
+    staging_mib: int = 64
     lease_ttl_s: float = 10.0
     listen_host: str = "127.0.0.1"
     advertise_host: str | None = None
@@ -104,6 +107,10 @@ def _check(key: str, value: Any) -> Any:
     if key == "chunk_tokens":
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConnectorConfigError(f"chunk_tokens must be a positive int, got {value!r}")
+        return value
+    if key == "staging_mib":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConnectorConfigError(f"staging_mib must be an int >= 0, got {value!r}")
         return value
     if key in _FLOATS or key == "max_held_fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -17,7 +17,10 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
     _HandshakeBase = object  # type: ignore[misc,assignment]
     _MetaBase = object  # type: ignore[misc,assignment]
 
-METADATA_VERSION = 1
+# What changed in each version (both halves check it before trusting a field):
+#   1  loads (LoadSpec: reads per holder, lock, expiry, blocks) and holder refs; handshake
+#   2  NodeRead carries a token range and the holder's block size for staged (converting) reads
+METADATA_VERSION = 2
 
 
 class MetadataVersionError(RuntimeError):
@@ -36,11 +39,19 @@ class HolderRef:
 
 @dataclass(frozen=True)
 class NodeRead:
-    """Copy ``remote_blocks[i]`` of ``node_id`` into local block ``local_blocks[i]``."""
+    """Copy ``remote_blocks[i]`` of ``node_id`` into local block ``local_blocks[i]``; or, when
+    ``remote_block_size`` is set (the holder's blocks have another size), tokens
+    ``[start, start + num_tokens)`` from holder blocks starting at token ``remote_first_token``
+    into local blocks starting at token ``local_first_token``."""
 
     node_id: str
     remote_blocks: tuple[int, ...]
     local_blocks: tuple[int, ...]
+    remote_block_size: int = 0  # 0: the reader's own block size, block for block
+    remote_first_token: int = 0
+    local_first_token: int = 0
+    start: int = 0
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True)

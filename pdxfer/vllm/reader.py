@@ -141,11 +141,18 @@ class ReaderPath:
             node = lk.nodes.get(loc.node_id)
             if node is None or loc.node_id == own:
                 break
-            if node.layout_fingerprint != self.layout_fingerprint or \
-                    int(node.layout.get("block_size", -1)) != self.block_size:
+            if node.layout_fingerprint != self.layout_fingerprint or not self._block_size_ok(node):
                 break
             n += 1
         return n
+
+    def _block_size_ok(self, node: Any) -> bool:
+        """Same block size, or one the worker converts from (staging on, blocks tile chunks)."""
+        hb = int(node.layout.get("block_size", -1))
+        if hb == self.block_size:
+            return True
+        C = self.cfg.chunk_tokens
+        return self.cfg.staging_mib > 0 and hb > 0 and (C % hb == 0 or hb % C == 0)
 
     # ------------------------------------------------------------------ plan
 
@@ -167,14 +174,17 @@ class ReaderPath:
         start = lk.hit_end - num_external_tokens
         covered = tuple(int(b) for b in block_ids[max(start, 0) // bs: -(-lk.hit_end // bs)])
         try:
-            per_node = pair_hit_blocks(lk.first_chunk, [(loc.node_id, loc.block_ids) for loc in lk.locations],
-                                       self.cfg.chunk_tokens, bs, start, lk.hit_end, block_ids,
-                                       tail_tokens=lk.tail_tokens)
-            for node_id in per_node:
+            if all(int(lk.nodes[loc.node_id].layout["block_size"]) == bs for loc in lk.locations):
+                per_node = pair_hit_blocks(lk.first_chunk, [(loc.node_id, loc.block_ids) for loc in lk.locations],
+                                           self.cfg.chunk_tokens, bs, start, lk.hit_end, block_ids,
+                                           tail_tokens=lk.tail_tokens)
+                reads = tuple(NodeRead(nid, tuple(r), tuple(loc)) for nid, (r, loc) in per_node.items())
+            else:
+                reads = self._token_range_reads(lk, block_ids, start)
+            for node_id in {r.node_id for r in reads}:
                 n = lk.nodes[node_id]
                 self._pending_nodes[node_id] = HolderRef(node_id, n.transport, bytes(n.transport_metadata),
                                                          dict(n.layout))
-            reads = tuple(NodeRead(nid, tuple(r), tuple(loc)) for nid, (r, loc) in per_node.items())
         except Exception as exc:
             # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
             log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
@@ -182,6 +192,39 @@ class ReaderPath:
         self._attempted.add(req_id)
         self._pending_loads.append(LoadSpec(req_id, lk.lock_id, num_external_tokens, reads, lk.expires_at,
                                             covered))
+
+    def _token_range_reads(self, lk: _Lookup, block_ids: Sequence[int], start: int) -> tuple[NodeRead, ...]:
+        """Reads by token range, one per run of consecutive hit chunks on one holder: for holders
+        whose block size differs from ours (the worker stages and scatters those)."""
+        C, bs = self.cfg.chunk_tokens, self.block_size
+        groups: list[list[Any]] = []  # [node_id, holder block size, first token, end token, blocks]
+        for i, loc in enumerate(lk.locations):
+            hb = int(lk.nodes[loc.node_id].layout["block_size"])
+            tok0 = (lk.first_chunk + i) * C
+            is_tail = lk.tail_tokens and i == len(lk.locations) - 1
+            tok1 = tok0 + (lk.tail_tokens if is_tail else C)
+            ids = [int(b) for b in loc.block_ids]
+            if groups and groups[-1][0] == loc.node_id and groups[-1][3] == tok0:
+                g = groups[-1]
+                g[3] = tok1
+                g[4].extend(ids[1:] if ids and g[4] and g[4][-1] == ids[0] and hb > C else ids)
+            else:
+                groups.append([loc.node_id, hb, tok0 // hb * hb, tok1, ids])
+        reads = []
+        for node_id, hb, first_tok, end_tok, ids in groups:
+            s, e = max(start, first_tok), min(lk.hit_end, end_tok)
+            if e <= s:
+                continue
+            skip = (s - first_tok) // hb
+            remote = ids[skip: -(-(e - first_tok) // hb)]
+            lb0 = s // bs
+            local = [int(b) for b in block_ids[lb0: -(-e // bs)]]
+            if hb == bs:
+                reads.append(NodeRead(node_id, tuple(remote), tuple(local)))
+            else:
+                reads.append(NodeRead(node_id, tuple(remote), tuple(local), hb, first_tok + skip * hb, lb0 * bs,
+                                      s, e - s))
+        return tuple(reads)
 
     def take_metadata(self) -> PdxferConnectorMetadata:
         meta = PdxferConnectorMetadata(loads=self._pending_loads, nodes=self._pending_nodes)

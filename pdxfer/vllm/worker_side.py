@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pdxfer.layout import KVLayout, describe_kv_caches
+from pdxfer.convert import ConvertingPlanner
 from pdxfer.plan import PeerPlanner
+from pdxfer.vllm.worker_staging import ReaderStaging
 from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
@@ -49,6 +51,7 @@ class _Inflight:
     pending: list[tuple[HolderRef, Any]] = field(default_factory=list)  # reads awaiting a connection
     validation: Future | None = None  # the master's answer to release(): did the lock hold?
     handle_nodes: list[str] = field(default_factory=list)  # holder of each handle, in order
+    staged: list[Any] = field(default_factory=list)  # (planner, StagedRead) still to scatter
     read_deadline: float = 0.0  # monotonic; past it a read still pending is given up
     cancelled: bool = False
 
@@ -86,10 +89,11 @@ class WorkerSide:
         self._client_factory = client_factory
         self._client: Any = None
         self.layout: KVLayout | None = None
+        self._staging: ReaderStaging | None = None
         self.transport: Any = None
         self._kv_caches: Mapping[str, Any] | None = None  # keeps registered memory alive
         # node -> (its metadata, transport peer id, planner made once at connect)
-        self._peers: dict[str, tuple[bytes, str, PeerPlanner]] = {}
+        self._peers: dict[str, tuple[bytes, str, PeerPlanner | ConvertingPlanner]] = {}
         self._peers_lock = threading.Lock()
         self._connecting: dict[str, Future] = {}
         self._connect_pool = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-connect")
@@ -112,7 +116,9 @@ class WorkerSide:
         opts = transport_options(self.cfg.transport, listen_host=self.cfg.listen_host,
                                  advertise_host=self.cfg.advertise_host)
         transport = create_transport(self.cfg.transport, **opts)
-        transport.register([RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions])
+        self._staging = ReaderStaging(self.cfg.staging_mib, layout)
+        regions = [RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions]
+        transport.register(regions + ([self._staging.region()] if self._staging.enabled else []))
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
         log.info("pdxfer: node %s registered %d KV region(s), %d blocks x %d bytes, transport %s",
                  self.node_id, len(layout.regions), layout.num_blocks, layout.bytes_per_block,
@@ -167,7 +173,12 @@ class WorkerSide:
         assert self.layout is not None and self.transport is not None
         try:
             _, peer, planner = self._peers[ref.node_id]
-            plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
+            if r.remote_block_size:  # another block size: READ into staging, scatter when done
+                job = self._staging.start(planner, r)
+                inf.staged.append((planner, job))
+                plan = job.plan
+            else:
+                plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
             inf.nbytes += plan.total_bytes
             inf.handles.append(self.transport.read(peer, plan))
             inf.handle_nodes.append(ref.node_id)
@@ -199,9 +210,9 @@ class WorkerSide:
                 self.transport.disconnect(cached[1])
             except Exception:
                 pass
-        assert self.layout is not None
+        assert self.layout is not None and self._staging is not None
         # The holder's layout is checked against ours once, here, not on every read.
-        planner = PeerPlanner(KVLayout.from_wire(ref.layout), self.layout)
+        planner = self._staging.planner_for(KVLayout.from_wire(ref.layout))
         peer = self.transport.connect(ref.transport_metadata, timeout=min(2.0, self.cfg.load_timeout_s))
         with self._peers_lock:
             self._peers[ref.node_id] = (ref.transport_metadata, peer, planner)
@@ -247,6 +258,12 @@ class WorkerSide:
                     continue
                 if state == "failed" or not inf.spec.lock_id:
                     self._drop_departed(inf)
+                    self._release_unused(inf.spec.lock_id)
+                    self._conclude(inf, False)
+                    del self._inflight[req_id]
+                    out.add(req_id)
+                    continue
+                if inf.staged and not self._scatter(inf):
                     self._release_unused(inf.spec.lock_id)
                     self._conclude(inf, False)
                     del self._inflight[req_id]
@@ -384,8 +401,21 @@ class WorkerSide:
             old = self._bandwidth.get(node_id)
             self._bandwidth[node_id] = seen if old is None else 0.7 * old + 0.3 * seen
 
+    def _scatter(self, inf: _Inflight) -> bool:
+        """Staged reads landed: move their tokens into our blocks (native kernels, ~ms)."""
+        assert self._staging is not None
+        try:
+            self._staging.scatter(inf.staged)
+            return True
+        except Exception as exc:
+            inf.error = f"scatter from staging failed: {type(exc).__name__}: {exc}"
+            return False
+
     def _conclude(self, inf: _Inflight, valid: bool) -> None:
-        """Count and log a load that ended; a load not validated at the master fails its blocks."""
+        """Count and log a load that ended; a load not validated at the master fails its blocks.
+        Its reads have all stopped: its staging space is free again."""
+        if inf.staged and self._staging is not None:
+            self._staging.release(inf.staged)
         spec = inf.spec
         elapsed = time.monotonic() - inf.started
         if inf.error is None and valid:

@@ -30,9 +30,9 @@ NUM_BLOCKS = 32
 LAYERS = 3
 
 
-def _kv(seed: int | None) -> dict[str, torch.Tensor]:
+def _kv(seed: int | None, block_size: int = BS) -> dict[str, torch.Tensor]:
     """CPU backend shape: per layer [num_blocks, kv_heads, block_size, 2*head_dim], views of one buffer."""
-    buf = torch.zeros(LAYERS, NUM_BLOCKS, 2, BS, 2 * 16, dtype=torch.bfloat16)
+    buf = torch.zeros(LAYERS, NUM_BLOCKS, 2, block_size, 2 * 16, dtype=torch.bfloat16)
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
         buf.copy_(torch.randn(buf.shape, generator=g).to(torch.bfloat16))
@@ -51,21 +51,24 @@ def master():
 class Node:
     """One instance's worth of connector state: scheduler half + worker half + block pool."""
 
-    def __init__(self, name: str, master_addr: str, producer: bool, consumer: bool, seed: int | None, **extra):
-        self.kv = _kv(seed)
-        self.fp = describe_kv_caches(self.kv, block_size=BS).fingerprint()
+    def __init__(self, name: str, master_addr: str, producer: bool, consumer: bool, seed: int | None,
+                 block_size: int = BS, **extra):
+        self.bs = block_size
+        self.kv = _kv(seed, block_size)
+        self.fp = describe_kv_caches(self.kv, block_size=block_size).fingerprint()
         # A generous publish wait: these tests look up right after a request finished.
         self.cfg = parse_extra_config({"master": master_addr, "transport": "tcp", "publish_wait_s": 2.0, **extra})
-        self.pool = BlockPool(NUM_BLOCKS, True, BS)
+        self.pool = BlockPool(NUM_BLOCKS, True, block_size)
         self.sched = SchedulerSide(self.cfg, engine_id=name, model_id="tiny", layout_fingerprint=self.fp,
-                                   block_size=BS, producer=producer, consumer=consumer)
+                                   block_size=block_size, producer=producer, consumer=consumer)
         self.sched.bind_block_pool(self.pool)
-        self.worker = WorkerSide(self.cfg, node_id=f"{name}-r0", rank=0, expected_fingerprint=self.fp, block_size=BS)
+        self.worker = WorkerSide(self.cfg, node_id=f"{name}-r0", rank=0, expected_fingerprint=self.fp,
+                                 block_size=block_size)
         self.sched.on_handshake([self.worker.register_kv_caches(self.kv)])
 
     def run_request(self, rid: str, tokens: list[int]) -> list[int]:
         """A request that computed ``tokens`` locally, then finished (its own refs dropped)."""
-        blocks = self.pool.get_new_blocks(-(-len(tokens) // BS))
+        blocks = self.pool.get_new_blocks(-(-len(tokens) // self.bs))
         ids = [b.block_id for b in blocks]
         self.sched.request_finished(rid, tokens, ids, None)
         self.pool.free_blocks(blocks)
@@ -77,7 +80,7 @@ class Node:
         if ext == 0:
             return 0, [], set()
         assert is_async
-        blocks = self.pool.get_new_blocks(-(-len(tokens) // BS))
+        blocks = self.pool.get_new_blocks(-(-len(tokens) // self.bs))
         ids = [b.block_id for b in blocks]
         self.sched.update_state_after_alloc(rid, ids, ext)
         self.worker.start_loads(self.sched.build_connector_meta())
@@ -401,3 +404,24 @@ def test_a_departed_holders_connection_is_dropped(pair):
     ext, _, errors = reader.load("d2", toks2)
     assert ext > 0 and errors  # the read failed: the holder is gone
     assert reader.worker.connected_holders() == []
+
+
+@pytest.mark.parametrize("hb,rb", [(128, 64), (64, 256), (256, 32)])
+def test_a_reader_with_another_block_size_loads_exact_tokens(master, hb, rb):
+    """Issue 11: holder and reader blocks of different sizes, both directions: whole holder
+    blocks are READ into staging and scattered by token range into the reader's blocks."""
+    from tests.unit.test_convert import tokens_kv
+
+    holder = Node(f"h{hb}", master.address, True, False, seed=70, block_size=hb, publish_wait_s=2.0)
+    reader = Node(f"r{rb}", master.address, False, True, seed=None, block_size=rb)
+    try:
+        toks = _tokens(2 * C + 77, 71 + hb)  # 2 chunks and a tail
+        h_ids = holder.run_request("p", toks)
+        ext, r_ids, errors = reader.load("d", toks)
+        assert ext == len(toks) - 1 and not errors
+        got = tokens_kv(reader.kv, r_ids, rb, 0, ext)
+        assert torch.equal(got, tokens_kv(holder.kv, h_ids, hb, 0, ext))
+        assert reader.worker.stats.tokens_loaded == ext
+    finally:
+        reader.close()
+        holder.close()
