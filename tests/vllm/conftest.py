@@ -89,6 +89,8 @@ class PDPair:
     prefill_port: int = 0
     decode_port: int = 0
     hooks: Path = field(default_factory=Path)
+    prefill_args: tuple[str, ...] = ()  # extra `vllm serve` flags per side (e.g. --block-size)
+    decode_args: tuple[str, ...] = ()
 
     def start_master(self) -> None:
         # A fixed port (chosen free once) lets a restarted master be found at the same address.
@@ -107,10 +109,10 @@ class PDPair:
         d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport, **common)
         self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
                                   cpu_bind="0", log_dir=self.run_dir, name=f"prefill-{self.transport}",
-                                  extra_args=PAIR_VLLM_ARGS)
+                                  extra_args=PAIR_VLLM_ARGS + self.prefill_args)
         self.decode = start_vllm(self.model, self.decode_port, d_cfg,
                                  cpu_bind="1", log_dir=self.run_dir, name=f"decode-{self.transport}",
-                                 extra_args=PAIR_VLLM_ARGS,
+                                 extra_args=PAIR_VLLM_ARGS + self.decode_args,
                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks),
                                             "VLLM_SERVER_DEV_MODE": "1"})
         wait_http_ready(f"http://127.0.0.1:{self.prefill_port}/health", READY_TIMEOUT_S, self.prefill)
@@ -135,8 +137,10 @@ class PDPair:
         return metrics(self.decode_port).get("vllm:pdxfer_loads_failed_total", 0.0)
 
 
-def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: str):
-    pair = PDPair(tmp_path_factory.mktemp(f"pd-{transport}"), model, transport)
+def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: str,
+              prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
+    pair = PDPair(tmp_path_factory.mktemp(f"pd-{transport}"), model, transport,
+                  prefill_args=prefill_args, decode_args=decode_args)
     try:
         pair.start()
         yield pair
