@@ -406,14 +406,17 @@ def test_a_departed_holders_connection_is_dropped(pair):
     assert reader.worker.connected_holders() == []
 
 
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=pytest.mark.nixl)])
 @pytest.mark.parametrize("hb,rb", [(128, 64), (64, 256), (256, 32)])
-def test_a_reader_with_another_block_size_loads_exact_tokens(master, hb, rb):
+def test_a_reader_with_another_block_size_loads_exact_tokens(master, hb, rb, transport):
     """Issue 11: holder and reader blocks of different sizes, both directions: whole holder
     blocks are READ into staging and scattered by token range into the reader's blocks."""
     from tests.unit.test_convert import tokens_kv
 
-    holder = Node(f"h{hb}", master.address, True, False, seed=70, block_size=hb, publish_wait_s=2.0)
-    reader = Node(f"r{rb}", master.address, False, True, seed=None, block_size=rb)
+    holder = Node(f"h{hb}{transport}", master.address, True, False, seed=70, block_size=hb,
+                  publish_wait_s=2.0, transport=transport)
+    reader = Node(f"r{rb}{transport}", master.address, False, True, seed=None, block_size=rb,
+                  transport=transport)
     try:
         toks = _tokens(2 * C + 77, 71 + hb)  # 2 chunks and a tail
         h_ids = holder.run_request("p", toks)
