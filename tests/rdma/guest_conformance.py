@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.transport.conftest import HOLDER_SIZES, REPO, Holder, MiB, Reader, child_env, read_line, start_holder, stop
+from tests.transport.conftest import (HOLDER_SIZES, REPO, Holder, MiB, Reader, SharedPeers, child_env, read_line,
+                                      start_holder, stop)
 from tests.transport.test_conformance import (  # noqa: F401  (collected here, with these fixtures)
     test_4096_scattered_runs_exact,
     test_holder_killed_mid_read_gives_typed_error_in_time,
@@ -29,26 +30,9 @@ def kind(request) -> str:
 
 @pytest.fixture(scope="module")
 def shared(kind):
-    holders: dict[str, Holder] = {}
-    readers: dict[str, Reader] = {}
-
-    class Shared:
-        def holder(self, k: str) -> Holder:
-            if k not in holders:
-                holders[k] = start_holder(k, prefix_cmd=HOLDER_PREFIX, timeout=120)
-            return holders[k]
-
-        def reader(self, k: str) -> tuple[Reader, str]:
-            if k not in readers:
-                readers[k] = Reader(k)
-            r = readers[k]
-            return r, r.t.connect(self.holder(k).meta, timeout=30)
-
-    yield Shared()
-    for r in readers.values():
-        r.close()
-    for h in holders.values():
-        stop(h.proc)
+    peers = SharedPeers({"prefix_cmd": HOLDER_PREFIX, "timeout": 120}, connect_timeout=30)
+    yield peers
+    peers.close()
 
 
 @pytest.fixture

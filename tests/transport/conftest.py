@@ -205,26 +205,35 @@ def reader_factory():
         r.close()
 
 
+class SharedPeers:
+    """One long-lived holder process and one reader per kind, for the read-only tests of a module."""
+
+    def __init__(self, holder_kwargs: dict | None = None, connect_timeout: float = 10.0) -> None:
+        self._holders: dict[str, Holder] = {}
+        self._readers: dict[str, Reader] = {}
+        self._holder_kwargs = holder_kwargs or {}
+        self._connect_timeout = connect_timeout
+
+    def holder(self, kind: str) -> Holder:
+        if kind not in self._holders:
+            self._holders[kind] = start_holder(kind, **self._holder_kwargs)
+        return self._holders[kind]
+
+    def reader(self, kind: str) -> tuple[Reader, str]:
+        if kind not in self._readers:
+            self._readers[kind] = Reader(kind)
+        r = self._readers[kind]
+        return r, r.t.connect(self.holder(kind).meta, timeout=self._connect_timeout)
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        for h in self._holders.values():
+            stop(h.proc)
+
+
 @pytest.fixture(scope="module")
 def shared():
-    """One long-lived holder process and one reader per kind for the read-only tests of a module."""
-    holders: dict[str, Holder] = {}
-    readers: dict[str, Reader] = {}
-
-    class Shared:
-        def holder(self, kind: str) -> Holder:
-            if kind not in holders:
-                holders[kind] = start_holder(kind)
-            return holders[kind]
-
-        def reader(self, kind: str) -> tuple[Reader, str]:
-            if kind not in readers:
-                readers[kind] = Reader(kind)
-            r = readers[kind]
-            return r, r.t.connect(self.holder(kind).meta, timeout=10)
-
-    yield Shared()
-    for r in readers.values():
-        r.close()
-    for h in holders.values():
-        stop(h.proc)
+    peers = SharedPeers()
+    yield peers
+    peers.close()

@@ -30,12 +30,16 @@ def _hello(s: socket.socket, info) -> None:
     wire.unpack_hello_ok(wire.recv_exact(s, wire.HELLO_OK_SIZE, "hello reply"))
 
 
-def read_and_check_scattered(reader: Reader, holder, timeout: float) -> None:
-    """A fresh connection from a real reader moves exact bytes (the holder still serves)."""
-    peer = reader.t.connect(holder.meta, timeout=timeout)
-    plan = scattered_plan(4096, 64, holder.sizes[0], reader.dst.nbytes, seed=3)
-    assert reader.t.read(peer, plan).wait(timeout) is ReadState.DONE
-    assert mismatches(plan, {0: reader.dst}, {0: holder.sizes[0]}) == []
+def still_serves(holder, timeout: float = 10.0) -> None:
+    """A new reader's fresh connection moves exact bytes: the holder still serves."""
+    reader = Reader("tcp")
+    try:
+        peer = reader.t.connect(holder.meta, timeout=timeout)
+        plan = scattered_plan(4096, 64, holder.sizes[0], reader.dst.nbytes, seed=3)
+        assert reader.t.read(peer, plan).wait(timeout) is ReadState.DONE
+        assert mismatches(plan, {0: reader.dst}, {0: holder.sizes[0]}) == []
+    finally:
+        reader.close()
 
 
 def _closed_by_peer(s: socket.socket, within: float) -> bool:
@@ -62,11 +66,7 @@ def test_holder_keeps_serving_after_running_out_of_file_descriptors(procs):
     for s in flood:
         s.close()
     time.sleep(0.5)
-    reader = Reader("tcp")
-    try:
-        read_and_check_scattered(reader, holder, timeout=10)
-    finally:
-        reader.close()
+    still_serves(holder)
 
 
 def test_silent_and_stalled_connections_are_cut(procs):
@@ -105,8 +105,4 @@ def test_connections_beyond_the_cap_are_refused_and_the_rest_served(procs):
     for s in kept:
         s.close()
     time.sleep(0.5)
-    reader = Reader("tcp")
-    try:
-        read_and_check_scattered(reader, holder, timeout=10)
-    finally:
-        reader.close()
+    still_serves(holder)
