@@ -256,14 +256,8 @@ class WorkerSide:
                 state = self._state(inf, delay)
                 if state is None:
                     continue
-                if state == "failed" or not inf.spec.lock_id:
+                if state == "failed" or not inf.spec.lock_id or (inf.staged and not self._scatter(inf)):
                     self._drop_departed(inf)
-                    self._release_unused(inf.spec.lock_id)
-                    self._conclude(inf, False)
-                    del self._inflight[req_id]
-                    out.add(req_id)
-                    continue
-                if inf.staged and not self._scatter(inf):
                     self._release_unused(inf.spec.lock_id)
                     self._conclude(inf, False)
                     del self._inflight[req_id]
