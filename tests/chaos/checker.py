@@ -41,8 +41,12 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
     violations: list[dict[str, Any]] = []
     vcount: Counter[str] = Counter()
 
+    suspects: Counter[str] = Counter()
+
     def violate(kind: str, **detail: Any) -> None:
         vcount[kind] += 1
+        if "suspect" in detail:
+            suspects[detail["suspect"]] += 1
         if len(violations) < 50:
             violations.append({"kind": kind, **detail})
 
@@ -55,6 +59,39 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
     started: dict[str, dict] = {}
     killed: set[str] = set()
     ops: Counter[str] = Counter()
+    # For naming the likely cause of a stale read: publishes that timed out (maybe applied
+    # later) and frees, per (holder, incarnation) and (key, block, gen).
+    timed_out: set[tuple[int, int, str, int, int]] = set()
+    freed: dict[tuple[int, int, str, int, int], str] = {}
+    hi_of: dict[str, tuple[int, int]] = {}
+    for r in recs:
+        op = r["op"]
+        if op == "start" and "node" in r:
+            hi_of[r["proc"]] = (r["holder"], r["inc"])
+        elif op in ("publish", "free") and r["proc"] in hi_of:
+            h, i = hi_of[r["proc"]]
+            for k, b, g in r["entries"]:
+                if op == "free":
+                    freed[(h, i, k, b, g)] = r["why"]
+                elif not r["ok"] and not r.get("refused"):
+                    timed_out.add((h, i, k, b, g))
+
+    def suspect(key: str, node: str, block: int, stamp_holder: int) -> str:
+        if stamp_holder >= 100:
+            return "hole 2: a second process registered this node id"
+        for (h, i, k, b, g), why in freed.items():
+            if k == key and b == block and node_of.get((h, i)) == node:
+                late = (h, i, k, b, g) in timed_out
+                if late and why == "unpublished":
+                    return "hole 1: a publish that timed out arrived after unpublish said gone"
+                if late and why == "master_lost":
+                    return "hole 1: force-freed ('master lost') while a timed-out publish was in flight"
+                if why == "never_confirmed":
+                    return "hole 6: freed by the holder's own lock-TTL bound while a longer lock held it"
+                if why == "master_lost":
+                    return "force-freed ('master lost') while the master still served it"
+        return "unknown"
+
     for r in recs:
         op = r["op"]
         if op == "write":
@@ -109,11 +146,12 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
             elif block != blocks[0]:
                 violate("wrong_block", **ctx)
             elif node_of.get((holder, inc), node) != node:
-                violate("foreign", stamp_node=node_of.get((holder, inc)), **ctx)
+                violate("foreign", stamp_node=node_of.get((holder, inc)), suspect="holder restarted?", **ctx)
             elif (holder, inc, block, gen) not in gens:
                 violate("unknown_generation", **ctx)
             elif gens[(holder, inc, block, gen)] != key:
-                violate("stale", stamp_key=gens[(holder, inc, block, gen)], **ctx)
+                violate("stale", stamp_key=gens[(holder, inc, block, gen)],
+                        suspect=suspect(key, node, block, holder), **ctx)
 
     # ---- 2. bounded waits -----------------------------------------------------------------------
     master_bound = cfg.master_timeout_s + cfg.wait_slack_s
@@ -175,6 +213,7 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
         "faults_total": sum(faults.values()),
         "violations": sum(vcount.values()),
         "violations_by_kind": dict(vcount),
+        "violation_suspects": dict(suspects),
         "violation_examples": violations,
         "leaks": leaks,
         "processes": len(started),

@@ -54,6 +54,10 @@ class ChaosConfig:
     unsafe_free: bool = False  # deliberately broken holder: frees published blocks early
     faults: list[str] = field(default_factory=list)  # kinds to inject ([] = all for the variant)
     fault_gap_s: tuple[float, float] = (0.3, 1.2)
+    link_delay_s: tuple[float, float] = (0.02, 1.5)  # beyond master_timeout_s: calls time out yet arrive
+    long_ttl_p: float = 0.0  # a slow reader: takes long_ttl_s locks and reads late (hole 6)
+    long_ttl_s: float = 30.0
+    long_ttl_sleep_s: float = 5.0
     op_gap_s: tuple[float, float] = (0.002, 0.02)
     wait_slack_s: float = 1.5  # scheduling slack on a loaded 2-core machine
     workdir: str = ""
@@ -64,7 +68,7 @@ class ChaosConfig:
     @classmethod
     def from_json(cls, text: str) -> "ChaosConfig":
         doc = json.loads(text)
-        for k in ("retention_s", "fault_gap_s", "op_gap_s"):
+        for k in ("retention_s", "fault_gap_s", "op_gap_s", "link_delay_s"):
             doc[k] = tuple(doc[k])
         return cls(**doc)
 

@@ -171,7 +171,7 @@ class Injector:
         proxy = m.proxy
         dur = self.rng.uniform(0.3, 2.5)
         # Sometimes longer than the client timeout: calls time out on the client and still arrive.
-        proxy.delay_s = self.rng.uniform(0.02, 1.5 * self.cl.cfg.master_timeout_s)
+        proxy.delay_s = self.rng.uniform(*self.cl.cfg.link_delay_s)
         self.busy.add(f"p{m.port}")
         self._record("link_delay", f"p{m.port}", dur, delay=proxy.delay_s)
 

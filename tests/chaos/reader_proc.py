@@ -58,7 +58,7 @@ class Reader:
         cfg = self.cfg
         p = self.rng.randrange(cfg.prompts)
         names = [key_name(p, i) for i in range(cfg.chunks)]
-        ttl, sleep_past = cfg.lock_ttl_s, 0.0
+        ttl, sleep_past, sleep_before = cfg.lock_ttl_s, 0.0, 0.0
         kind = "normal"
         roll = self.rng.random()
         if roll < cfg.short_ttl_p:
@@ -66,6 +66,10 @@ class Reader:
         elif roll < cfg.short_ttl_p + cfg.sleep_past_ttl_p:
             ttl, kind = self.rng.uniform(0.1, 0.4), "sleep_past_ttl"
             sleep_past = ttl + 0.1
+        elif roll < cfg.short_ttl_p + cfg.sleep_past_ttl_p + cfg.long_ttl_p:
+            # A slow reader with a long lock: the master accepts any TTL, a holder that assumes
+            # its own lock TTL may give the blocks away under it (issue 9 hole 6).
+            ttl, kind, sleep_before = cfg.long_ttl_s, "long_ttl", cfg.long_ttl_sleep_s
         t = Timed()
         try:
             r = self.client.lookup_and_lock([key_bytes(k) for k in names], reader=self.name, lock_ttl_s=ttl)
@@ -80,6 +84,8 @@ class Reader:
         rec: dict[str, Any] = {"lock": r.lock_id, "ttl": ttl, "kind": kind, "locations": locs,
                                "lookup_t0": t.w0}
         self.buf[: len(locs)] = 0  # nothing left over from an earlier read can pass as this one
+        if sleep_before:
+            time.sleep(sleep_before)
         t = Timed()
         err = None
         handles = []
