@@ -5,6 +5,7 @@
 #   scripts/test.sh transport  TCP + NIXL conformance in two processes, network namespaces when root
 #   scripts/test.sh master     master service, wire fuzzing, etcd HA and failover (starts etcd itself)
 #   scripts/test.sh vllm       real `vllm serve` prefill/decode pairs on CPU (minutes)
+#   scripts/test.sh chaos      holders, readers, masters, etcd under injected faults + history checker (~4 min)
 # Extra arguments go to pytest, e.g. scripts/test.sh unit -k plan
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +14,8 @@ tier=${1:-all}
 [ $# -gt 0 ] && shift
 case "$tier" in
   all) paths=(tests) ;;
-  unit|transport|master|vllm) paths=("tests/$tier") ;;
-  *) echo "unknown tier '$tier' (all|unit|transport|master|vllm)" >&2; exit 2 ;;
+  unit|transport|master|vllm|chaos) paths=("tests/$tier") ;;
+  *) echo "unknown tier '$tier' (all|unit|transport|master|vllm|chaos)" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
 exec .venv/bin/python -m pytest "${paths[@]}" -q -rs --durations=15 -p no:cacheprovider "$@"

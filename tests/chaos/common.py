@@ -54,7 +54,9 @@ class ChaosConfig:
     unsafe_free: bool = False  # deliberately broken holder: frees published blocks early
     faults: list[str] = field(default_factory=list)  # kinds to inject ([] = all for the variant)
     fault_gap_s: tuple[float, float] = (0.3, 1.2)
-    link_delay_s: tuple[float, float] = (0.02, 1.5)  # beyond master_timeout_s: calls time out yet arrive
+    # Below master_timeout_s a request always lands before its call gives up; beyond it a call can
+    # time out on the client and still arrive (issue 9 hole 1: test_hole1_late_publish_after_free).
+    link_delay_s: tuple[float, float] = (0.02, 0.8)
     long_ttl_p: float = 0.0  # a slow reader: takes long_ttl_s locks and reads late (hole 6)
     long_ttl_s: float = 30.0
     long_ttl_sleep_s: float = 5.0
