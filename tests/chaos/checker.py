@@ -153,6 +153,20 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
                 violate("stale", stamp_key=gens[(holder, inc, block, gen)],
                         suspect=suspect(key, node, block, holder), **ctx)
 
+    # ---- 1b. recovery: once the faults are over (and a lease later), reads must work again ----
+    window = [r["wall"] for r in recs if r["op"] == "recovery_window"]
+    recovery_reads = recovery_failures = 0
+    recovery_examples: list[dict[str, Any]] = []
+    if window:
+        for r in recs:
+            if r["op"] == "read" and r["lookup_t0"] >= window[0]:
+                recovery_reads += 1
+                if r["read"]["err"]:
+                    recovery_failures += 1
+                    if len(recovery_examples) < 5:
+                        recovery_examples.append({"proc": r["proc"], "err": r["read"]["err"],
+                                                  "nodes": sorted({n for _, n, _ in r["locations"]})})
+
     # ---- 2. bounded waits -----------------------------------------------------------------------
     master_bound = cfg.master_timeout_s + cfg.wait_slack_s
     bounds = {"lookup": master_bound, "publish": master_bound, "unpublish": master_bound,
@@ -213,6 +227,9 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
         "faults_total": sum(faults.values()),
         "violations": sum(vcount.values()),
         "violations_by_kind": dict(vcount),
+        "recovery_reads": recovery_reads,
+        "recovery_failures": recovery_failures,
+        "recovery_examples": recovery_examples,
         "violation_suspects": dict(suspects),
         "violation_examples": violations,
         "leaks": leaks,

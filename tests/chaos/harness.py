@@ -238,7 +238,14 @@ def _wait(pred: Callable[[], bool], timeout_s: float) -> bool:
     return pred()
 
 
-def run(cfg: ChaosConfig) -> dict[str, Any]:
+Scenario = Callable[[Cluster, Injector], None]
+
+
+def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 3.0) -> dict[str, Any]:
+    """One history. ``scenario`` replaces the random injector with a scripted sequence of faults
+    (it gets the cluster and an injector for logging). After the faults stop and the nodes had
+    a lease to come back, readers go on for ``recovery_s``: reads failing then are counted as
+    ``recovery_failures`` (a fault whose effect outlives it)."""
     assert cfg.workdir, "config.workdir is required"
     os.makedirs(cfg.workdir, exist_ok=True)
     rng = random.Random(cfg.seed)
@@ -256,7 +263,9 @@ def run(cfg: ChaosConfig) -> dict[str, Any]:
         inj = Injector(cl, log, rng)
         t_run = time.monotonic()
         next_fault = t_run + rng.uniform(*cfg.fault_gap_s)
-        while time.monotonic() - t_run < cfg.duration_s:
+        if scenario is not None:
+            scenario(cl, inj)
+        while scenario is None and time.monotonic() - t_run < cfg.duration_s:
             inj.run_due()
             if time.monotonic() >= next_fault:
                 inj.inject()
@@ -268,6 +277,9 @@ def run(cfg: ChaosConfig) -> dict[str, Any]:
         for d in cl.live("dup"):
             d.proc.kill()
         log.write("faults_stopped")
+        time.sleep(cfg.lease_ttl_s + cfg.master_timeout_s + 2.0)  # re-registration and re-publish
+        log.write("recovery_window")
+        time.sleep(recovery_s)
         cl.touch("stop")
         _wait(lambda: not cl.live("reader"), 3 * (cfg.master_timeout_s + cfg.read_timeout_s) + 10)
         # Quiet period: every retention, lock and lease runs out; holders unpublish as usual.
