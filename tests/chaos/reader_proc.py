@@ -40,7 +40,7 @@ class Reader:
         self.client = MasterClient(master, timeout_s=cfg.master_timeout_s)
         self.peers: dict[str, tuple[bytes, str]] = {}  # node id -> (metadata, peer id)
 
-    def _peer(self, node_id: str, meta: bytes) -> str:
+    def _peer(self, node_id: str, meta: bytes, timeout: float) -> str:
         cached = self.peers.get(node_id)
         if cached is not None and cached[0] == meta:
             return cached[1]
@@ -50,7 +50,7 @@ class Reader:
                 self.transport.disconnect(cached[1])
             except TransportError:
                 pass
-        peer = self.transport.connect(meta, timeout=self.cfg.read_timeout_s)
+        peer = self.transport.connect(meta, timeout=timeout)
         self.peers[node_id] = (meta, peer)
         return peer
 
@@ -89,6 +89,8 @@ class Reader:
         t = Timed()
         err = None
         handles = []
+        # One deadline for connects and reads together: the whole read is bounded by read_timeout_s.
+        deadline = time.monotonic() + cfg.read_timeout_s
         try:
             by_node: dict[str, list[TransferRun]] = {}
             for slot, (_, node, blocks) in enumerate(locs):
@@ -96,9 +98,8 @@ class Reader:
                 by_node.setdefault(node, []).append(
                     TransferRun(0, b * cfg.block_bytes, 0, slot * cfg.block_bytes, cfg.block_bytes))
             for node, runs in by_node.items():
-                peer = self._peer(node, r.nodes[node].transport_metadata)
+                peer = self._peer(node, r.nodes[node].transport_metadata, max(deadline - time.monotonic(), 0.001))
                 handles.append(self.transport.read(peer, TransferPlan(tuple(runs), len(runs))))
-            deadline = time.monotonic() + cfg.read_timeout_s
             for h in handles:
                 h.wait(max(deadline - time.monotonic(), 0.001))
         except (TransportError, KeyError, OSError) as exc:
