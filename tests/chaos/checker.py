@@ -47,7 +47,7 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
         vcount[kind] += 1
         if "suspect" in detail:
             suspects[detail["suspect"]] += 1
-        if len(violations) < 50:
+        if vcount[kind] <= 20:  # up to 20 examples of each kind
             violations.append({"kind": kind, **detail})
 
     # What each generation is: (holder index, incarnation, block, gen) -> key; holder -> node id.
@@ -62,16 +62,20 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
     # For naming the likely cause of a stale read: publishes that timed out (maybe applied
     # later) and frees, per (holder, incarnation) and (key, block, gen).
     timed_out: set[tuple[int, int, str, int, int]] = set()
+    republished: set[tuple[int, int, str, int, int]] = set()
     freed: dict[tuple[int, int, str, int, int], str] = {}
     hi_of: dict[str, tuple[int, int]] = {}
     for r in recs:
         op = r["op"]
         if op == "start" and "node" in r:
             hi_of[r["proc"]] = (r["holder"], r["inc"])
-        elif op in ("publish", "free") and r["proc"] in hi_of:
+        elif op in ("publish", "republish", "free") and r["proc"] in hi_of:
             h, i = hi_of[r["proc"]]
             for k, b, g in r["entries"]:
-                if op == "free":
+                if op == "republish":
+                    if r["ok"]:
+                        republished.add((h, i, k, b, g))
+                elif op == "free":
                     freed[(h, i, k, b, g)] = r["why"]
                 elif not r["ok"] and not r.get("refused"):
                     timed_out.add((h, i, k, b, g))
@@ -86,6 +90,9 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
                     return "hole 1: a publish that timed out arrived after unpublish said gone"
                 if late and why == "master_lost":
                     return "hole 1: force-freed ('master lost') while a timed-out publish was in flight"
+                if why == "publish_refused" and (h, i, k, b, g) in republished:
+                    return ("hole 1 (variant): the re-publish after re-registration stored a key whose "
+                            "own publish was then refused (unknown node) and its block freed")
                 if why == "never_confirmed":
                     return "hole 6: freed by the holder's own lock-TTL bound while a longer lock held it"
                 if why == "master_lost":
