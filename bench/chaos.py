@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdxfer.master.local_etcd import etcd_binary  # noqa: E402
-from tests.chaos import checker  # noqa: E402
-from tests.chaos.common import ChaosConfig  # noqa: E402
-from tests.chaos.harness import BASE_FAULTS, HA_FAULTS, run  # noqa: E402
+from pdxfer.master.local_etcd import etcd_binary
+from tests.chaos import checker
+from tests.chaos.common import ChaosConfig
+from tests.chaos.harness import BASE_FAULTS, HA_FAULTS, run
 
 
 def main(argv: list[str] | None = None) -> int:

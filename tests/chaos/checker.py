@@ -18,7 +18,8 @@ import glob
 import json
 import os
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from tests.chaos.common import ChaosConfig
 

@@ -68,7 +68,7 @@ class ChaosConfig:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "ChaosConfig":
+    def from_json(cls, text: str) -> ChaosConfig:
         doc = json.loads(text)
         for k in ("retention_s", "fault_gap_s", "op_gap_s", "link_delay_s"):
             doc[k] = tuple(doc[k])
@@ -124,7 +124,7 @@ class OpLog:
 
     def __init__(self, path: str, proc: str) -> None:
         self.proc = proc
-        self._f = open(path, "a", buffering=1)
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the whole process
         self._lock = threading.Lock()
 
     def write(self, op: str, **fields: Any) -> None:

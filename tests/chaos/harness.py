@@ -15,7 +15,8 @@ import os
 import random
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tests.chaos import checker
 from tests.chaos.cluster import ChaosProc, Cluster, MasterSlot
@@ -56,7 +57,7 @@ class Injector:
             _, _, what, fn = heapq.heappop(self.events)
             try:
                 fn()
-            except Exception as exc:  # a failed restart is logged and retried, never fatal
+            except Exception as exc:  # noqa: BLE001 - a failed restart is logged and retried, never fatal
                 self.log.write("fault_error", what=what, err=repr(exc)[:300])
                 if not flush:
                     self.later(0.5, what, fn)

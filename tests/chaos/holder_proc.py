@@ -23,12 +23,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdxfer.master import MasterClient, MasterError, MasterUnavailable, NodeInfo, NodeSession
+from pdxfer.master import (
+    MasterClient,
+    MasterError,
+    MasterUnavailable,
+    NodeInfo,
+    NodeSession,
+)
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion
 from tests.chaos.common import (
-    ChaosConfig, OpLog, Timed, ctl, die_with_parent, key_bytes, key_name, open_fds, settle_threads,
-    stamp_of, write_block,
+    ChaosConfig,
+    OpLog,
+    Timed,
+    ctl,
+    die_with_parent,
+    key_bytes,
+    key_name,
+    open_fds,
+    settle_threads,
+    stamp_of,
+    write_block,
 )
 
 

@@ -58,7 +58,7 @@ class Proxy:
         while not self._closed:
             try:
                 client, _ = self._srv.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -83,7 +83,7 @@ class Proxy:
             while not self._closed:
                 try:
                     data = src.recv(65536)
-                except socket.timeout:
+                except TimeoutError:
                     if self.cut:
                         break
                     continue

@@ -23,7 +23,15 @@ from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion, TransportError
 from tests.chaos.common import (
-    ChaosConfig, OpLog, Timed, ctl, decode_block, die_with_parent, key_bytes, key_name, open_fds,
+    ChaosConfig,
+    OpLog,
+    Timed,
+    ctl,
+    decode_block,
+    die_with_parent,
+    key_bytes,
+    key_name,
+    open_fds,
     settle_threads,
 )
 
