@@ -1,0 +1,245 @@
+"""The history checker: reads every process's JSON-lines log after a run and reports violations.
+
+1. Never wrong bytes: every read whose ``release()`` returned True saw, for each chunk, a block
+   whose stamp is intact (body matches stamp), names the block the master gave, and names a
+   generation that the stamp's holder wrote for exactly that key (else: stale, foreign, torn,
+   unknown).
+2. Never hang: every logged wait (lookup, read, release, publish, unpublish) took at most its
+   bound (client timeout or read timeout, plus slack), except a process's own ops overlapping a
+   SIGSTOP of that process (the freeze is not a wait).
+3. Never leak: after the quiet period no lock is left at any master, the leader lists exactly as
+   many entries as the holders still hold (0 after retention), every process that was not killed
+   wrote its final report, and its open fds and threads came back to where they started.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from tests.chaos.common import ChaosConfig
+
+
+def _records(logdir: str) -> Iterator[dict[str, Any]]:
+    for path in sorted(glob.glob(os.path.join(logdir, "*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the last line of a SIGKILLed process may be cut short
+
+
+def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, Any]:
+    recs = list(_records(logdir))
+    violations: list[dict[str, Any]] = []
+    vcount: Counter[str] = Counter()
+
+    suspects: Counter[str] = Counter()
+
+    def violate(kind: str, **detail: Any) -> None:
+        vcount[kind] += 1
+        if "suspect" in detail:
+            suspects[detail["suspect"]] += 1
+        if vcount[kind] <= 20:  # up to 20 examples of each kind
+            violations.append({"kind": kind, **detail})
+
+    # What each generation is: (holder index, incarnation, block, gen) -> key; holder -> node id.
+    gens: dict[tuple[int, int, int, int], str] = {}
+    node_of: dict[tuple[int, int], str] = {}
+    freezes: dict[str, list[tuple[float, float]]] = {}
+    faults: Counter[str] = Counter()
+    finals: dict[str, dict] = {}
+    started: dict[str, dict] = {}
+    killed: set[str] = set()
+    ops: Counter[str] = Counter()
+    # For naming the likely cause of a stale read: publishes that timed out (maybe applied
+    # later) and frees, per (holder, incarnation) and (key, block, gen).
+    timed_out: set[tuple[int, int, str, int, int]] = set()
+    republished: set[tuple[int, int, str, int, int]] = set()
+    freed: dict[tuple[int, int, str, int, int], str] = {}
+    hi_of: dict[str, tuple[int, int]] = {}
+    for r in recs:
+        op = r["op"]
+        if op == "start" and "node" in r:
+            hi_of[r["proc"]] = (r["holder"], r["inc"])
+        elif op in ("publish", "republish", "free") and r["proc"] in hi_of:
+            h, i = hi_of[r["proc"]]
+            for k, b, g in r["entries"]:
+                if op == "republish":
+                    if r["ok"]:
+                        republished.add((h, i, k, b, g))
+                elif op == "free":
+                    freed[(h, i, k, b, g)] = r["why"]
+                elif not r["ok"] and not r.get("refused"):
+                    timed_out.add((h, i, k, b, g))
+
+    def suspect(key: str, node: str, block: int, stamp_holder: int) -> str:
+        if stamp_holder >= 100:
+            return "hole 2: a second process registered this node id"
+        for (h, i, k, b, g), why in freed.items():
+            if k == key and b == block and node_of.get((h, i)) == node:
+                late = (h, i, k, b, g) in timed_out
+                if late and why == "unpublished":
+                    return "hole 1: a publish that timed out arrived after unpublish said gone"
+                if late and why == "master_lost":
+                    return "hole 1: force-freed ('master lost') while a timed-out publish was in flight"
+                if why == "publish_refused" and (h, i, k, b, g) in republished:
+                    return ("hole 1 (variant): the re-publish after re-registration stored a key whose "
+                            "own publish was then refused (unknown node) and its block freed")
+                if why == "never_confirmed":
+                    return "hole 6: freed by the holder's own lock-TTL bound while a longer lock held it"
+                if why == "master_lost":
+                    return "force-freed ('master lost') while the master still served it"
+        return "unknown"
+
+    for r in recs:
+        op = r["op"]
+        if op == "write":
+            gens[(r["holder"], r["inc"], r["block"], r["gen"])] = r["key"]
+        elif op == "start" and "node" in r:
+            node_of[(r["holder"], r["inc"])] = r["node"]
+        if op == "start":
+            started[r["proc"]] = r
+        elif op == "final":
+            finals[r["proc"]] = r
+        elif op == "fault":
+            faults[r["kind"]] += 1
+            if r["kind"] == "holder_freeze":
+                freezes.setdefault(r["target"], []).append((r["t0"], r["t1"]))
+            if r["kind"] in ("holder_kill",):
+                killed.add(r["target"])
+            if r["kind"] == "node_id_clash":
+                killed.add(r["target"])
+        elif op == "read" and r.get("kind") in ("short_ttl", "sleep_past_ttl"):
+            faults["lock_expire"] += 1
+        if r["proc"] != "harness" and op in ("lookup", "read", "publish", "republish", "unpublish"):
+            ops[op] += 1
+
+    # ---- 1. validated reads -----------------------------------------------------------------
+    validated = validated_chunks = releases_false = release_errors = read_errors = 0
+    for r in recs:
+        if r["op"] != "read":
+            continue
+        rel = r["release"]
+        if r["read"]["err"]:
+            read_errors += 1
+        if rel["valid"] is None:
+            release_errors += 1
+            continue
+        if not rel["valid"]:
+            releases_false += 1
+            continue
+        if r["read"]["err"]:
+            continue  # the reader already discards a failed read; release True does not matter
+        validated += 1
+        for (key, node, blocks), seen in zip(r["locations"], r["seen"]):
+            validated_chunks += 1
+            ctx = {"proc": r["proc"], "lock": r["lock"], "key": key, "node": node, "block": blocks[0],
+                   "seen": seen, "read_t0": r["read"]["t0"], "release_t1": rel["t1"]}
+            st = seen["stamp"]
+            if st is None:
+                violate("garbage", **ctx)
+                continue
+            holder, inc, block, gen = st
+            if not seen["ok"]:
+                violate("torn", **ctx)
+            elif block != blocks[0]:
+                violate("wrong_block", **ctx)
+            elif node_of.get((holder, inc), node) != node:
+                violate("foreign", stamp_node=node_of.get((holder, inc)), suspect="holder restarted?", **ctx)
+            elif (holder, inc, block, gen) not in gens:
+                violate("unknown_generation", **ctx)
+            elif gens[(holder, inc, block, gen)] != key:
+                violate("stale", stamp_key=gens[(holder, inc, block, gen)],
+                        suspect=suspect(key, node, block, holder), **ctx)
+
+    # ---- 1b. recovery: once the faults are over (and a lease later), reads must work again ----
+    window = [r["wall"] for r in recs if r["op"] == "recovery_window"]
+    recovery_reads = recovery_failures = 0
+    recovery_examples: list[dict[str, Any]] = []
+    if window:
+        for r in recs:
+            if r["op"] == "read" and r["lookup_t0"] >= window[0]:
+                recovery_reads += 1
+                if r["read"]["err"]:
+                    recovery_failures += 1
+                    if len(recovery_examples) < 5:
+                        recovery_examples.append({"proc": r["proc"], "err": r["read"]["err"],
+                                                  "nodes": sorted({n for _, n, _ in r["locations"]})})
+
+    # ---- 2. bounded waits -----------------------------------------------------------------------
+    master_bound = cfg.master_timeout_s + cfg.wait_slack_s
+    bounds = {"lookup": master_bound, "publish": master_bound, "unpublish": master_bound,
+              "republish": master_bound}
+    slow = []
+
+    def frozen_during(proc: str, t0: float, t1: float) -> bool:
+        return any(a < t1 and t0 < b for a, b in freezes.get(proc, []))
+
+    for r in recs:
+        items: list[tuple[str, dict]] = []
+        if r["op"] in bounds and "dur" in r:
+            items.append((r["op"], r))
+        elif r["op"] == "read":
+            items += [("read", r["read"]), ("release", r["release"])]
+        for what, t in items:
+            bound = cfg.read_timeout_s + cfg.wait_slack_s if what == "read" else master_bound
+            if t["dur"] > bound and not frozen_during(r["proc"], t["t0"], t["t1"]):
+                violate("wait_bound", proc=r["proc"], what=what, dur=round(t["dur"], 3), bound=bound)
+                slow.append(t["dur"])
+
+    # ---- 3. leaks -------------------------------------------------------------------------------
+    leaks: dict[str, Any] = {}
+    stats = stats or []
+    if not stats:
+        violate("no_master_stats")
+    leaks["locks"] = sum(s.get("locks", 0) for s in stats)
+    if leaks["locks"]:
+        violate("leaked_locks", stats=[{k: s.get(k) for k in ("port", "locks", "entries", "leader")} for s in stats])
+    held = sum(f.get("held_keys", 0) for p, f in finals.items() if p.startswith("holder"))
+    leaks["held_blocks"] = sum(f.get("held_blocks", 0) for p, f in finals.items() if p.startswith("holder"))
+    leaks["master_entries"] = sum(s.get("entries", 0) for s in stats)
+    if leaks["master_entries"] != held:
+        violate("entries_mismatch", master_entries=leaks["master_entries"], holders_hold=held)
+    if leaks["held_blocks"]:
+        violate("leaked_blocks", held_blocks=leaks["held_blocks"])
+    missing = sorted(p for p in started if p not in finals and p not in killed and not p.startswith("dup"))
+    if missing:
+        violate("no_final_report", procs=missing)
+    fd_leaks = {p: (f["fds_start"], f["fds_end"]) for p, f in finals.items() if f["fds_end"] > f["fds_start"]}
+    thread_leaks = {p: (f["threads_start"], f["threads_end"]) for p, f in finals.items()
+                    if f["threads_end"] > f["threads_start"]}
+    leaks["fds"], leaks["threads"] = fd_leaks, thread_leaks
+    if fd_leaks:
+        violate("fd_leak", procs=fd_leaks)
+    if thread_leaks:
+        violate("thread_leak", procs=thread_leaks)
+
+    return {
+        "validated_reads": validated,
+        "validated_chunks": validated_chunks,
+        "releases_false": releases_false,
+        "release_errors": release_errors,
+        "read_errors": read_errors,
+        "operations": sum(ops.values()),
+        "operations_by_kind": dict(ops),
+        "faults": dict(sorted(faults.items())),
+        "faults_total": sum(faults.values()),
+        "violations": sum(vcount.values()),
+        "violations_by_kind": dict(vcount),
+        "recovery_reads": recovery_reads,
+        "recovery_failures": recovery_failures,
+        "recovery_examples": recovery_examples,
+        "violation_suspects": dict(suspects),
+        "violation_examples": violations,
+        "leaks": leaks,
+        "processes": len(started),
+    }

