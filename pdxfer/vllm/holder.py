@@ -85,9 +85,13 @@ class HolderPath:
                  info.node_id, self.cfg.master, info.transport)
 
     def _on_superseded(self) -> None:
-        """Another process registered our node id: stop publishing (NodeSession logged the ERROR).
-        What we hold drains through the reaper, whose calls now fail, on the unreachable bound."""
+        """Another process registered our node id (NodeSession logged the ERROR): the master
+        dropped our entries, and the locks on them, when it took the new registration, and refuses
+        our calls from now on. Publish nothing more; everything held goes back to vLLM."""
         self._superseded = True
+        with self._lock:
+            keys = list(self._held)
+        self._forget(keys)
 
     @property
     def max_lock_ttl_s(self) -> float:
@@ -229,9 +233,12 @@ class HolderPath:
             # reaper unpublishes (or, failing that, frees) them through the normal path.
             self._publish_log.fail(exc)
             return
-        except MasterError as exc:  # refused (unknown node, auth, protocol): nothing was stored
+        except MasterError as exc:
+            # Refused (unknown node, auth): nothing of it was stored, but a re-registration may
+            # re-publish these held keys meanwhile, so they are not freed here: the reaper's
+            # fenced unpublish decides, at once.
             self._publish_log.fail(exc)
-            self._forget(new_keys)
+            self._due_now(new_keys)
             return
         except Exception as exc:
             # Unknown outcome, as for a timeout: keep the blocks; the reaper unpublishes them.
@@ -242,6 +249,14 @@ class HolderPath:
         # Entries the master did not accept stay held until retention: freeing them early would
         # be unsafe if the master accepted a different subset than we think.
         self.stats.published_chunks += max(int(accepted) - n_refresh, 0)
+
+    def _due_now(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                h = self._held.get(k)
+                if h is not None:
+                    h.retain_until = 0.0
+            self._wake.notify()
 
     def _fit_under_cap(self, new: list[tuple[bytes, tuple[int, ...]]]) -> list[tuple[bytes, tuple[int, ...]]]:
         """Keep held blocks under ``max_held_fraction`` of the pool: reclaim the oldest unlocked
@@ -384,9 +399,11 @@ class HolderPath:
         except MasterError as exc:
             done = []
             t0 = self._master_unreachable_since = self._master_unreachable_since or now
-            # After lease + lock TTL without the master, it has dropped our entries and every
-            # lock it granted has expired: freeing can no longer hand a reader wrong bytes.
-            if now - t0 > self.cfg.lease_ttl_s + self.max_lock_ttl_s:
+            # After lease + the lock TTL cap without any answer from the master (heartbeats
+            # count), it has dropped our entries and every lock it granted has expired: freeing
+            # can no longer hand a reader wrong bytes.
+            last_ok = self._session.last_ok_at if self._session is not None else None
+            if now - max(t0, last_ok or 0.0) > self.cfg.lease_ttl_s + self.max_lock_ttl_s:
                 log.warning("pdxfer: master unreachable for %.0f s (%s): freeing %d held chunks",
                             now - t0, exc, len(due))
                 done = due

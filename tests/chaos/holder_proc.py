@@ -5,9 +5,11 @@ master client under a real NodeSession, freed only by the rules the real holder
   python -m tests.chaos.holder_proc --config CFG --holder H --node-id ID --inc N --log FILE --master ADDR
 
 Rules (same as the real holder): a published block is held; blocks come back only for keys
-``unpublish_if_unlocked`` returns, for keys a refused publish never stored, after lease + lock TTL
-without any master answer, or past ``max(10 x lock TTL, stale floor)`` never confirmed. A publish
-that timed out is treated as maybe applied (kept held). ``--unsafe-free`` (config.unsafe_free)
+``unpublish_if_unlocked`` returns (it fences every publish queued so far, so none can land
+later), after lease + the master's lock TTL cap without any master answer (heartbeats included),
+or past ``max(10 x that cap, stale floor)`` never confirmed. A publish carries the sequence
+number and registration it was queued under; a timed-out or refused one is left to the fenced
+unpublish (kept held); a fenced one is sent again for what is still held. ``--unsafe-free`` (config.unsafe_free)
 breaks the rule on purpose: it reuses published blocks before unpublishing them, so the checker
 must find stale reads.
 """
@@ -29,6 +31,7 @@ from pdxfer.master import (
     MasterUnavailable,
     NodeInfo,
     NodeSession,
+    PublishFenced,
 )
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion
@@ -66,7 +69,7 @@ class Holder:
         self.lock = threading.Lock()  # the session thread re-publishes from held
         self.gen = 0
         self.unreachable_since: float | None = None
-        self.stale_after = max(10 * cfg.lock_ttl_s, cfg.stale_floor_s)
+        self.superseded = False
         self.transport = create_transport(cfg.transport, **({"io_timeout": cfg.io_timeout_s}
                                                             if cfg.transport == "tcp" else {}))
         self.transport.register([RegisteredRegion(0, self.pool.ctypes.data, self.pool.nbytes)])
@@ -75,11 +78,31 @@ class Holder:
         self.bg = MasterClient(master, timeout_s=cfg.master_timeout_s)
         info = NodeInfo(node_id, 0, cfg.transport, self.transport.metadata(),
                         {"v": 1, "block_size": 16, "chaos_holder": holder}, "chaos-fp")
-        self.session = NodeSession(self.bg, info, lease_ttl_s=cfg.lease_ttl_s, on_reregistered=self.republish)
+        self.session = NodeSession(self.bg, info, lease_ttl_s=cfg.lease_ttl_s, on_reregistered=self.republish,
+                                   on_superseded=self._on_superseded)
+
+    def _on_superseded(self) -> None:
+        """Another process registered our node id: the master dropped our entries and the locks
+        on them with it, and refuses our calls from now on. Publish nothing more, free it all."""
+        self.superseded = True
+        with self.lock:
+            self._release_locked(list(self.held), "superseded")
+
+    @property
+    def max_lock_ttl(self) -> float:
+        """The master's cap on reader locks (from the registration), not our own readers' TTL."""
+        reg = self.hot.registration(self.node_id)
+        return float(reg.max_lock_ttl_s) if reg is not None else 3600.0
+
+    @property
+    def stale_after(self) -> float:
+        return max(10 * self.max_lock_ttl, self.cfg.stale_floor_s)
 
     # ---- ops ------------------------------------------------------------------------------------
 
     def publish(self) -> None:
+        if self.superseded:
+            return
         p = self.rng.randrange(self.cfg.prompts)
         n = self.rng.randint(1, self.cfg.chunks)
         now = time.monotonic()
@@ -109,16 +132,34 @@ class Holder:
                 new.append(name)
         if not entries:
             return
+        seq = self.hot.next_publish_seq(self.node_id)  # fixed now: a fence covers it wherever it is
+        reg = self.hot.registration(self.node_id)
+        epoch = reg.epoch if reg is not None else None
         t = Timed()
         try:
-            n_ok = self.hot.publish(self.node_id, [(key_bytes(k), [b]) for k, b, _ in entries], retention_s=retain)
+            try:
+                n_ok = self.hot.publish(self.node_id, [(key_bytes(k), [b]) for k, b, _ in entries],
+                                        retention_s=retain, seq=seq, epoch=epoch)
+            except PublishFenced:
+                with self.lock:  # a free fenced it: send again what is still held, as it is held
+                    entries = [(k, b, g) for k, b, g in entries if k in self.held and self.held[k].block == b]
+                if not entries:
+                    return
+                n_ok = self.hot.publish(self.node_id, [(key_bytes(k), [b]) for k, b, _ in entries],
+                                        retention_s=retain, seq=self.hot.next_publish_seq(self.node_id),
+                                        epoch=epoch)
             self.log.write("publish", entries=entries, retention=retain, ok=True, accepted=n_ok, **t.fields())
         except MasterUnavailable as exc:  # may have been applied: keep held, the reaper decides
             self.log.write("publish", entries=entries, retention=retain, ok=False, err=repr(exc)[:200], **t.fields())
-        except MasterError as exc:  # refused: nothing stored, the new blocks are free at once
+        except MasterError as exc:
+            # Refused, but a re-registration may re-publish these held keys meanwhile: never free
+            # them directly; the fenced unpublish decides (due at once).
             self.log.write("publish", entries=entries, retention=retain, ok=False, refused=True,
                            err=repr(exc)[:200], **t.fields())
-            self.release_keys(new, "publish_refused")
+            with self.lock:
+                for k in new:
+                    if k in self.held:
+                        self.held[k].retain_until = 0.0
 
     def republish(self) -> None:
         """After re-registration (session thread): held keys with the retention they have left."""
@@ -152,7 +193,8 @@ class Holder:
             return
         t = Timed()
         try:
-            gone = self.bg.unpublish_if_unlocked(self.node_id, [key_bytes(k) for k in due])
+            gone = self.bg.unpublish_if_unlocked(self.node_id, [key_bytes(k) for k in due],
+                                                 fence_seq=self.bg.last_publish_seq(self.node_id))
             gone_set = set(gone)
             done = [k for k in due if key_bytes(k) in gone_set]
             self.log.write("unpublish", keys=due, gone=done, ok=True, **t.fields())
@@ -165,9 +207,10 @@ class Holder:
         except MasterError as exc:
             self.log.write("unpublish", keys=due, ok=False, err=repr(exc)[:200], **t.fields())
             t0 = self.unreachable_since = self.unreachable_since or now
-            # The real holder's rule: after lease + lock TTL without the master, it has dropped
-            # our entries and every lock it granted has expired.
-            if now - t0 > self.cfg.lease_ttl_s + self.cfg.lock_ttl_s:
+            # The real holder's rule: after lease + the lock TTL cap without any master answer
+            # (heartbeats count), it has dropped our entries and every lock it granted expired.
+            t0 = max(t0, self.session.last_ok_at or 0.0)
+            if now - t0 > self.cfg.lease_ttl_s + self.max_lock_ttl:
                 self.release_keys(due, "master_lost")
         with self.lock:
             retry = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)

@@ -3,8 +3,8 @@ then the history checker over everything they logged (tests/chaos/checker.py, do
 
 - fixed seeds with every fault kind: 0 violations, reads validated, no leaks;
 - the checker can fail: a deliberately broken holder (frees published blocks early) must be caught;
-- today's holes of issue 9 as minimal scenarios, strict xfails: a fix flips them to failures
-  that say "XPASS", and the marker comes off with the fix.
+- issue 9's holes 1, 2, 6 and 7 as minimal scenarios that reproduced them before their fixes
+  (they were strict xfails until then; each one's violations are in docs/chaos.md).
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ def chaos(tmp_path, scenario: Any = None, **kw: Any) -> dict[str, Any]:
 
 def assert_clean(report: dict[str, Any]) -> None:
     cfg = report["cfg"]
-    by_kind, suspects = report["violations_by_kind"], report["violation_suspects"]
-    if by_kind and set(by_kind) <= {"stale", "entries_mismatch"} and suspects and "unknown" not in suspects:
-        # Random histories can hit issue 9's open holes by chance (the hole tests below reproduce
-        # each on purpose): report that as an expected failure naming them, not as green or red.
-        pytest.xfail(f"known holes hit by chance: {suspects}")
     assert report["violations"] == 0, (report["violations_by_kind"], report["violation_examples"][:3],
                                        cfg.workdir)
     assert report["validated_reads"] > 0
@@ -78,22 +73,16 @@ def test_checker_catches_a_holder_that_frees_published_blocks(tmp_path) -> None:
     assert r["violations_by_kind"].get("entries_mismatch", 0) == 1  # freed without unpublish: left at the master
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 hole 1: a publish that timed out on the client is still "
-                   "applied after unpublish reported the key gone and the block was reused")
 def test_hole1_late_publish_after_free(tmp_path) -> None:
     """Master link delays beyond the client timeout, short retention; no other fault."""
     assert_clean_of(chaos(tmp_path, seed=4, duration_s=20, holders=3, readers=2, faults=["link_delay"],
                           fault_gap_s=(0.2, 0.6), link_delay_s=(0.8, 2.5), retention_s=(0.2, 1.2)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 hole 2: a second process registering a live node id is "
-                   "served with the first one's publishes")
 def test_hole2_two_processes_one_node_id(tmp_path) -> None:
     assert_clean_of(chaos(tmp_path, seed=3, duration_s=12, holders=2, readers=2, faults=["node_id_clash"]))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 hole 6: the holder frees by its own lock-TTL bound while a "
-                   "reader's longer lock (the master accepts any TTL) still holds the entry")
 def test_hole6_holder_frees_by_its_own_lock_ttl(tmp_path) -> None:
     """Holders assume 0.3 s locks (stale bound 10 x 0.3 s: the real floor of 60 s scaled down),
     slow readers take 8 s locks and read 5 s later; few refreshes (many prompts)."""
@@ -119,9 +108,6 @@ def _epoch_collision(cl: Cluster, inj: Injector) -> None:
     time.sleep(3)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 hole 7: node epochs restart at 1 with each master "
-                   "incarnation, so a reader keeps a restarted holder's old description and its loads "
-                   "keep failing after every fault is over")
 def test_hole7_epochs_restart_with_the_master(tmp_path) -> None:
     r = chaos(tmp_path, seed=7, holders=1, readers=1, duration_s=0, fault_gap_s=(1000, 1000),
               short_ttl_p=0, sleep_past_ttl_p=0, scenario=_epoch_collision)

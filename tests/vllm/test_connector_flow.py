@@ -428,3 +428,26 @@ def test_a_reader_with_another_block_size_loads_exact_tokens(master, hb, rb, tra
     finally:
         reader.close()
         holder.close()
+
+
+def test_a_superseded_holder_stops_publishing_and_returns_its_blocks(pair, master):
+    """Issue 9, hole 2 (holder side): another process registers our node id; the master dropped
+    our entries and their locks, so everything held goes back to vLLM and nothing more is published."""
+    from pdxfer.master import MasterClient, NodeInfo
+
+    holder, reader = pair(lease_ttl_s=1.5)  # heartbeats every 0.5 s
+    toks = _tokens(2 * C + 5, 80)
+    free_before = holder.pool.get_num_free_blocks()
+    holder.run_request("p", toks)
+    assert holder.sched.held_chunks == 3
+    with MasterClient(master.address) as other:  # the other process, same node id
+        other.register_node(NodeInfo(holder.worker.node_id, 0, "tcp", b"{}", {"block_size": BS}, holder.fp),
+                            lease_ttl_s=30.0)
+        deadline = time.monotonic() + 10
+        while holder.sched.held_chunks:
+            assert time.monotonic() < deadline, "a superseded holder kept its blocks"
+            time.sleep(0.05)
+        holder.sched.drain_frees()
+        assert holder.pool.get_num_free_blocks() == free_before
+        holder.run_request("p2", _tokens(2 * C + 5, 81))
+        assert holder.sched.held_chunks == 0  # publishes nothing as a node it no longer is
