@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holders", type=int, default=3)
     ap.add_argument("--readers", type=int, default=4)
     ap.add_argument("--single", action="store_true", help="one master, no etcd (no etcd fault kinds)")
-    ap.add_argument("--holes", action="store_true", help="also inject fault kinds today's pdxfer fails")
+    ap.add_argument("--holes", action="store_true",
+                    help="also inject the opt-in fault kinds (a second process registering a live node id)")
     ap.add_argument("--workdir", help="where logs go (default: a fresh temporary folder, kept)")
     ap.add_argument("--recheck", metavar="WORKDIR", help="run only the checker over an earlier run's logs")
     args = ap.parse_args(argv)
