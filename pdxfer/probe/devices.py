@@ -167,9 +167,9 @@ def ucx_view(timeout: float = 30.0) -> dict:
     exe = shutil.which("ucx_info")
     if not exe:
         return {"available": False, "reason": "ucx_info not found (apt-get install ucx-utils)"}
-    env = dict(os.environ)
-    if env.get("UCX_MODULES") == "^ib":
-        env.pop("UCX_MODULES")  # the host-only default would hide exactly the devices asked about
+    from pdxfer.transport.nixl.env import env_for_device_query  # the one UCX_MODULES rule
+
+    env = env_for_device_query(os.environ)
     try:
         res = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:

@@ -45,6 +45,15 @@ def apply_ucx_env(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
     return env
 
 
+def env_for_device_query(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` for asking UCX about RDMA devices (``ucx_info -d``): without the
+    no-InfiniBand default this module applied, which would hide exactly the devices asked about."""
+    out = dict(env)
+    if out.get("UCX_MODULES") == "^ib":
+        del out["UCX_MODULES"]
+    return out
+
+
 def prepare_ucx_env() -> None:
     """Apply the rule to this process before NIXL loads; idempotent, never overrides the operator."""
     if ucx_env_defaults(os.environ) and any(m in sys.modules for m in ("nixl_cu12", "nixl_cu13", "nixl")):
