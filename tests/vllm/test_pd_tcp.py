@@ -179,10 +179,15 @@ def test_master_killed_requests_recompute_then_recover(pair):
 def test_prefill_killed_after_publishing_decode_recomputes(pair):
     prompt = prompt_of(1500, seed=15)
     ref = complete(pair.prefill_port, prompt, MAX_TOKENS)  # computed and published by the prefill
+    # More prompts sharing its first chunks, for a concurrent load onto the dead holder.
+    others = [prompt[:600] + prompt_of(300, 150 + i) for i in range(6)]
+    refs = [complete(pair.prefill_port, p, MAX_TOKENS) for p in others]
     failed = pair.failed_loads()
     pair.prefill.kill()
     t0 = time.monotonic()
-    assert complete(pair.decode_port, prompt, MAX_TOKENS) == ref
+    with ThreadPoolExecutor(len(others) + 1) as pool:
+        answers = list(pool.map(lambda p: complete(pair.decode_port, p, MAX_TOKENS), [prompt] + others))
+    assert answers == [ref] + refs
     assert time.monotonic() - t0 < 30
     # The master still listed the dead holder (lease not yet expired): the read failed -> recompute.
     assert wait_metric(pair.decode_port, "vllm:pdxfer_loads_failed_total", failed + 1) == failed + 1
