@@ -189,6 +189,7 @@ def test_prefill_killed_after_publishing_decode_recomputes(pair):
         answers = list(pool.map(lambda p: complete(pair.decode_port, p, MAX_TOKENS), [prompt] + others))
     assert answers == [ref] + refs
     assert time.monotonic() - t0 < 30
-    # The master still listed the dead holder (lease not yet expired): the read failed -> recompute.
-    assert wait_metric(pair.decode_port, "vllm:pdxfer_loads_failed_total", failed + 1) == failed + 1
+    # The master still listed the dead holder (lease not yet expired): reads failed -> recompute
+    # (one per request that looked up before a sibling's recompute filled the local prefix cache).
+    assert failed + 1 <= wait_metric(pair.decode_port, "vllm:pdxfer_loads_failed_total", failed + 1) <= failed + 7
 
