@@ -79,10 +79,12 @@ def hist_delta(after: Mapping[str, float], before: Mapping[str, float], name: st
     buckets = sorted(((float(k.split("@", 1)[1]), delta(after, before, k)) for k in after
                       if k.startswith(name + "_bucket@")), key=lambda b: b[0])
 
-    def bound(q: float) -> float | None:
+    def bound(q: float) -> float | str | None:
+        finite = [le for le, _ in buckets if le != float("inf")]
         for le, cum in buckets:
             if count and cum >= q * count:
-                return round(le * 1000, 1) if le != float("inf") else None
+                # Past the last finite bucket: say so rather than print infinity (not JSON).
+                return round(le * 1000, 1) if le != float("inf") else f">{finite[-1] * 1000:g}"
         return None
 
     return {"count": int(count), "mean_ms": round(1000 * total / count, 2) if count else None,
