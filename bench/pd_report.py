@@ -129,11 +129,14 @@ def print_summary(rows: list[dict[str, Any]], crows: list[dict[str, Any]], idle:
           f"{'nixl dec/plain':>14} | foreign CPU % (plain, pdx, nixl)")
     for r in rows:
         def rr(k: str, w: int, r: dict[str, Any] = r) -> str:
-            return f"{r[k]} ({r[k + '_of_minimums']})".rjust(w)
+            a, b = r[k], r[k + "_of_minimums"]
+            return ("-" if a is None else f"{a} ({b})").rjust(w)
+
+        foreign = ", ".join(str(r[f"{c}_foreign_cpu_pct"]) if r[f"{c}_foreign_cpu_pct"] is not None
+                            else "-" for c in ("plain", "pdxfer", "nixl"))
         print(f"{r['prompt_tokens']:>6} | {rr('pdxfer_vs_nixl_decode', 16)} | "
               f"{rr('pdxfer_prefill_vs_plain', 14)} | {rr('pdxfer_decode_vs_plain', 14)} | "
-              f"{rr('nixl_prefill_vs_plain', 14)} | {rr('nixl_decode_vs_plain', 14)} | "
-              f"{r['plain_foreign_cpu_pct']}, {r['pdxfer_foreign_cpu_pct']}, {r['nixl_foreign_cpu_pct']}")
+              f"{rr('nixl_prefill_vs_plain', 14)} | {rr('nixl_decode_vs_plain', 14)} | {foreign}")
     if crows:
         print("\nconcurrency (all requests at once, each prefill then decode): decode TTFT median / "
               "min / max ms; per-request transfer from the decode's histogram: mean, p50 and p90 "
