@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from tests.transport.conftest import (HOLDER_SIZES, REPO, Holder, MiB, Reader, SharedPeers, child_env, read_line,
+from tests.transport.conftest import (HOLDER_SIZES, REPO, Holder, MiB, SharedPeers, child_env, read_line,
                                       start_holder, stop)
+from tests.transport.conftest import reader_factory  # noqa: F401  (the same fixture, outside its conftest)
 from tests.transport.test_conformance import (  # noqa: F401  (collected here, with these fixtures)
     test_4096_scattered_runs_exact,
     test_holder_killed_mid_read_gives_typed_error_in_time,
@@ -47,20 +48,6 @@ def holder_factory():
     yield make
     for h in made:
         stop(h.proc)
-
-
-@pytest.fixture
-def reader_factory():
-    made: list[Reader] = []
-
-    def make(k: str, size: int = HOLDER_SIZES[0]) -> Reader:
-        r = Reader(k, size)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()
 
 
 def test_ucx_carried_the_reads_over_rc_verbs_on_rxe(tmp_path):
