@@ -67,6 +67,7 @@ from bench.pd_util import (
     settle,
 )
 from pdxfer.procs import default_run_dir
+from pdxfer.vllm.phase_times import PHASES
 from pdxfer.transport import KINDS
 from pdxfer.vllm.launch import split_cores
 from pdxfer.vllm.serve_shim import served_model_name
@@ -97,9 +98,14 @@ def _decode_delta(run: Running, before: dict[str, float], requests: int) -> dict
     hist, tokens = DECODE_METRICS[run.name]
     # Expect one transfer per request; wait (bounded) for late stats before reading.
     after = settle(run.urls["decode"], hist + "_count", before.get(hist + "_count", 0.0) + requests)
-    return {"load": hist_delta(after, before, hist),
-            "tokens_loaded_per_request": round(delta(after, before, tokens) / requests, 1),
-            "external_hits_per_request": round(delta(after, before, EXTERNAL_HITS) / requests, 1)}
+    out = {"load": hist_delta(after, before, hist),
+           "tokens_loaded_per_request": round(delta(after, before, tokens) / requests, 1),
+           "external_hits_per_request": round(delta(after, before, EXTERNAL_HITS) / requests, 1)}
+    if run.name == "pdxfer":
+        # Where the decode's TTFT went (pdxfer.vllm.phase_times): mean ms per request.
+        out["phases_ms"] = {p: round(1000 * delta(after, before, f"vllm:pdxfer_phase_{p}_seconds_sum") / requests, 3)
+                            for p in PHASES}
+    return out
 
 
 def measure_length(run: Running, n: int, args: argparse.Namespace, prompts: Prompts

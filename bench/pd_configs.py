@@ -67,9 +67,13 @@ def _measure_for(name: str, urls: dict[str, str], model: str, timeout: float) ->
 
     def pdxfer(ids: list[int]) -> dict[str, float]:
         # Like the proxy: the prefill instance computes and publishes, then the decode instance
-        # gets the same prompt and finds the chunks through the master (no ids handed over).
-        p_ms, _ = post_json(urls["prefill"] + "/v1/completions", _body(model, ids), timeout)
-        d_ms, _ = post_json(urls["decode"] + "/v1/completions", _body(model, ids), timeout)
+        # gets the same prompt and finds the chunks through the master (no block ids handed
+        # over); the prefill's kv_transfer_params (its publish hint) go along, as any P/D proxy
+        # forwards them, so the decode waits for a publish still on its way.
+        p_ms, out = post_json(urls["prefill"] + "/v1/completions", _body(model, ids), timeout)
+        hint = out.get("kv_transfer_params")
+        extra = {"kv_transfer_params": hint} if hint else None
+        d_ms, _ = post_json(urls["decode"] + "/v1/completions", _body(model, ids, extra), timeout)
         return {"prefill": p_ms, "ttft": d_ms}
 
     def nixl(ids: list[int]) -> dict[str, float]:

@@ -39,6 +39,13 @@ def length_rows(phases: Phases, lengths: list[int]) -> list[dict[str, Any]]:
             r[f"{cfg}_transfer_p50_le_ms"] = load.get("p50_le_ms")
             r[f"{cfg}_loaded_tokens"] = c.get("tokens_loaded_per_request")
             r[f"{cfg}_foreign_cpu_pct"] = (c.get("cpu") or {}).get("foreign_pct")
+        phases_ms = _cell(phases, "pdxfer", n).get("phases_ms")
+        if phases_ms:
+            # The rest of the decode's TTFT: vLLM's scheduling step after the load, the one-token
+            # compute, HTTP (and, counted in the median, whatever these means do not capture).
+            r["pdxfer_decode_phases_ms"] = dict(phases_ms)
+            if r["pdxfer_decode_ms"] is not None:
+                r["pdxfer_decode_phases_ms"]["rest"] = round(r["pdxfer_decode_ms"] - sum(phases_ms.values()), 3)
         r["plain_foreign_cpu_pct"] = (_cell(phases, "plain", n).get("cpu") or {}).get("foreign_pct")
         for a, b, out in (("pdxfer_decode", "nixl_decode", "pdxfer_vs_nixl_decode"),
                           ("pdxfer_prefill", "plain_ttft", "pdxfer_prefill_vs_plain"),
@@ -137,6 +144,15 @@ def print_summary(rows: list[dict[str, Any]], crows: list[dict[str, Any]], idle:
         print(f"{r['prompt_tokens']:>6} | {rr('pdxfer_vs_nixl_decode', 16)} | "
               f"{rr('pdxfer_prefill_vs_plain', 14)} | {rr('pdxfer_decode_vs_plain', 14)} | "
               f"{rr('nixl_prefill_vs_plain', 14)} | {rr('nixl_decode_vs_plain', 14)} | {foreign}")
+    phase_rows = [r for r in rows if r.get("pdxfer_decode_phases_ms")]
+    if phase_rows:
+        names = list(phase_rows[0]["pdxfer_decode_phases_ms"])
+        print("\nwhere pdxfer's decode TTFT goes (mean ms per request; rest = median TTFT minus the "
+              "phases: vLLM's step after the load, the one-token compute, HTTP)")
+        print(f"{'tokens':>6} | " + " | ".join(f"{n:>12}" for n in names))
+        for r in phase_rows:
+            print(f"{r['prompt_tokens']:>6} | " + " | ".join(
+                f"{r['pdxfer_decode_phases_ms'].get(n, 0):>12}" for n in names))
     if crows:
         print("\nconcurrency (all requests at once, each prefill then decode): decode TTFT median / "
               "min / max ms; per-request transfer from the decode's histogram: mean, p50 and p90 "

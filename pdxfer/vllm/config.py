@@ -33,7 +33,14 @@ class ConnectorConfig:
     chunk_tokens: int = 256
     lookup_timeout_s: float = 0.5  # bounded master wait on the scheduler's hot path
     master_timeout_s: float = 2.0  # background master calls (unpublish, re-publish, lease)
-    publish_wait_s: float = 0.05  # how long a finishing request waits, at most, for its publish to land
+    # How long a finishing request waits, at most, for its publish to reach the master. 0: never
+    # on the prefill's path; a decode that got the publish hint (see publish_hint_wait_s) waits
+    # instead. Set it (e.g. 0.05) only behind a proxy that drops kv_transfer_params.
+    publish_wait_s: float = 0.0
+    # A decode whose request carries the prefill's publish hint (kv_transfer_params, forwarded
+    # by the proxy) waits at most this long for those chunks to reach the master before it
+    # computes without them: the publish no longer races the decode's lookup.
+    publish_hint_wait_s: float = 0.25
     lock_ttl_s: float = 10.0
     retention_s: float = 60.0  # how long a holder keeps published chunks after the request ends
     max_held_fraction: float = 0.5  # cap on the share of KV blocks held for readers
@@ -60,9 +67,9 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"master_token_file {self.master_token_file!r}: {exc}") from exc
 
 
-_FLOATS = {"lookup_timeout_s", "master_timeout_s", "publish_wait_s", "lock_ttl_s", "retention_s", "load_timeout_s",
-           "read_timeout_floor_s",
-           "lease_ttl_s"}
+_FLOATS = {"lookup_timeout_s", "master_timeout_s", "lock_ttl_s", "retention_s", "load_timeout_s",
+           "read_timeout_floor_s", "lease_ttl_s"}
+_NONNEG_FLOATS = {"publish_wait_s", "publish_hint_wait_s"}  # 0 turns the wait off
 # Keys vLLM's own connectors read from the same dict; harmless to carry, so not an error.
 _IGNORED = {"backends"}
 
@@ -112,6 +119,10 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConnectorConfigError(f"staging_mib must be an int >= 0, got {value!r}")
         return value
+    if key in _NONNEG_FLOATS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConnectorConfigError(f"{key} must be a number >= 0, got {value!r}")
+        return float(value)
     if key in _FLOATS or key == "max_held_fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConnectorConfigError(f"{key} must be a positive number, got {value!r}")

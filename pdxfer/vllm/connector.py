@@ -25,6 +25,7 @@ from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_siz
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
+from pdxfer.vllm.publish_hint import hinted_tokens, publish_hint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,7 +76,7 @@ class PdxferConnector(KVConnectorBase_V1):
                 model_id=self.cfg.model_id or model_identity(vllm_config),
                 layout_fingerprint=self.fingerprint, block_size=self.block_size,
                 producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer), tp_size=tp_size)
-            self._sched_stats_sent = dict(vars(self.scheduler_side.stats))
+            self._sched_stats_sent = self.scheduler_side.stats.counters()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -136,8 +137,10 @@ class PdxferConnector(KVConnectorBase_V1):
         if self.worker_side is not None:
             data = self.worker_side.stats.take()
         elif self.scheduler_side is not None:
-            now = dict(vars(self.scheduler_side.stats))
+            stats = self.scheduler_side.stats
+            now = stats.counters()
             data = {k: now[k] - self._sched_stats_sent.get(k, 0) for k in now}
+            data.update(stats.phases.take())
             self._sched_stats_sent = now
             if not any(data.values()):
                 data = None
@@ -175,7 +178,8 @@ class PdxferConnector(KVConnectorBase_V1):
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(
             request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
-            request.cache_salt, unkeyable=unkeyable_reason(request))
+            request.cache_salt, unkeyable=unkeyable_reason(request),
+            hinted_tokens=hinted_tokens(getattr(request, "kv_transfer_params", None)))
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         return (0,)
@@ -200,9 +204,10 @@ class PdxferConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
         tokens = publishable_tokens(request)
-        self.scheduler_side.request_finished(request.request_id, tokens, block_ids, request.cache_salt,
-                                             unkeyable=unkeyable_reason(request))
-        return False, None
+        published = self.scheduler_side.request_finished(request.request_id, tokens, block_ids,
+                                                         request.cache_salt, unkeyable=unkeyable_reason(request))
+        # The decode this response is handed to (by a proxy) waits for these chunks, bounded.
+        return False, publish_hint(published)
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_frees()

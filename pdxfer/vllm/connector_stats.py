@@ -8,11 +8,14 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from pdxfer.vllm.phase_times import PHASES, stats_key
+
 # Counters summed across workers and the scheduler; lists concatenated.
 _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
              "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes",
-             "unkeyable_requests", "background_errors")
-_LISTS = ("transfer_s",)
+             "unkeyable_requests", "background_errors", "publish_hint_waits", "publish_hint_timeouts")
+_LISTS = ("transfer_s",) + tuple(stats_key(p) for p in PHASES)
+_PHASE_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 
 
 @dataclass
@@ -52,6 +55,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Freed chunks": d["freed_chunks"],
             "Master errors": d["master_errors"],
             "Late publishes": d["late_publishes"],
+            "Lookups that waited for a hinted publish": d["publish_hint_waits"],
             "Unkeyable requests (kept out)": d["unkeyable_requests"],
             "Background errors": d["background_errors"],
         }
@@ -73,6 +77,8 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
             "unkeyable_requests": "Requests kept out of the connector: their KV is not named by their "
                                   "tokens (LoRA, multimodal inputs, prompt embeddings)",
             "background_errors": "Unexpected errors the holder's reaper or publisher survived (see the log)",
+            "publish_hint_waits": "Decode lookups that waited for chunks their prefill's hint announced",
+            "publish_hint_timeouts": "... that went on without some of them (the publish came too late)",
         }
         for key, doc in docs.items():
             c = self._counter_cls(name=f"vllm:pdxfer_{key}", documentation=doc, labelnames=labelnames)
@@ -81,6 +87,12 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
                                 "load to its validated completion", labelnames=labelnames,
                                 buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0])
         self.load_seconds = create_metric_per_engine(h, per_engine_labelvalues)
+        self.phase_seconds: dict[str, dict[int, Any]] = {}
+        for phase in PHASES:
+            h = self._histogram_cls(name=f"vllm:pdxfer_phase_{phase}_seconds",
+                                    documentation=f"Decode load phase '{phase}' (see pdxfer.vllm.phase_times)",
+                                    labelnames=labelnames, buckets=_PHASE_BUCKETS)
+            self.phase_seconds[phase] = create_metric_per_engine(h, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self.counters.items():
@@ -89,3 +101,6 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(v)
         for t in transfer_stats_data.get("transfer_s", []) or []:
             self.load_seconds[engine_idx].observe(t)
+        for phase, per_engine in self.phase_seconds.items():
+            for t in transfer_stats_data.get(stats_key(phase), []) or []:
+                per_engine[engine_idx].observe(t)

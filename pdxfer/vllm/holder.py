@@ -109,14 +109,15 @@ class HolderPath:
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
                          hasher: IncrementalHasher | None,
-                         new_hasher: Callable[[], IncrementalHasher]) -> None:
+                         new_hasher: Callable[[], IncrementalHasher]) -> int:
         """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
         tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
-        ``hasher``: the request's own, if the reader path made one; ``new_hasher()`` makes one."""
+        ``hasher``: the request's own, if the reader path made one; ``new_hasher()`` makes one.
+        Returns how many leading tokens the queued publish covers (0: none), the decode's hint."""
         try:
             self.drain_frees()
             if tokens is None or self._pool is None or self.node_id is None:
-                return
+                return 0
             C = self.cfg.chunk_tokens
             chunk_blocks: list[tuple[int, ...]] = []
             for i in range(min(len(tokens), len(block_ids) * self.block_size) // C):
@@ -127,7 +128,7 @@ class HolderPath:
             n_chunks = len(chunk_blocks)
             tail_blocks = self._tail_blocks(len(tokens), n_chunks, block_ids)
             if n_chunks == 0 and tail_blocks is None:
-                return
+                return 0
             if hasher is None:
                 hasher = new_hasher()
             t0 = time.perf_counter()
@@ -140,13 +141,17 @@ class HolderPath:
                     keys.append(tail)
                     chunk_blocks.append(tail_blocks)
             t1 = time.perf_counter()
-            self._publish(keys, chunk_blocks)
+            queued = self._publish(keys, chunk_blocks)
             t2 = time.perf_counter()
             if t2 - t0 > 0.02:
                 log.warning("pdxfer: publishing %d chunks of %s took %.1f ms (hash %.1f ms)", n_chunks,
                             req_id, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
+            if not queued:
+                return 0
+            return len(tokens) if len(keys) > n_chunks else n_chunks * C
         except Exception as exc:  # publishing is best effort; never fail vLLM's request
             log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
+            return 0
 
     def _tail_blocks(self, n_tokens: int, n_chunks: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
         """Blocks of the tokens after the last full chunk, when they are the whole rest of the
@@ -166,10 +171,11 @@ class HolderPath:
             return None
         return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
 
-    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> None:
+    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> bool:
+        """Hold and queue the publish of ``keys``; False when nothing was queued."""
         assert self._pool is not None and self.node_id is not None
         if self._superseded:
-            return
+            return False
         now = time.monotonic()
         retain = test_hook_float("retention_s") or self.cfg.retention_s
         with self._lock:
@@ -188,7 +194,7 @@ class HolderPath:
                     self._held.move_to_end(k)
                     refresh.append((k, h.blocks))
         if not new and not refresh:
-            return
+            return False
         for _, b in new:
             self._pool.hold(b)
         # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
@@ -205,16 +211,22 @@ class HolderPath:
         reg = self._hot.registration(self.node_id)
         fut = self._publisher.submit(self._send_publish, entries, [k for k, _ in new], len(refresh), retain,
                                      seq, reg.epoch if reg is not None else None)
-        # Wait briefly so the chunks are at the master before the response reaches the proxy
-        # (and the decode's lookup); a slow master only delays the publish, never the prefill.
-        try:
-            fut.result(timeout=self.cfg.publish_wait_s)
-        except FutureTimeout:
-            self.stats.late_publishes += 1
+        # The decode's lookup must not race this publish. By default nothing waits here: the
+        # request's kv_transfer_params carry a hint and the decode waits for the chunks instead
+        # (bounded), so the prefill's answer is never delayed by a master round trip.
+        if self.cfg.publish_wait_s > 0:
+            try:
+                fut.result(timeout=self.cfg.publish_wait_s)
+            except FutureTimeout:
+                self.stats.late_publishes += 1
+        return True
 
     def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
                       retain: float, seq: int, epoch: int | None) -> None:
         assert self.node_id is not None
+        delay = test_hook_float("publish_delay_s")  # tests: a publish slower than the decode's lookup
+        if delay:
+            time.sleep(delay)
         try:
             try:
                 accepted = self._hot.publish(self.node_id, entries, retention_s=retain, seq=seq, epoch=epoch)

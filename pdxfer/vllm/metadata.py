@@ -20,7 +20,8 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
 # What changed in each version (both halves check it before trusting a field):
 #   1  loads (LoadSpec: reads per holder, lock, expiry, blocks) and holder refs; handshake
 #   2  NodeRead carries a token range and the holder's block size for staged (converting) reads
-METADATA_VERSION = 2
+#   3  LoadSpec carries looked_up_at (wall clock of the lookup) for the per-phase TTFT stats
+METADATA_VERSION = 3
 
 
 class MetadataVersionError(RuntimeError):
@@ -64,6 +65,7 @@ class LoadSpec:
     # Every local block vLLM expects this load to fill: reported as load errors if anything
     # fails, even when no read could be planned (else vLLM would compute on garbage KV).
     blocks: tuple[int, ...] = ()
+    looked_up_at: float = 0.0  # wall clock when the scheduler's lookup answered; 0: unknown
 
     @property
     def local_blocks(self) -> set[int]:

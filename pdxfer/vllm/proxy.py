@@ -6,8 +6,10 @@ For each `/v1/completions` or `/v1/chat/completions` request it
 2. then sends the original request to a decode instance, whose connector finds those chunks
    through the master and reads them; the decode answer (streamed or not) goes to the client.
 
-No block ids travel through the proxy (pdxfer's decode finds chunks by content hash). For vLLM's
-own NixlConnector, `handoff="nixl"` asks prefill for `kv_transfer_params` and hands them to decode.
+No block ids travel through the proxy (pdxfer's decode finds chunks by content hash). A prefill
+answer's `kv_transfer_params` go into the decode request: pdxfer's publish hint (the decode waits,
+bounded, for chunks whose publish is still on its way). For vLLM's own NixlConnector,
+`handoff="nixl"` also asks prefill for `kv_transfer_params`, which carry its block ids.
 
 Instances are chosen round-robin or least-loaded (fewest requests in flight, ties in turn). An
 instance that cannot be reached gives a 502 JSON error naming it; a timeout gives 504; with
@@ -207,11 +209,11 @@ class PDProxy:
                 if r.status != 200:
                     backend.errors += r.status >= 500
                     raise _BackendStatus(r.status, data, r.content_type, backend)
-                if self.handoff != "nixl":
-                    return backend, None
                 try:
                     return backend, json.loads(data).get("kv_transfer_params")
                 except (ValueError, AttributeError):
+                    if self.handoff != "nixl":
+                        return backend, None  # pdxfer's hint only shortens a wait: go on without it
                     raise UpstreamError(502, f"prefill instance {backend.url} sent a non-JSON "
                                         "answer", backend) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:

@@ -33,6 +33,19 @@ class _Lookup:
     nodes: dict[str, Any]
     expires_at: float  # wall clock
     tail_tokens: int = 0  # > 0: the last location is the prompt's partial last chunk
+    looked_up_at: float = 0.0  # wall clock of the lookup's answer (the worker times the gap to its post)
+
+
+@dataclass
+class _HintWait:
+    since: float  # monotonic: the first lookup that missed hinted chunks
+    until: float  # past this the request goes on without them
+    next_try: float
+
+
+# Between lookups of a request waiting for a hinted publish (a master round trip here is ~0.3 ms;
+# the engine loop would otherwise ask on every spin).
+_HINT_RETRY_S = 0.002
 
 
 class ReaderPath:
@@ -50,6 +63,7 @@ class ReaderPath:
         self._hasher = hasher
         self._own_node = own_node
         self._lookups: dict[str, _Lookup] = {}
+        self._hint_waits: dict[str, _HintWait] = {}  # requests waiting for a hinted publish
         self._pending_loads: list[LoadSpec] = []
         self._pending_nodes: dict[str, HolderRef] = {}
         # One remote load per request: after a failed load (or a preemption) vLLM asks again,
@@ -64,20 +78,27 @@ class ReaderPath:
     # ------------------------------------------------------------------ lookup
 
     def get_num_new_matched_tokens(self, req_id: str, tokens: Sequence[int], num_tokens: int,
-                                   num_computed_tokens: int, cache_salt: str | None) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` that can be read from holders; never raises."""
+                                   num_computed_tokens: int, cache_salt: str | None,
+                                   hinted_tokens: int = 0) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that can be read from holders, or None while
+        chunks a prefill said it published (``hinted_tokens``) are not at the master yet and
+        vLLM should ask again next step; never raises."""
         try:
-            return self._match(req_id, tokens, num_tokens, num_computed_tokens, cache_salt)
+            return self._match(req_id, tokens, num_tokens, num_computed_tokens, cache_salt, hinted_tokens)
         except Exception as exc:  # never an exception into vLLM's scheduler
             log.exception("pdxfer: lookup for %s failed unexpectedly: %s", req_id, exc)
             self.drop_lookup(req_id)
+            self._hint_waits.pop(req_id, None)
             return 0, False
 
     def _match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local: int,
-               cache_salt: str | None) -> tuple[int, bool]:
+               cache_salt: str | None, hinted: int = 0) -> tuple[int | None, bool]:
         C = self.cfg.chunk_tokens
         if req_id in self._attempted:
             return 0, False
+        wait = self._hint_waits.get(req_id)
+        if wait is not None and time.monotonic() < wait.next_try:
+            return None, False  # the engine loop spins on a skipped request: spare the master
         prev = self._lookups.get(req_id)
         if prev is not None:
             # vLLM asks again when it could not schedule the request: reuse a lock with time left.
@@ -103,18 +124,25 @@ class ReaderPath:
         ttl = test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s
 
         self.stats.lookups += 1
+        t0 = time.monotonic()
         try:
             res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl)
         except MasterError as exc:
             self.stats.master_errors += 1
             self._lookup_log.fail(exc)
             self._backoff_until = now_mono + 1.0  # a dead master must not cost every request a timeout
+            self._hint_waits.pop(req_id, None)
             return 0, False
         self._lookup_log.ok()
+        self.stats.phases.add("lookup", time.monotonic() - t0)
+        if self._wait_for_hinted(req_id, hinted, first, len(keys), tail is not None, res.hit_chunks):
+            if res.lock_id is not None:
+                self._release_async(res.lock_id)
+            return None, False
         if res.hit_chunks == 0 or res.lock_id is None:
             return 0, False
         lk = _Lookup(res.lock_id, local, first, 0, list(res.locations), dict(res.nodes),
-                     time.time() + res.lock_ttl_s)
+                     time.time() + res.lock_ttl_s, looked_up_at=time.time())
         usable = self._usable_chunks(lk)
         hit_end = (first + min(usable, len(keys) - first)) * C
         if tail is not None and usable == len(want):
@@ -132,6 +160,36 @@ class ReaderPath:
         self._lookups[req_id] = lk
         self.stats.lookup_hit_tokens += hit_end - local
         return hit_end - local, True
+
+    def _wait_for_hinted(self, req_id: str, hinted: int, first: int, n_full: int, has_tail: bool,
+                         hit_chunks: int) -> bool:
+        """True when the lookup missed chunks a prefill said it published and their publish may
+        still be on its way: the caller answers None and vLLM asks again next step."""
+        C = self.cfg.chunk_tokens
+        # Keys of this lookup (full chunks from ``first``, then the tail) that the hint covers.
+        expected = max(min(hinted // C, n_full) - first, 0)
+        if has_tail and hinted >= n_full * C + 1 and expected == n_full - first:
+            expected += 1
+        now = time.monotonic()
+        wait = self._hint_waits.get(req_id)
+        if hinted <= 0 or hit_chunks >= expected:
+            if wait is not None:
+                del self._hint_waits[req_id]
+                self.stats.phases.add("publish_wait", now - wait.since)
+            return False
+        if wait is None:
+            wait = self._hint_waits[req_id] = _HintWait(now, now + self.cfg.publish_hint_wait_s, now)
+            self.stats.publish_hint_waits += 1
+        if now >= wait.until:
+            del self._hint_waits[req_id]
+            self.stats.publish_hint_timeouts += 1
+            self.stats.phases.add("publish_wait", now - wait.since)
+            log.warning("pdxfer: %s: the prefill published %d tokens but after %.0f ms the master "
+                        "has %d of %d chunks; going on without the rest", req_id, hinted,
+                        self.cfg.publish_hint_wait_s * 1e3, hit_chunks, expected)
+            return False
+        wait.next_try = now + _HINT_RETRY_S
+        return True
 
     def _usable_chunks(self, lk: _Lookup) -> int:
         """Leading hit chunks this reader can plan: same block size and layout, not itself."""
@@ -191,7 +249,7 @@ class ReaderPath:
             reads = ()
         self._attempted.add(req_id)
         self._pending_loads.append(LoadSpec(req_id, lk.lock_id, num_external_tokens, reads, lk.expires_at,
-                                            covered))
+                                            covered, looked_up_at=lk.looked_up_at))
 
     def _token_range_reads(self, lk: _Lookup, block_ids: Sequence[int], start: int) -> tuple[NodeRead, ...]:
         """Reads by token range, one per run of consecutive hit chunks on one holder: for holders
@@ -236,6 +294,7 @@ class ReaderPath:
     def finish_request(self, req_id: str) -> None:
         self.drop_lookup(req_id)
         self._attempted.discard(req_id)
+        self._hint_waits.pop(req_id, None)
 
     def drop_lookup(self, req_id: str) -> None:
         lk = self._lookups.pop(req_id, None)

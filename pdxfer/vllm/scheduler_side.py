@@ -101,9 +101,11 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, req_id: str, tokens: Sequence[int], num_tokens: int,
                                    num_computed_tokens: int, cache_salt: str | None,
-                                   unkeyable: str | None = None) -> tuple[int, bool]:
+                                   unkeyable: str | None = None,
+                                   hinted_tokens: int = 0) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` that can be read from holders; never raises.
-        ``unkeyable``: why the tokens do not name this request's KV (then: no lookup)."""
+        ``unkeyable``: why the tokens do not name this request's KV (then: no lookup);
+        ``hinted_tokens``: leading tokens a prefill said it published (None back: ask again)."""
         self.holder.drain_frees()
         if not self.consumer:
             return 0, False
@@ -111,7 +113,7 @@ class SchedulerSide:
             self._keep_out(req_id, unkeyable)
             return 0, False
         return self.reader.get_num_new_matched_tokens(req_id, tokens, num_tokens, num_computed_tokens,
-                                                       cache_salt)
+                                                       cache_salt, hinted_tokens)
 
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self.reader.update_state_after_alloc(req_id, block_ids, num_external_tokens)
@@ -123,10 +125,11 @@ class SchedulerSide:
     # ------------------------------------------------------------------ holder (producer) path
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
-                         cache_salt: str | None, unkeyable: str | None = None) -> None:
+                         cache_salt: str | None, unkeyable: str | None = None) -> int:
         """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
         tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
-        ``unkeyable``: why the tokens do not name this request's KV (then: no publish)."""
+        ``unkeyable``: why the tokens do not name this request's KV (then: no publish).
+        Returns the leading tokens the queued publish covers (0: none)."""
         self.reader.finish_request(req_id)
         hasher = self._hashers.pop(req_id, None)
         if unkeyable is not None and self.producer and tokens is not None:
@@ -134,8 +137,9 @@ class SchedulerSide:
             tokens = None
         if not self.producer:
             self.holder.drain_frees()
-            return
-        self.holder.request_finished(req_id, tokens, block_ids, hasher, lambda: self._new_hasher(cache_salt))
+            return 0
+        return self.holder.request_finished(req_id, tokens, block_ids, hasher,
+                                            lambda: self._new_hasher(cache_salt))
 
     def _keep_out(self, req_id: str, reason: str) -> None:
         self.stats.unkeyable_requests += 1

@@ -4,7 +4,9 @@ and logging master trouble once per episode."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pdxfer.vllm.phase_times import PhaseTimes
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
 
@@ -20,6 +22,12 @@ class SchedulerStats:
     late_publishes: int = 0  # publishes still in flight when the request's wait ran out
     unkeyable_requests: int = 0  # kept out: LoRA, multimodal inputs or prompt embeddings
     background_errors: int = 0  # unexpected errors in the reaper or publisher (logged, survived)
+    publish_hint_waits: int = 0  # lookups that waited for chunks a prefill's hint announced
+    publish_hint_timeouts: int = 0  # ... and went on without some of them
+    phases: PhaseTimes = field(default_factory=PhaseTimes)  # not a counter: taken, not diffed
+
+    def counters(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, int)}
 
 
 class EpisodeLog:

@@ -26,6 +26,7 @@ from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadSta
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
+from pdxfer.vllm.phase_times import PhaseTimes
 
 log = logging.getLogger("pdxfer.vllm.worker")
 
@@ -54,6 +55,7 @@ class _Inflight:
     staged: list[Any] = field(default_factory=list)  # (planner, StagedRead) still to scatter
     read_deadline: float = 0.0  # monotonic; past it a read still pending is given up
     cancelled: bool = False
+    validating_since: float = 0.0  # monotonic: reads done, release asked
 
 
 @dataclass
@@ -65,6 +67,7 @@ class WorkerStats:
     tokens_loaded: int = 0
     bytes_loaded: int = 0
     transfer_s: list[float] = field(default_factory=list)
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
 
     def take(self) -> dict[str, Any] | None:
         if not (self.loads_ok or self.loads_failed):
@@ -72,6 +75,7 @@ class WorkerStats:
         out = {"loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
                "tokens_loaded": self.tokens_loaded, "bytes_loaded": self.bytes_loaded,
                "transfer_s": list(self.transfer_s)}
+        out.update(self.phases.take())
         self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
         self.transfer_s = []
         return out
@@ -150,6 +154,8 @@ class WorkerSide:
     def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> None:
         now = time.time()
         inf = _Inflight(spec, [], time.monotonic(), 0)
+        if spec.looked_up_at > 0:
+            self.stats.phases.add("post", now - spec.looked_up_at)
         self._inflight[spec.req_id] = inf
         if not spec.reads:
             inf.error = "no plan"
@@ -265,6 +271,8 @@ class WorkerSide:
                     continue
                 # The bytes are in; only the master can say whether the lock held throughout.
                 # Ask off the step path; a quick answer is still taken in this same step.
+                inf.validating_since = time.monotonic()
+                self.stats.phases.add("read", inf.validating_since - inf.started)
                 inf.validation = self._releaser.submit(self._master().release, inf.spec.lock_id)
                 wait = _INLINE_RELEASE_WAIT_S
             else:
@@ -278,6 +286,7 @@ class WorkerSide:
             except Exception as exc:
                 valid = False
                 inf.error = f"release failed, bytes cannot be validated: {exc}"
+            self.stats.phases.add("release", time.monotonic() - inf.validating_since)
             self._conclude(inf, valid)
             del self._inflight[req_id]
             out.add(req_id)

@@ -41,9 +41,18 @@ def post_json(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S
         return json.loads(r.read() or b"{}")
 
 
-def complete(port: int, prompt: list[int], max_tokens: int) -> str:
-    out = post_json(f"http://127.0.0.1:{port}/v1/completions",
-                    {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+# Like a P/D proxy: the kv_transfer_params an answer carried (the prefill's publish hint) go with
+# the next request for the same prompt, so a decode waits for a publish still on its way.
+_HINTS: dict[tuple[int, ...], dict] = {}
+
+
+def complete(port: int, prompt: list[int], max_tokens: int, forward_hint: bool = True) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if forward_hint and tuple(prompt) in _HINTS:
+        body["kv_transfer_params"] = _HINTS[tuple(prompt)]
+    out = post_json(f"http://127.0.0.1:{port}/v1/completions", body)
+    if out.get("kv_transfer_params"):
+        _HINTS[tuple(prompt)] = out["kv_transfer_params"]
     return out["choices"][0]["text"]
 
 
@@ -104,12 +113,14 @@ class PDPair:
         self.hooks.mkdir(parents=True, exist_ok=True)
         self.start_master()
         self.prefill_port, self.decode_port = free_port(), free_port()
-        common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0}
+        # A generous publish-hint wait: a loaded CI box may take a while to land a publish.
+        common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0, "publish_hint_wait_s": 3.0}
         p_cfg = pdxfer_kv_config("kv_producer", self.master_addr, self.transport, **common)
         d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport, **common)
         self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
                                   cpu_bind="0", log_dir=self.run_dir, name=f"prefill-{self.transport}",
-                                  extra_args=PAIR_VLLM_ARGS + self.prefill_args)
+                                  extra_args=PAIR_VLLM_ARGS + self.prefill_args,
+                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks)})
         self.decode = start_vllm(self.model, self.decode_port, d_cfg,
                                  cpu_bind="1", log_dir=self.run_dir, name=f"decode-{self.transport}",
                                  extra_args=PAIR_VLLM_ARGS + self.decode_args,

@@ -12,6 +12,9 @@ def test_defaults_and_master_from_env():
     cfg = parse_extra_config({}, env={MASTER_ENV: "127.0.0.1:7000"})
     assert cfg.master == "127.0.0.1:7000" and cfg.transport == "tcp" and cfg.chunk_tokens == 256
     assert parse_extra_config({"master": "h:1", "lock_ttl_s": 3}, env={}).lock_ttl_s == 3.0
+    # Waits that 0 turns off (issue 12: the prefill does not wait for its publish by default).
+    assert cfg.publish_wait_s == 0.0 and cfg.publish_hint_wait_s > 0
+    assert parse_extra_config({"master": "h:1", "publish_hint_wait_s": 0}, env={}).publish_hint_wait_s == 0.0
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -24,6 +27,9 @@ def test_defaults_and_master_from_env():
     ({"master": "h:1", "max_held_fraction": 1.5}, "max_held_fraction"),
     ({"master": "h:1", "lock_ttl_s": 0.2, "lookup_timeout_s": 0.5}, "lock_ttl_s"),
     ({"master": ""}, "master"),
+    ({"master": "h:1", "publish_wait_s": -0.1}, "publish_wait_s"),
+    ({"master": "h:1", "publish_hint_wait_s": "soon"}, "publish_hint_wait_s"),
+    ({"master": "h:1", "lease_ttl_s": 0}, "lease_ttl_s"),
 ])
 def test_bad_values_name_the_key(extra, needle):
     with pytest.raises(ConnectorConfigError, match=needle):

@@ -21,6 +21,7 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from pdxfer.layout import describe_kv_caches  # noqa: E402
 from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.vllm.config import TEST_HOOKS_ENV, parse_extra_config  # noqa: E402
+from pdxfer.vllm.publish_hint import hinted_tokens, publish_hint  # noqa: E402
 from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
 
@@ -451,3 +452,79 @@ def test_a_superseded_holder_stops_publishing_and_returns_its_blocks(pair, maste
         assert holder.pool.get_num_free_blocks() == free_before
         holder.run_request("p2", _tokens(2 * C + 5, 81))
         assert holder.sched.held_chunks == 0  # publishes nothing as a node it no longer is
+
+
+def _ask_until_answered(reader: Node, rid: str, toks: list[int], hint: int, bound_s: float):
+    """vLLM's loop: ask again (next step) while the connector answers None; (answer, Nones, s)."""
+    t0 = time.monotonic()
+    nones = 0
+    while True:
+        ext, is_async = reader.sched.get_num_new_matched_tokens(rid, toks, len(toks), 0, None,
+                                                                hinted_tokens=hint)
+        if ext is not None:
+            return (ext, is_async), nones, time.monotonic() - t0
+        nones += 1
+        assert time.monotonic() - t0 < bound_s, "the connector kept vLLM waiting past its bound"
+        time.sleep(0.001)
+
+
+def test_a_decode_waits_for_the_publish_its_prefill_announced(pair, tmp_path, monkeypatch):
+    # Issue 12: the prefill no longer waits for its publish on its TTFT path (publish_wait_s 0),
+    # so a decode's lookup can come first. The hint in kv_transfer_params makes it wait, bounded.
+    holder, reader = pair(publish_wait_s=0.0)
+    (tmp_path / "publish_delay_s").write_text("0.15")
+    monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
+    toks = _tokens(2 * C + 40, 31)
+    blocks = holder.pool.get_new_blocks(-(-len(toks) // BS))
+    t0 = time.monotonic()
+    hint = holder.sched.request_finished("p", toks, [b.block_id for b in blocks], None)
+    assert time.monotonic() - t0 < 0.1  # the prefill did not wait for its (slow) publish
+    holder.pool.free_blocks(blocks)
+    assert hint == len(toks)  # two full chunks and the 40-token tail
+    assert publish_hint(hint) == {"pdxfer": {"v": 1, "published_tokens": len(toks)}}
+    assert hinted_tokens(publish_hint(hint)) == hint and hinted_tokens({"do_remote_prefill": True}) == 0
+
+    # Without the hint the lookup beats the publish and finds nothing: the race the hint closes.
+    assert reader.sched.get_num_new_matched_tokens("d0", toks, len(toks), 0, None) == (0, False)
+    (ext, is_async), nones, took = _ask_until_answered(reader, "d1", toks, hint, bound_s=1.0)
+    assert (ext, is_async) == (len(toks) - 1, True) and nones > 0
+    assert 0.05 < took < 0.25 + 0.1
+    assert reader.sched.stats.publish_hint_waits == 1 and reader.sched.stats.publish_hint_timeouts == 0
+    # Waiting costs master round trips at most every couple of ms, not one per engine spin.
+    assert reader.sched.stats.lookups <= 2 + took / 0.002
+    reader.sched.reader.drop_lookup("d1")
+
+
+def test_a_hinted_publish_that_never_lands_costs_only_the_bound(pair, tmp_path, monkeypatch):
+    holder, reader = pair(publish_wait_s=0.0, publish_hint_wait_s=0.2)
+    (tmp_path / "publish_delay_s").write_text("3")
+    monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
+    toks = _tokens(C + 7, 32)
+    blocks = holder.pool.get_new_blocks(-(-len(toks) // BS))
+    hint = holder.sched.request_finished("p", toks, [b.block_id for b in blocks], None)
+    holder.pool.free_blocks(blocks)
+    (ext, _), nones, took = _ask_until_answered(reader, "d", toks, hint, bound_s=1.0)
+    assert ext == 0 and nones > 0 and 0.2 <= took < 0.4
+    assert reader.sched.stats.publish_hint_timeouts == 1
+    # A hint larger than anything published (a forged one) is bounded the same way.
+    (ext2, _), _, took2 = _ask_until_answered(reader, "d2", _tokens(C + 7, 33), 10 * C, bound_s=1.0)
+    assert ext2 == 0 and took2 < 0.4
+
+
+def test_a_load_reports_where_its_time_went(pair):
+    holder, reader = pair()
+    toks = _tokens(2 * C + 3, 34)
+    holder.run_request("p", toks)
+    reader.sched.stats.phases.take()
+    t0 = time.monotonic()
+    ext, _, errors = reader.load("d", toks)
+    took = time.monotonic() - t0
+    assert ext == len(toks) - 1 and not errors
+    sched = reader.sched.stats.phases.take()
+    worker = reader.worker.stats.take()
+    assert set(sched) == {"phase_lookup_s"} and len(sched["phase_lookup_s"]) == 1
+    for phase in ("post", "read", "release"):
+        assert len(worker[f"phase_{phase}_s"]) == 1, phase
+    parts = sched["phase_lookup_s"][0] + sum(worker[f"phase_{p}_s"][0] for p in ("post", "read", "release"))
+    assert 0 < parts <= took + 0.005  # phases are disjoint slices of the load, in order
+    assert worker["phase_read_s"][0] + worker["phase_release_s"][0] <= worker["transfer_s"][0] + 1e-6

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.vllm.conftest import CHUNK, complete, make_pair, post_json, prompt_of, wait_metric
+from tests.vllm.conftest import CHUNK, complete, make_pair, metrics, post_json, prompt_of, wait_metric
 
 pytestmark = pytest.mark.vllm
 
@@ -54,6 +54,25 @@ def test_second_decode_reuses_held_chunks(pair):
     assert complete(pair.decode_port, prompt, MAX_TOKENS) == ref
     got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + 1299) - before
     assert got == 1299  # the 5 full chunks and the tail the prefill still holds
+
+
+def test_a_decode_waits_for_a_publish_still_on_its_way(pair):
+    """Issue 12: the prefill answers without waiting for its publish; its kv_transfer_params
+    (forwarded like a proxy does) make the decode wait for the chunks (vLLM asks the connector
+    again each step while it answers None) instead of recomputing them."""
+    prompt = prompt_of(700, seed=77)
+    waits = metrics(pair.decode_port).get("vllm:pdxfer_publish_hint_waits_total", 0.0)
+    before = pair.loaded_tokens()
+    pair.set_hook("publish_delay_s", 0.5)
+    try:
+        complete(pair.prefill_port, prompt, 1)
+        out = complete(pair.decode_port, prompt, MAX_TOKENS)
+    finally:
+        pair.set_hook("publish_delay_s", None)
+    got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + 699) - before
+    assert got == 699  # every token but the last, though the lookup came before the publish
+    assert metrics(pair.decode_port).get("vllm:pdxfer_publish_hint_waits_total", 0.0) >= waits + 1
+    assert out == complete(pair.prefill_port, prompt, MAX_TOKENS)
 
 
 def test_concurrent_requests_sharing_prefixes_answer_like_plain(pair):

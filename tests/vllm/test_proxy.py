@@ -266,6 +266,16 @@ def test_nixl_handoff_passes_kv_transfer_params(instances) -> None:
     assert d.received[0][1]["max_tokens"] == 4
 
 
+def test_the_prefills_publish_hint_reaches_the_decode(instances) -> None:
+    hint = {"pdxfer": {"v": 1, "published_tokens": 700}}
+    p, d = instances("P", kv_params=hint), instances("D")
+    with RunningProxy(PDProxy([p.url], [d.url])) as px:
+        assert post(px.url + "/v1/completions", {"prompt": "x", "max_tokens": 4})[0] == 200
+    assert "kv_transfer_params" not in p.received[0][1]  # nothing asked of the prefill
+    assert d.received[0][1]["kv_transfer_params"] == hint
+    assert d.received[0][1]["max_tokens"] == 4
+
+
 def test_bad_configuration_is_rejected() -> None:
     with pytest.raises(ValueError, match="no decode instance"):
         PDProxy(["http://127.0.0.1:1"], [])
