@@ -48,6 +48,9 @@ class ConnectorConfig:
     # A read may take at most this floor plus 4x what its bytes take at the holder's observed
     # bandwidth (never more than load_timeout_s): a frozen holder costs well under a second.
     read_timeout_floor_s: float = 0.5
+    # First contact with a holder (a NIXL agent handshake takes ~0.2 s here): a load waiting for
+    # a connection longer than this is recomputed (the connect itself goes on for later loads).
+    connect_timeout_s: float = 1.0
     # Reader-side staging for holders whose block size differs (READ whole blocks, then scatter
     # by token range); 0 turns such holders away (their chunks are recomputed).
     staging_mib: int = 64
@@ -68,7 +71,7 @@ class ConnectorConfig:
 
 
 _FLOATS = {"lookup_timeout_s", "master_timeout_s", "lock_ttl_s", "retention_s", "load_timeout_s",
-           "read_timeout_floor_s", "lease_ttl_s"}
+           "read_timeout_floor_s", "connect_timeout_s", "lease_ttl_s"}
 _NONNEG_FLOATS = {"publish_wait_s", "publish_hint_wait_s"}  # 0 turns the wait off
 # Keys vLLM's own connectors read from the same dict; harmless to carry, so not an error.
 _IGNORED = {"backends"}

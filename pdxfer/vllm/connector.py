@@ -207,7 +207,7 @@ class PdxferConnector(KVConnectorBase_V1):
         published = self.scheduler_side.request_finished(request.request_id, tokens, block_ids,
                                                          request.cache_salt, unkeyable=unkeyable_reason(request))
         # The decode this response is handed to (by a proxy) waits for these chunks, bounded.
-        return False, publish_hint(published)
+        return False, publish_hint(published, request.num_prompt_tokens, self.scheduler_side.cfg.chunk_tokens)
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_frees()

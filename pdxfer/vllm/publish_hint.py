@@ -18,8 +18,14 @@ HINT_KEY = "pdxfer"
 HINT_VERSION = 1
 
 
-def publish_hint(published_tokens: int) -> dict[str, Any] | None:
-    """The ``kv_transfer_params`` a prefill returns for a request whose publish was queued."""
+def publish_hint(published_tokens: int, prompt_tokens: int, chunk_tokens: int) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` a prefill returns for a request whose publish was queued.
+
+    The decode holds only the prompt. A publish reaching past it (a prefill that also generated
+    tokens) named its last chunk with generated tokens in it, so only the full chunks inside the
+    prompt are announced; a publish ending exactly at the prompt's end announces its tail too."""
+    if published_tokens > prompt_tokens:
+        published_tokens = prompt_tokens // chunk_tokens * chunk_tokens
     if published_tokens <= 0:
         return None
     return {HINT_KEY: {"v": HINT_VERSION, "published_tokens": int(published_tokens)}}

@@ -135,7 +135,8 @@ class ReaderPath:
             return 0, False
         self._lookup_log.ok()
         self.stats.phases.add("lookup", time.monotonic() - t0)
-        if self._wait_for_hinted(req_id, hinted, first, len(keys), tail is not None, res.hit_chunks):
+        if self._wait_for_hinted(req_id, hinted, first, len(keys), tail is not None and hinted == num_tokens,
+                                 res.hit_chunks):
             if res.lock_id is not None:
                 self._release_async(res.lock_id)
             return None, False
@@ -161,15 +162,14 @@ class ReaderPath:
         self.stats.lookup_hit_tokens += hit_end - local
         return hit_end - local, True
 
-    def _wait_for_hinted(self, req_id: str, hinted: int, first: int, n_full: int, has_tail: bool,
+    def _wait_for_hinted(self, req_id: str, hinted: int, first: int, n_full: int, tail_hinted: bool,
                          hit_chunks: int) -> bool:
         """True when the lookup missed chunks a prefill said it published and their publish may
-        still be on its way: the caller answers None and vLLM asks again next step."""
+        still be on its way: the caller answers None and vLLM asks again next step.
+        ``tail_hinted``: the hint covers this very prompt, so its tail key was published too."""
         C = self.cfg.chunk_tokens
         # Keys of this lookup (full chunks from ``first``, then the tail) that the hint covers.
-        expected = max(min(hinted // C, n_full) - first, 0)
-        if has_tail and hinted >= n_full * C + 1 and expected == n_full - first:
-            expected += 1
+        expected = max(min(hinted // C, n_full) - first, 0) + (1 if tail_hinted else 0)
         now = time.monotonic()
         wait = self._hint_waits.get(req_id)
         if hinted <= 0 or hit_chunks >= expected:

@@ -219,7 +219,7 @@ class WorkerSide:
         assert self.layout is not None and self._staging is not None
         # The holder's layout is checked against ours once, here, not on every read.
         planner = self._staging.planner_for(KVLayout.from_wire(ref.layout))
-        peer = self.transport.connect(ref.transport_metadata, timeout=min(2.0, self.cfg.load_timeout_s))
+        peer = self.transport.connect(ref.transport_metadata, timeout=self._connect_bound())
         with self._peers_lock:
             self._peers[ref.node_id] = (ref.transport_metadata, peer, planner)
 
@@ -344,8 +344,9 @@ class WorkerSide:
         """"done" when every read finished; sets ``inf.error`` when the load cannot succeed."""
         elapsed = time.monotonic() - inf.started
         if inf.pending and not self._post_pending(inf):
-            if inf.error is None and elapsed > self.cfg.load_timeout_s:
-                inf.error = f"no connection to the holder after {self.cfg.load_timeout_s} s"
+            if inf.error is None and elapsed > self._connect_bound():
+                # A frozen or unreachable holder at first contact costs this bound, then a recompute.
+                inf.error = f"no connection to the holder after {self._connect_bound():.2f} s"
                 inf.pending = []  # nothing may be posted for this load any more
             return None
         if inf.error is not None or (delay is not None and elapsed < delay):
@@ -388,6 +389,9 @@ class WorkerSide:
             except Exception:
                 return False
         return True
+
+    def _connect_bound(self) -> float:
+        return min(self.cfg.connect_timeout_s, self.cfg.load_timeout_s)
 
     def _read_bound(self, node_id: str, nbytes: int) -> float:
         """How long a read of ``nbytes`` from this holder may take before it is given up."""

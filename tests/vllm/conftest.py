@@ -141,6 +141,22 @@ class PDPair:
         else:
             path.write_text(str(value))
 
+    def published_at_master(self) -> int:
+        from pdxfer.master import MasterClient
+
+        with MasterClient(self.master_addr, timeout_s=5.0) as c:
+            return int(c.stats()["published"])
+
+    def wait_published(self, at_least: int, timeout: float = 10.0) -> int:
+        """The prefill answers before its publish lands (issue 12): a test that then kills or
+        freezes it waits here for the master to have the chunks, with a bound."""
+        deadline = time.monotonic() + timeout
+        while True:
+            n = self.published_at_master()
+            if n >= at_least or time.monotonic() > deadline:
+                return n
+            time.sleep(0.05)
+
     def loaded_tokens(self) -> float:
         return metrics(self.decode_port).get("vllm:pdxfer_tokens_loaded_total", 0.0)
 

@@ -481,8 +481,13 @@ def test_a_decode_waits_for_the_publish_its_prefill_announced(pair, tmp_path, mo
     assert time.monotonic() - t0 < 0.1  # the prefill did not wait for its (slow) publish
     holder.pool.free_blocks(blocks)
     assert hint == len(toks)  # two full chunks and the 40-token tail
-    assert publish_hint(hint) == {"pdxfer": {"v": 1, "published_tokens": len(toks)}}
-    assert hinted_tokens(publish_hint(hint)) == hint and hinted_tokens({"do_remote_prefill": True}) == 0
+    assert publish_hint(hint, len(toks), C) == {"pdxfer": {"v": 1, "published_tokens": len(toks)}}
+    assert hinted_tokens(publish_hint(hint, len(toks), C)) == hint
+    assert hinted_tokens({"do_remote_prefill": True}) == 0 and hinted_tokens(None) == 0
+    # A prefill that also generated: its tail key names generated tokens the decode does not
+    # have, so only the full chunks inside the prompt are announced.
+    assert hinted_tokens(publish_hint(len(toks) + 11, len(toks), C)) == 2 * C
+    assert publish_hint(len(toks) + 11, C - 5, C) is None
 
     # Without the hint the lookup beats the publish and finds nothing: the race the hint closes.
     assert reader.sched.get_num_new_matched_tokens("d0", toks, len(toks), 0, None) == (0, False)
@@ -493,6 +498,17 @@ def test_a_decode_waits_for_the_publish_its_prefill_announced(pair, tmp_path, mo
     # Waiting costs master round trips at most every couple of ms, not one per engine spin.
     assert reader.sched.stats.lookups <= 2 + took / 0.002
     reader.sched.reader.drop_lookup("d1")
+
+    # A prefill that generated 11 tokens published a tail the decode's prompt does not have: the
+    # hint announces only the full chunks, so the decode does not wait for that tail.
+    monkeypatch.delenv(TEST_HOOKS_ENV)
+    toks2 = _tokens(2 * C + 40, 35)
+    blocks = holder.pool.get_new_blocks(-(-(len(toks2) + 11) // BS))
+    published = holder.sched.request_finished("p2", toks2 + _tokens(11, 36), [b.block_id for b in blocks], None)
+    holder.pool.free_blocks(blocks)
+    hint2 = hinted_tokens(publish_hint(published, len(toks2), C))
+    (ext2, _), _, _ = _ask_until_answered(reader, "d2", toks2, hint2, bound_s=1.0)
+    assert ext2 == 2 * C and reader.sched.stats.publish_hint_timeouts == 0
 
 
 def test_a_hinted_publish_that_never_lands_costs_only_the_bound(pair, tmp_path, monkeypatch):

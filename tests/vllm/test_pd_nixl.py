@@ -38,7 +38,9 @@ def test_decode_output_equals_plain_and_skips_the_prefix(pair, n_tokens):
 
 def test_dead_nixl_holder_means_recompute(pair):
     prompt = prompt_of(1000, seed=200)
+    published = pair.published_at_master()
     ref = complete(pair.prefill_port, prompt, MAX_TOKENS)
+    assert pair.wait_published(published + 4) >= published + 4  # 3 chunks and the tail, at the master
     failed = pair.failed_loads()
     pair.prefill.kill()
     t0 = time.monotonic()

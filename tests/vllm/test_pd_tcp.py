@@ -96,8 +96,15 @@ def test_concurrent_requests_sharing_prefixes_answer_like_plain(pair):
 def test_frozen_prefill_costs_at_most_a_recompute_and_a_second(pair):
     """Issue 12: a holder that stops answering (SIGSTOP) while the decode reads its chunks costs
     the read's small bound, not a fixed 10 s: TTFT stays within recompute + 1 s, same answer."""
+    # The decode has read from this holder before (the connection is up): the holder freezes
+    # while the decode needs its chunks. (A holder frozen at first contact costs connect_timeout_s.)
+    warm = prompt_of(300, seed=18)
+    complete(pair.prefill_port, warm, 1)
+    complete(pair.decode_port, warm, 1)
     prompt = prompt_of(1500, seed=16)
+    published = pair.published_at_master()
     first = complete(pair.prefill_port, prompt, 1)  # computed, published, held
+    assert pair.wait_published(published + 6) >= published + 6  # 5 chunks and the tail
     fresh = prompt_of(1500, seed=17)  # nobody holds it: the decode computes it all
     t0 = time.monotonic()
     complete(pair.decode_port, fresh, 1)
@@ -197,10 +204,12 @@ def test_master_killed_requests_recompute_then_recover(pair):
 
 def test_prefill_killed_after_publishing_decode_recomputes(pair):
     prompt = prompt_of(1500, seed=15)
+    published = pair.published_at_master()
     ref = complete(pair.prefill_port, prompt, MAX_TOKENS)  # computed and published by the prefill
     # More prompts sharing its first chunks, for a concurrent load onto the dead holder.
     others = [prompt[:600] + prompt_of(300, 150 + i) for i in range(6)]
     refs = [complete(pair.prefill_port, p, MAX_TOKENS) for p in others]
+    pair.wait_published(published + 6 + 6 * 2)  # 5 chunks + tail; 1 new chunk + tail each
     failed = pair.failed_loads()
     pair.prefill.kill()
     t0 = time.monotonic()
