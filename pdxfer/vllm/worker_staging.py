@@ -36,11 +36,20 @@ class ReaderStaging:
     def region(self) -> RegisteredRegion:
         return RegisteredRegion(self.region_index, self._mem.ctypes.data, self._mem.nbytes)
 
-    def planner_for(self, remote: KVLayout) -> PeerPlanner | ConvertingPlanner:
-        """Checked once per holder at connect: block for block when sizes match, else staged."""
-        if remote.block_size == self.layout.block_size or not self.enabled:
+    def planner_for(self, remote: KVLayout, route: Any = None) -> PeerPlanner | ConvertingPlanner:
+        """Checked once per holder rank at connect: block for block when the bytes are alike
+        (``route.direct``, :mod:`pdxfer.vllm.holder_routes`), else staged and converted: another
+        block size or format, or ``route``'s slice of heads."""
+        if route is None:
+            direct = remote.block_size == self.layout.block_size or not self.enabled
+        else:
+            direct = route.direct
+        if direct:
             return PeerPlanner(remote, self.layout)
-        return ConvertingPlanner(remote, self.layout, self.region_index)
+        if route is None or (route.whole_heads and route.nheads == remote.kv_heads == self.layout.kv_heads):
+            return ConvertingPlanner(remote, self.layout, self.region_index)
+        return ConvertingPlanner(remote, self.layout, self.region_index, src_head=route.src_head,
+                                 dst_head=route.dst_head, nheads=route.nheads)
 
     def start(self, planner: ConvertingPlanner, r: Any) -> StagedRead:
         """Room in staging for one token-range read (a NodeRead with a holder block size)."""

@@ -1,0 +1,132 @@
+"""How one reader rank reads a holder engine's chunks: from which holder rank, which heads, and
+whether the bytes go straight into place or through staging and conversion.
+
+Keys name KV content, not its layout (namespace v2, :mod:`pdxfer.keys`): a chunk found at the
+master may sit on a holder of another TP size, byte format or block size. The scheduler asks
+this module, once per holder, whether *every* reader rank can read it (a chunk is only usable
+when all ranks can load their heads; vLLM waits for all of them); each worker asks it again for
+its own rank, with its real tensors' layout, to plan.
+
+Per holder rank a reader rank reads from (:func:`pdxfer.heads.head_sources`):
+
+- **direct**: same layout fingerprint (byte format, dtype, layers, per-rank KV heads, head dim),
+  same block size, and the reader needs exactly the holder rank's heads: a block-for-block READ
+  into the reader's blocks (:class:`pdxfer.plan.PeerPlanner`);
+- **converted**: anything else that :func:`pdxfer.convert.check_convertible` accepts (another
+  format, block size, or a slice of the holder rank's heads), READ into the registered staging
+  area and scattered (:class:`pdxfer.convert.ConvertingPlanner`); needs ``staging_mib`` > 0;
+- **not readable**: AMX-packed blocks on either side (unless byte-identical), a dtype mismatch,
+  another total of KV heads, anything conversion refuses. :class:`NotReadable` names both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pdxfer.heads import head_sources
+from pdxfer.layout import CPU_AMX, KVLayout, LayoutError
+
+try:  # pdxfer.convert's check, from the format-conversion work (wip-conv)
+    from pdxfer.convert import check_convertible as _check_convertible
+except ImportError:  # pragma: no cover - until that lands: only what ConvertingPlanner converts today
+    _check_convertible = None
+
+
+class NotReadable(ValueError):
+    """This reader cannot use a holder's blocks; the message names both sides."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Read ``nheads`` heads starting at ``src_head`` of ``holder_rank``'s blocks into heads from
+    ``dst_head`` of this reader rank's blocks; ``direct``: byte-identical, block for block."""
+
+    holder_rank: int
+    src_head: int
+    dst_head: int
+    nheads: int
+    direct: bool
+
+    @property
+    def whole_heads(self) -> bool:
+        """True when no head slicing is involved (only format / block-size conversion, if any)."""
+        return self.src_head == 0 and self.dst_head == 0
+
+
+def _fallback_check(remote: KVLayout, local: KVLayout) -> None:
+    mine = (local.kv_format, local.dtype, local.num_layers, local.head_dim)
+    theirs = (remote.kv_format, remote.dtype, remote.num_layers, remote.head_dim)
+    if mine != theirs:
+        raise LayoutError(f"holder has (format, dtype, layers, head dim) {theirs}, this reader {mine}")
+
+
+def check_convertible(remote: KVLayout, local: KVLayout) -> None:
+    """LayoutError naming both sides when ``remote`` blocks cannot be converted into ``local``."""
+    (_check_convertible or _fallback_check)(remote, local)
+
+
+def routes(node_id: str, holder_layouts: Sequence[KVLayout], holder_total_heads: int, local: KVLayout,
+           reader_tp: int, reader_rank: int, reader_total_heads: int, *, staging: bool,
+           chunk_tokens: int) -> list[Route]:
+    """The reads reader rank ``reader_rank`` makes from holder ``node_id`` (ranks' layouts in
+    rank order); raises :class:`NotReadable` naming both sides."""
+    side = f"holder {node_id}"
+    if holder_total_heads != reader_total_heads:
+        raise NotReadable(f"{side} has {holder_total_heads} KV heads in all, this reader "
+                          f"{reader_total_heads}: not the same model")
+    try:
+        sources = head_sources(reader_total_heads, len(holder_layouts), reader_tp, reader_rank)
+    except ValueError as exc:
+        raise NotReadable(f"{side} (TP {len(holder_layouts)}) and this reader (TP {reader_tp}, rank "
+                          f"{reader_rank}): {exc}") from exc
+    out = []
+    for src in sources:
+        remote = holder_layouts[src.holder_rank]
+        where = f"{side} rank {src.holder_rank}"
+        if remote.dtype != local.dtype:
+            raise NotReadable(f"{where} holds KV as {remote.dtype}, this reader as {local.dtype}: converting "
+                              "would change the numbers")
+        whole = src.src_head == 0 and src.dst_head == 0 and src.nheads == local.kv_heads == remote.kv_heads
+        if whole and remote.fingerprint() == local.fingerprint() and remote.block_size == local.block_size:
+            out.append(Route(src.holder_rank, src.src_head, src.dst_head, src.nheads, True))
+            continue
+        if CPU_AMX in (remote.kv_format, local.kv_format):
+            raise NotReadable(f"{where} writes {remote.kv_format} blocks (block size {remote.block_size}, "
+                              f"{remote.kv_heads} heads), this reader {local.kv_format} (block size "
+                              f"{local.block_size}, {local.kv_heads} heads): AMX-packed blocks are only "
+                              "read byte for byte")
+        try:
+            check_convertible(remote, local)
+        except LayoutError as exc:
+            raise NotReadable(f"{where} cannot be converted for this reader: {exc}") from exc
+        hb = remote.block_size
+        if hb != local.block_size and not (chunk_tokens % hb == 0 or hb % chunk_tokens == 0):
+            raise NotReadable(f"{where} has block size {hb}, which neither divides nor is a multiple of "
+                              f"chunk_tokens {chunk_tokens}")
+        if not staging:
+            raise NotReadable(f"{where} ({remote.kv_format}, block size {hb}, heads {src.src_head}+"
+                              f"{src.nheads}) needs conversion into this reader's {local.kv_format} blocks "
+                              f"(block size {local.block_size}), and staging_mib is 0")
+        out.append(Route(src.holder_rank, src.src_head, src.dst_head, src.nheads, False))
+    return out
+
+
+def holder_total_heads(total_kv_heads: int, tp_size: int, rank0_layout: KVLayout) -> int:
+    """A holder's total KV heads as announced; holders that did not say (0): rank 0's share x TP
+    (exact unless heads are replicated, which only happens with TP larger than the head count)."""
+    return total_kv_heads or rank0_layout.kv_heads * tp_size
+
+
+def layouts_of(endpoints: Sequence[Any]) -> list[KVLayout]:
+    """Rank-ordered layouts of a holder's endpoints (anything with ``rank`` and wire ``layout``)."""
+    eps = sorted(endpoints, key=lambda e: e.rank)
+    if [e.rank for e in eps] != list(range(len(eps))):
+        raise NotReadable(f"holder endpoints are ranks {[e.rank for e in eps]}, not 0..{len(eps) - 1}")
+    try:
+        return [KVLayout.from_wire(e.layout) for e in eps]
+    except LayoutError as exc:
+        raise NotReadable(f"holder layout does not parse: {exc}") from exc
+
+
+__all__ = ["NotReadable", "Route", "check_convertible", "holder_total_heads", "layouts_of", "routes"]
