@@ -301,11 +301,14 @@ class LookupRequest:
     reader: str
     ttl: float
     have: dict[str, int]  # node id -> epoch whose description the client already holds
+    parties: int = 1  # releases the lock expects (TP ranks reading under it)
 
 
-def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict[str, int]) -> Request:
+def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict[str, int],
+                  parties: int = 1) -> Request:
     """``joined_keys``: ``protocol.join_keys(keys)`` (the caller may retry with the same bytes)."""
-    doc = {"n": len(joined_keys) // KEY_BYTES, "reader": reader, "ttl": float(lock_ttl_s), "have": have}
+    doc = {"n": len(joined_keys) // KEY_BYTES, "reader": reader, "ttl": float(lock_ttl_s), "have": have,
+           "parties": int(parties)}
     return Request(P.OP_LOOKUP, doc, joined_keys)
 
 
@@ -314,8 +317,9 @@ def decode_lookup(doc: dict[str, Any], blob: bytes | memoryview) -> LookupReques
     reader = P.get_str(doc, "reader")
     ttl = P.get_float(doc, "ttl", MIN_LOCK_TTL_S, MAX_TTL_S)
     have = doc.get("have")
+    parties = P.get_int(doc, "parties", 1, MAX_TP) if "parties" in doc else 1
     # "have" only saves bytes: anything unusable means "send every description".
-    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {})
+    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {}, parties)
 
 
 def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tuple[str, int]],
@@ -373,12 +377,16 @@ def decode_lookup_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: in
 # ---- release --------------------------------------------------------------------------------------
 
 
-def encode_release(lock_id: str) -> Request:
-    return Request(P.OP_RELEASE, {"lock": lock_id}, b"")
+def encode_release(lock_id: str, all_parties: bool = False) -> Request:
+    doc: dict[str, Any] = {"lock": lock_id}
+    if all_parties:
+        doc["all"] = True
+    return Request(P.OP_RELEASE, doc, b"")
 
 
-def decode_release(doc: dict[str, Any], blob: bytes | memoryview) -> str:
-    return P.get_str(doc, "lock")
+def decode_release(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[str, bool]:
+    """(lock id, whether every party's share is released: a lock nobody reads under)."""
+    return P.get_str(doc, "lock"), doc.get("all") is True
 
 
 def encode_release_reply(valid: bool) -> dict[str, Any]:

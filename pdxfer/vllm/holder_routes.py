@@ -24,13 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from pdxfer.convert import check_convertible
 from pdxfer.heads import head_sources
 from pdxfer.layout import CPU_AMX, KVLayout, LayoutError
-
-try:  # pdxfer.convert's check, from the format-conversion work (wip-conv)
-    from pdxfer.convert import check_convertible as _check_convertible
-except ImportError:  # pragma: no cover - until that lands: only what ConvertingPlanner converts today
-    _check_convertible = None
 
 
 class NotReadable(ValueError):
@@ -52,18 +48,6 @@ class Route:
     def whole_heads(self) -> bool:
         """True when no head slicing is involved (only format / block-size conversion, if any)."""
         return self.src_head == 0 and self.dst_head == 0
-
-
-def _fallback_check(remote: KVLayout, local: KVLayout) -> None:
-    mine = (local.kv_format, local.dtype, local.num_layers, local.head_dim)
-    theirs = (remote.kv_format, remote.dtype, remote.num_layers, remote.head_dim)
-    if mine != theirs:
-        raise LayoutError(f"holder has (format, dtype, layers, head dim) {theirs}, this reader {mine}")
-
-
-def check_convertible(remote: KVLayout, local: KVLayout) -> None:
-    """LayoutError naming both sides when ``remote`` blocks cannot be converted into ``local``."""
-    (_check_convertible or _fallback_check)(remote, local)
 
 
 def routes(node_id: str, holder_layouts: Sequence[KVLayout], holder_total_heads: int, local: KVLayout,

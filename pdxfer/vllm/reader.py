@@ -113,7 +113,8 @@ class ReaderPath:
 
         self.stats.lookups += 1
         try:
-            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl)
+            # Every TP rank of this engine reads its heads under this lock and releases it.
+            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl, parties=self.tp_size)
         except MasterError as exc:
             self.stats.master_errors += 1
             self._lookup_log.fail(exc)
@@ -276,7 +277,7 @@ class ReaderPath:
         """A lock we will not use: give it back off the hot path (it expires anyway)."""
         def run() -> None:
             try:
-                self._bg.release(lock_id)
+                self._bg.release(lock_id, all_parties=True)
             except Exception as exc:  # expiry covers it
                 log.debug("pdxfer: release of unused lock %s failed: %s", lock_id, exc)
         try:

@@ -80,3 +80,23 @@ def test_a_version_2_peer_is_refused_naming_both_versions(master):
     doc = json.loads(body)
     assert hdr.op == P.OP_ERROR and doc["err"] == P.ERR_VERSION
     assert "version 2" in doc["msg"] and f"speaks {P.PROTOCOL_VERSION}" in doc["msg"]
+
+
+def test_a_lock_for_tp_parties_stays_pinned_until_every_rank_released(master, masters):
+    """A TP2 reader's ranks each read under the one lock: the first release must not unpin the
+    entries while the other rank may still be reading (the holder could free them)."""
+    c = masters.client(master.address)
+    c.register_node(tp_node("h2"), lease_ttl_s=30)
+    keys = keys_for("parties", 1)
+    c.publish("h2", [(keys[0], [5])], retention_s=60.0)
+    r = c.lookup_and_lock(keys, reader="d", parties=2)
+    assert c.release(r.lock_id) is True  # rank 0 done; rank 1 still reading
+    assert c.unpublish_if_unlocked("h2", keys) == []  # still pinned
+    assert c.release(r.lock_id) is True  # rank 1 done: the lock held for both
+    assert c.unpublish_if_unlocked("h2", keys) == keys
+    assert c.release(r.lock_id) is False  # no third party
+    # A lock nobody reads under goes back whole.
+    c.publish("h2", [(keys[0], [5])], retention_s=60.0)
+    r = c.lookup_and_lock(keys, reader="d", parties=4)
+    assert c.release(r.lock_id, all_parties=True) is True
+    assert c.unpublish_if_unlocked("h2", keys) == keys
