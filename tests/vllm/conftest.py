@@ -91,6 +91,8 @@ class PDPair:
     hooks: Path = field(default_factory=Path)
     prefill_args: tuple[str, ...] = ()  # extra `vllm serve` flags per side (e.g. --block-size)
     decode_args: tuple[str, ...] = ()
+    prefill_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: cores per TP rank, ranks split by "|"
+    decode_bind: str = "1"
 
     def start_master(self) -> None:
         # A fixed port (chosen free once) lets a restarted master be found at the same address.
@@ -108,10 +110,10 @@ class PDPair:
         p_cfg = pdxfer_kv_config("kv_producer", self.master_addr, self.transport, **common)
         d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport, **common)
         self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
-                                  cpu_bind="0", log_dir=self.run_dir, name=f"prefill-{self.transport}",
+                                  cpu_bind=self.prefill_bind, log_dir=self.run_dir, name=f"prefill-{self.transport}",
                                   extra_args=PAIR_VLLM_ARGS + self.prefill_args)
         self.decode = start_vllm(self.model, self.decode_port, d_cfg,
-                                 cpu_bind="1", log_dir=self.run_dir, name=f"decode-{self.transport}",
+                                 cpu_bind=self.decode_bind, log_dir=self.run_dir, name=f"decode-{self.transport}",
                                  extra_args=PAIR_VLLM_ARGS + self.decode_args,
                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks),
                                             "VLLM_SERVER_DEV_MODE": "1"})
@@ -138,9 +140,11 @@ class PDPair:
 
 
 def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: str,
-              prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
+              prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
+              prefill_bind: str = "0", decode_bind: str = "1"):
     pair = PDPair(tmp_path_factory.mktemp(f"pd-{transport}"), model, transport,
-                  prefill_args=prefill_args, decode_args=decode_args)
+                  prefill_args=prefill_args, decode_args=decode_args, prefill_bind=prefill_bind,
+                  decode_bind=decode_bind)
     try:
         pair.start()
         yield pair
