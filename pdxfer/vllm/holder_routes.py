@@ -44,11 +44,6 @@ class Route:
     nheads: int
     direct: bool
 
-    @property
-    def whole_heads(self) -> bool:
-        """True when no head slicing is involved (only format / block-size conversion, if any)."""
-        return self.src_head == 0 and self.dst_head == 0
-
 
 def routes(node_id: str, holder_layouts: Sequence[KVLayout], holder_total_heads: int, local: KVLayout,
            reader_tp: int, reader_rank: int, reader_total_heads: int, *, staging: bool,

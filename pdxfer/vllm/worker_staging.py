@@ -46,7 +46,7 @@ class ReaderStaging:
             direct = route.direct
         if direct:
             return PeerPlanner(remote, self.layout)
-        if route is None or (route.whole_heads and route.nheads == remote.kv_heads == self.layout.kv_heads):
+        if route is None:
             return ConvertingPlanner(remote, self.layout, self.region_index)
         return ConvertingPlanner(remote, self.layout, self.region_index, src_head=route.src_head,
                                  dst_head=route.dst_head, nheads=route.nheads)
