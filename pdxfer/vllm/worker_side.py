@@ -468,8 +468,10 @@ class WorkerSide:
             self._staging.release(inf.staged)
         spec = inf.spec
         elapsed = time.monotonic() - inf.started
-        # vLLM sums connector stats over TP ranks, and every rank sees every load: loads and
-        # tokens are counted by rank 0 only, bytes (each rank's own heads) by every rank.
+        # vLLM sums connector stats over TP ranks, and every rank sees every load: successes and
+        # tokens are counted by rank 0 only, bytes (each rank's own heads) by every rank, and a
+        # failure by each rank it happened on (a load that failed on rank 1 only also shows as
+        # rank 0's success: loads_failed is the signal to watch with TP).
         counts = 1 if self.rank == 0 else 0
         if inf.error is None and valid:
             self.stats.loads_ok += counts
@@ -480,7 +482,7 @@ class WorkerSide:
             log.info("pdxfer: loaded %d tokens (%.1f MiB) for %s in %.2f ms", spec.num_tokens,
                      inf.nbytes / 2**20, spec.req_id, elapsed * 1e3)
             return
-        self.stats.loads_failed += counts
+        self.stats.loads_failed += 1
         self._load_errors |= spec.local_blocks
         log.warning("pdxfer: load of %d tokens for %s failed (%s); recomputing", spec.num_tokens,
                     spec.req_id, inf.error)

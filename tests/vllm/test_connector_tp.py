@@ -281,3 +281,18 @@ def test_worker_refuses_a_dtype_mismatch_in_metadata_and_fails_the_load(engines,
     assert any("holds KV as float16, this reader as bfloat16" in r.getMessage() for r in caplog.records)
     assert torch.equal(reader.logical(), before)
     assert reader.workers[0].connected_holders() == []
+
+
+def test_one_dead_holder_rank_fails_the_whole_load(engines):
+    """TP2 -> TP2 rank to rank: holder rank 1's KV server is gone. Reader rank 0 reads fine, rank 1
+    fails: the request's blocks are load errors (vLLM takes the union over ranks and recomputes)."""
+    holder = engines("p", producer=True, consumer=False, tp=2, seed=9)
+    reader = engines("d", producer=False, consumer=True, tp=2)
+    toks = _tokens(C + 60, 9)
+    holder.run_request("p", toks)
+    holder.workers[1].transport.close()
+    ext, r_ids, errors = reader.load("d", toks)
+    assert ext == len(toks) - 1
+    assert errors == set(r_ids[:3])
+    assert reader.workers[0].stats.loads_ok == 1 and reader.workers[0].stats.loads_failed == 0
+    assert reader.workers[1].stats.loads_failed == 1  # each rank counts its own failures
