@@ -14,8 +14,9 @@ heads ``[dst_head, ...)`` of the reader's blocks (:func:`pdxfer.heads.head_sourc
 holder and reader ``kv_heads`` are each that rank's count. Where the holder's format keeps a
 head's bytes together (cpu, flash_hnd), only the slice is READ.
 
-Same-format same-size all-head reads never come here: they are READ straight into place
-(:class:`pdxfer.plan.PeerPlanner`). Refused, naming both sides (:func:`check_convertible`):
+Same-format same-size reads never come here: they are READ straight into place
+(:class:`pdxfer.plan.PeerPlanner`; all heads, or a head slice of cpu/flash_hnd blocks, which is
+one byte range per block); :func:`planner_for` chooses. Refused, naming both sides (:func:`check_convertible`):
 different dtype (converting would change the numbers), head_dim or layer names, and cpu_amx,
 whose AMX-packed blocks have no geometry.
 
@@ -34,14 +35,11 @@ import numpy as np
 
 from pdxfer import native
 from pdxfer.blockgeom import BlockGeometry, segment_geometry, token_runs
-from pdxfer.layout import CPU, CPU_AMX, FLASH_HND, KVLayout, LayoutError
-from pdxfer.plan import TransferPlan, TransferRun, coalesce
+from pdxfer.layout import CPU_AMX, KVLayout, LayoutError
+from pdxfer.plan import HEAD_MAJOR_FORMATS, PeerPlanner, TransferPlan, TransferRun, coalesce
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1,
                 "int8": 1}
-# Formats whose block is head-major: one head's K and V are one contiguous byte range of a block,
-# so a head slice can be READ alone.
-_HEAD_MAJOR = (CPU, FLASH_HND)
 
 
 def _side(kv: KVLayout) -> str:
@@ -159,7 +157,7 @@ class ConvertingPlanner:
         self._seg_bytes = [s.block_bytes for s in remote.segments]
         self._src_geom = segment_geometry(remote)
         per_head = {s.block_bytes // remote.kv_heads for s in remote.segments}
-        if nheads < remote.kv_heads and remote.kv_format in _HEAD_MAJOR and len(per_head) == 1 \
+        if nheads < remote.kv_heads and remote.kv_format in HEAD_MAJOR_FORMATS and len(per_head) == 1 \
                 and all(s.block_bytes % remote.kv_heads == 0 for s in remote.segments):
             (head_bytes,) = per_head
             self._slice_off = src_head * head_bytes
@@ -230,6 +228,21 @@ class ConvertingPlanner:
                                   self._dst_geom.select(part_l), elem_size=self._elem)
 
 
+def planner_for(remote: KVLayout, local: KVLayout, staging_region: int | None, *, src_head: int = 0,
+                dst_head: int = 0, nheads: int | None = None) -> PeerPlanner | ConvertingPlanner:
+    """The planner for one holder (rank), chosen at connect: straight into place where bytes need
+    no rearranging (same byte format and block size, all heads; or a head slice of head-major
+    blocks of equal size), else staged and scattered. ``staging_region`` None: no staging area,
+    so only direct reads are possible (a LayoutError says why not)."""
+    heads = dict(src_head=src_head, dst_head=dst_head, nheads=nheads)
+    try:
+        return PeerPlanner(remote, local, **heads)
+    except LayoutError as direct:
+        if staging_region is None:
+            raise LayoutError(f"{direct}; and there is no staging area to convert through") from direct
+    return ConvertingPlanner(remote, local, staging_region, **heads)
+
+
 class StagingArea:
     """First-fit allocation of a registered staging region among concurrent loads."""
 
@@ -263,4 +276,4 @@ class StagingArea:
             return sum(self._used.values())
 
 
-__all__ = ["ConvertingPlanner", "StagedRead", "StagingArea", "check_convertible"]
+__all__ = ["ConvertingPlanner", "StagedRead", "StagingArea", "check_convertible", "planner_for"]

@@ -229,3 +229,46 @@ def test_content_fingerprint_ignores_format_block_size_and_tp_only():
     assert fp not in others and len(others) == 4
     with pytest.raises(LayoutError, match="cannot be a TP share"):
         rank.content_fingerprint(6)
+
+
+# --------------------------------------------------------------------------- direct head slices
+
+from pdxfer.convert import planner_for  # noqa: E402
+from pdxfer.plan import PeerPlanner  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from([CPU, FLASH_HND]), block=st.sampled_from([1, 4, 16]), hr=st.integers(1, 4),
+       hl=st.integers(1, 4), data=st.data())
+def test_peer_planner_reads_a_head_slice_straight_into_place(fmt, block, hr, hl, data):
+    n = data.draw(st.integers(1, min(hr, hl)))
+    sh, dh = data.draw(st.integers(0, hr - n)), data.draw(st.integers(0, hl - n))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    hold, mine = torch.randn(2, 2, 6, block, hr, 4, generator=g), torch.randn(2, 2, 7, block, hl, 4, generator=g)
+    _, rl = _cache(fmt, hold, block)
+    l_phys, ll = _cache(fmt, mine, block)
+    rb, lb = [4, 5, 0, 2], [1, 2, 3, 6]
+    p = PeerPlanner(rl, ll, src_head=sh, dst_head=dh, nheads=n)
+    plan = p.plan(rb, lb)
+    play_plan(plan, rl, {0: np.frombuffer(memoryview(l_phys.numpy()).cast("B"), dtype=np.uint8)})
+    want = mine.clone()
+    want[:, :, lb, :, dh:dh + n] = hold[:, :, rb, :, sh:sh + n]
+    assert torch.equal(decode(fmt, l_phys), want)
+    assert plan.total_bytes == len(rb) * 2 * 2 * n * block * 4 * 4  # only the slice moves
+
+
+def test_planner_for_reads_straight_where_it_can_and_stages_elsewhere():
+    _, cpu4 = _cache(CPU, torch.zeros(2, 2, 4, 16, 4, 8), 16)
+    _, cpu2 = _cache(CPU, torch.zeros(2, 2, 4, 16, 2, 8), 16)
+    _, cpu2_32 = _cache(CPU, torch.zeros(2, 2, 4, 32, 2, 8), 32)
+    _, nhd2 = _cache(FLASH_NHD, torch.zeros(2, 2, 4, 16, 2, 8), 16)
+    _, nhd4 = _cache(FLASH_NHD, torch.zeros(2, 2, 4, 16, 4, 8), 16)
+    assert type(planner_for(cpu4, cpu4, 1)) is PeerPlanner
+    assert type(planner_for(cpu4, cpu2, 1, src_head=2, nheads=2)) is PeerPlanner  # head-major: a byte range
+    assert type(planner_for(cpu4, cpu2_32, 1, src_head=2, nheads=2)) is ConvertingPlanner  # block size
+    assert type(planner_for(nhd4, nhd2, 1, src_head=2, nheads=2)) is ConvertingPlanner  # NHD interleaves heads
+    assert type(planner_for(cpu4, nhd4, 1)) is ConvertingPlanner  # format
+    with pytest.raises(LayoutError, match="no staging area"):
+        planner_for(cpu4, nhd4, None)
+    with pytest.raises(LayoutError, match="head-major"):
+        PeerPlanner(nhd4, nhd2, src_head=0, nheads=2)
