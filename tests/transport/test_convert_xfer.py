@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from pdxfer import native
-from pdxfer.convert import ConvertingPlanner
+from pdxfer.convert import ConvertingPlanner, planner_for
 from pdxfer.heads import HeadSource, head_sources, rank_heads
 from pdxfer.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout
+from pdxfer.plan import PeerPlanner
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import ReadState, RegisteredRegion
 from tests.kv_pattern import decode, describe, encode, pattern_logical
@@ -55,7 +56,7 @@ class KVHolder:
 @pytest.fixture
 def start_kv_holder(procs):
     def start(kind: str, fmt: str, block: int, total_heads: int, tp: int = 1, rank: int = 0) -> KVHolder:
-        blocks = _seq_blocks(block, seed=100 + 10 * block + rank)
+        blocks = _seq_blocks(block, seed=100 + 10 * block)  # one block table for all TP ranks, as in vLLM
         args = ["--kind", kind, "--format", fmt, "--block", str(block), "--num-blocks", str(_nblocks(block)),
                 "--layers", str(LAYERS), "--total-heads", str(total_heads), "--tp", str(tp), "--rank", str(rank),
                 "--head-dim", str(D), "--ntokens", str(NTOK), "--blocks", ",".join(map(str, blocks)),
@@ -77,7 +78,7 @@ class KVReader:
     def __init__(self, kind: str, fmt: str, block: int, total_heads: int, tp: int = 1, rank: int = 0) -> None:
         self.fmt, self.block, self.total_heads = fmt, block, total_heads
         self.heads = rank_heads(total_heads, tp, rank)
-        self.blocks = _seq_blocks(block, seed=7 + rank)
+        self.blocks = _seq_blocks(block, seed=7)
         self.phys = encode(fmt, torch.full((LAYERS, 2, _nblocks(block), block, self.heads.count, D), FILLER))
         self.layout = describe(fmt, self.phys, block)
         self.staging = np.zeros(self.STAGING, dtype=np.uint8)
@@ -102,12 +103,29 @@ class KVReader:
         planner.scatter(job, native.RawBuffer(self.staging.ctypes.data, self.staging.nbytes),
                         [native.RawBuffer(r.ptr, r.nbytes) for r in self.layout.regions])
 
-    def check(self) -> None:
+    def load_direct(self, holder: KVHolder, src: HeadSource) -> None:
+        """Whole blocks [START, END) rounded out, head slice straight into place (no staging)."""
+        planner = planner_for(holder.layout, self.layout, self.staging_region, src_head=src.src_head,
+                              dst_head=src.dst_head, nheads=src.nheads)
+        assert type(planner) is PeerPlanner
+        peer = self.t.connect(holder.meta, timeout=WAIT)
+        b = self.block
+        plan = planner.plan(holder.blocks[START // b: -(-END // b)], self.blocks[START // b: -(-END // b)])
+        assert plan.total_bytes == len(plan.runs) * plan.runs[0].nbytes  # slices of blocks, no more
+        assert self.t.read(peer, plan).wait(WAIT) is ReadState.DONE
+
+    def check(self, whole_blocks: bool = False) -> None:
+        """Tokens [START, END) hold the pattern, earlier ones the filler; ``whole_blocks``: the last
+        block came whole, so tokens [END, NTOK) hold the pattern and the rest the holder's -1."""
         got = decode(self.fmt, self.phys)
         want = pattern_logical(LAYERS, self.blocks, _nblocks(self.block), self.block, self.heads.first,
-                               self.heads.count, self.total_heads, D, END, filler=FILLER)
+                               self.heads.count, self.total_heads, D, NTOK if whole_blocks else END, filler=FILLER)
+        seq = torch.as_tensor(self.blocks)
         before = torch.arange(START)
-        want[:, :, torch.as_tensor(self.blocks)[before // self.block], before % self.block] = FILLER
+        want[:, :, seq[before // self.block], before % self.block] = FILLER
+        if whole_blocks:
+            pad = torch.arange(NTOK, -(-NTOK // self.block) * self.block)
+            want[:, :, seq[pad // self.block], pad % self.block] = -1.0
         bad = (got != want).nonzero()
         assert len(bad) == 0, (f"{len(bad)} wrong elements; first [layer, K/V, block, slot, head, dim] = "
                                f"{bad[0].tolist()}: got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
@@ -179,3 +197,14 @@ def test_mqa_replicated_head_tp2_to_tp2(kind, start_kv_holder, make_reader):
         reader.load(holders[s.holder_rank], s)
         reader.check()
     assert used == [0, 1]
+
+
+@pytest.mark.parametrize("fmt", [CPU, FLASH_HND])
+def test_tp2_holders_to_tp1_reader_direct_head_slices(kind, start_kv_holder, make_reader, fmt):
+    # Same head-major format and block size: each holder rank's heads are one byte range per
+    # block, READ straight into the right heads of the reader's blocks.
+    holders = [start_kv_holder(kind, fmt, 16, total_heads=4, tp=2, rank=r) for r in range(2)]
+    reader = make_reader(kind, fmt, 16, total_heads=4)
+    for s in head_sources(4, holder_tp=2, reader_tp=1, reader_rank=0):
+        reader.load_direct(holders[s.holder_rank], s)
+    reader.check(whole_blocks=True)
