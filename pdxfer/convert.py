@@ -165,13 +165,24 @@ class ConvertingPlanner:
             self._seg_bytes = [nheads * head_bytes] * len(remote.segments)
             self._src_geom = segment_geometry(dataclasses.replace(remote, kv_heads=nheads))
         # Each reader (segment, part) and the holder (segment, part) with the same layer's K or V,
-        # grouped by what one scatter_tokens call can take: one reader region, one part pair.
+        # grouped by what one scatter_tokens call can take: one reader region, one part pair. A
+        # reader segment fed part for part by one holder segment (same format family, e.g. cpu
+        # -> cpu at another block size) goes as a whole, all parts in one call: the kernel then
+        # copies a cpu head's K^T and V together, which is faster than two passes.
         theirs = _kv_parts(remote, segment_geometry(remote))
-        self._groups: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        per_local: dict[int, list[tuple[int, int, int]]] = {}  # reader segment -> [(its part, seg_r, part_r)]
         for key, (seg_l, part_l) in sorted(_kv_parts(local, self._dst_geom).items()):
-            seg_r, part_r = theirs[key]
+            per_local.setdefault(seg_l, []).append((part_l, *theirs[key]))
+        whole = len(self._src_geom.parts) == len(self._dst_geom.parts)
+        # (reader region, holder part or None for all parts, reader part or None) -> [(seg_r, seg_l)]
+        self._groups: dict[tuple[int, int | None, int | None], list[tuple[int, int]]] = {}
+        for seg_l, parts in sorted(per_local.items()):
             region = local.segments[seg_l].region
-            self._groups.setdefault((region, part_r, part_l), []).append((seg_r, seg_l))
+            if whole and len({seg_r for _, seg_r, _ in parts}) == 1 and all(pl == pr for pl, _, pr in parts):
+                self._groups.setdefault((region, None, None), []).append((parts[0][1], seg_l))
+                continue
+            for part_l, seg_r, part_r in parts:
+                self._groups.setdefault((region, part_r, part_l), []).append((seg_r, seg_l))
         self._stage_base = np.cumsum([0] + self._seg_bytes[:-1], dtype=np.int64)  # per staged block
 
     @property
@@ -207,7 +218,8 @@ class ConvertingPlanner:
 
     def scatter(self, job: StagedRead, staging: native.RawBuffer, regions: Sequence[native.RawBuffer]) -> None:
         """Copy the job's token range and heads from staging into the reader's blocks, every layer,
-        K and V: one native call per (reader region, holder part, reader part)."""
+        K and V: one native call per (reader region, holder part, reader part), or per reader
+        region where segments pair whole."""
         n = job.staging_bytes // sum(self._seg_bytes)  # staged holder blocks
         # Runs in block indices once; each segment pair only swaps in its byte offsets.
         proto = token_runs(np.arange(n, dtype=np.int64), self.remote.block_size,
@@ -224,8 +236,10 @@ class ConvertingPlanner:
                 ls = self.local.segments[seg_l]
                 runs[:, 1] = ls.base + local_blocks[dst_idx] * ls.block_stride
                 chunks.append(runs)
-            native.scatter_tokens(staging, regions[region], np.concatenate(chunks), self._src_geom.select(part_r),
-                                  self._dst_geom.select(part_l), elem_size=self._elem)
+            src_geom = self._src_geom if part_r is None else self._src_geom.select(part_r)
+            dst_geom = self._dst_geom if part_l is None else self._dst_geom.select(part_l)
+            native.scatter_tokens(staging, regions[region], np.concatenate(chunks), src_geom, dst_geom,
+                                  elem_size=self._elem)
 
 
 def planner_for(remote: KVLayout, local: KVLayout, staging_region: int | None, *, src_head: int = 0,
