@@ -216,6 +216,18 @@ class ConvertingPlanner:
         return StagedRead(plan, staging_offset, self.staging_bytes(n), remote_first_token,
                           tuple(int(b) for b in local_blocks), local_first_token, start, ntokens)
 
+    def read_pairs(self, remote_blocks: Sequence[int], local_blocks: Sequence[int], staging_offset: int) -> StagedRead:
+        """Block for block (equal block sizes, another format or head split): holder block
+        ``remote_blocks[i]`` whole into reader block ``local_blocks[i]``, like PeerPlanner.plan's
+        pairs. Token positions only matter within a block, so the pairs are treated as one sequence."""
+        if self.remote.block_size != self.local.block_size:
+            raise LayoutError(f"read_pairs needs equal block sizes, holder has {self.remote.block_size}, this "
+                              f"reader {self.local.block_size}; use read() with token positions")
+        if len(remote_blocks) != len(local_blocks) or not remote_blocks:
+            raise LayoutError(f"{len(remote_blocks)} remote blocks but {len(local_blocks)} local blocks")
+        return self.read(remote_blocks, 0, local_blocks, 0, 0, len(remote_blocks) * self.local.block_size,
+                         staging_offset)
+
     def scatter(self, job: StagedRead, staging: native.RawBuffer, regions: Sequence[native.RawBuffer]) -> None:
         """Copy the job's token range and heads from staging into the reader's blocks, every layer,
         K and V: one native call per (reader region, holder part, reader part), or per reader

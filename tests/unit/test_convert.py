@@ -271,3 +271,24 @@ def test_planner_for_reads_straight_where_it_can_and_stages_elsewhere():
         planner_for(cpu4, nhd4, None)
     with pytest.raises(LayoutError, match="head-major"):
         PeerPlanner(nhd4, nhd2, src_head=0, nheads=2)
+
+
+def test_read_pairs_converts_block_for_block_at_equal_block_size():
+    g = torch.Generator().manual_seed(3)
+    hold, mine = torch.randn(2, 2, 5, 8, 2, 4, generator=g), torch.randn(2, 2, 6, 8, 2, 4, generator=g)
+    h_phys, rl = _cache(FLASH_NHD, hold, 8)
+    l_phys, ll = _cache(CPU, mine, 8)
+    p = planner_for(rl, ll, 1)
+    assert type(p) is ConvertingPlanner
+    rb, lb = [4, 0, 2], [1, 5, 3]
+    job = p.read_pairs(rb, lb, staging_offset=0)
+    staging = np.zeros(job.staging_bytes, dtype=np.uint8)
+    play_plan(job.plan, rl, {1: staging})
+    p.scatter(job, native.RawBuffer(staging.ctypes.data, staging.nbytes), [raw_buf(l_phys)])
+    del h_phys
+    want = mine.clone()
+    want[:, :, lb] = hold[:, :, rb]
+    assert torch.equal(decode(CPU, l_phys), want)
+    _, other = _cache(CPU, torch.zeros(2, 2, 6, 16, 2, 4), 16)
+    with pytest.raises(LayoutError, match="equal block sizes"):
+        ConvertingPlanner(rl, other, 1).read_pairs(rb, lb, 0)
