@@ -14,8 +14,9 @@ heads ``[dst_head, ...)`` of the reader's blocks (:func:`pdxfer.heads.head_sourc
 holder and reader ``kv_heads`` are each that rank's count. Where the holder's format keeps a
 head's bytes together (cpu, flash_hnd), only the slice is READ.
 
-Same-format same-size all-head reads never come here: they are READ straight into place
-(:class:`pdxfer.plan.PeerPlanner`). Refused, naming both sides (:func:`check_convertible`):
+Same-format same-size reads never come here: they are READ straight into place
+(:class:`pdxfer.plan.PeerPlanner`; all heads, or a head slice of cpu/flash_hnd blocks, which is
+one byte range per block); :func:`planner_for` chooses. Refused, naming both sides (:func:`check_convertible`):
 different dtype (converting would change the numbers), head_dim or layer names, and cpu_amx,
 whose AMX-packed blocks have no geometry.
 
@@ -34,14 +35,11 @@ import numpy as np
 
 from pdxfer import native
 from pdxfer.blockgeom import BlockGeometry, segment_geometry, token_runs
-from pdxfer.layout import CPU, CPU_AMX, FLASH_HND, KVLayout, LayoutError
-from pdxfer.plan import TransferPlan, TransferRun, coalesce
+from pdxfer.layout import CPU_AMX, KVLayout, LayoutError
+from pdxfer.plan import HEAD_MAJOR_FORMATS, PeerPlanner, TransferPlan, TransferRun, coalesce
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1,
                 "int8": 1}
-# Formats whose block is head-major: one head's K and V are one contiguous byte range of a block,
-# so a head slice can be READ alone.
-_HEAD_MAJOR = (CPU, FLASH_HND)
 
 
 def _side(kv: KVLayout) -> str:
@@ -159,7 +157,7 @@ class ConvertingPlanner:
         self._seg_bytes = [s.block_bytes for s in remote.segments]
         self._src_geom = segment_geometry(remote)
         per_head = {s.block_bytes // remote.kv_heads for s in remote.segments}
-        if nheads < remote.kv_heads and remote.kv_format in _HEAD_MAJOR and len(per_head) == 1 \
+        if nheads < remote.kv_heads and remote.kv_format in HEAD_MAJOR_FORMATS and len(per_head) == 1 \
                 and all(s.block_bytes % remote.kv_heads == 0 for s in remote.segments):
             (head_bytes,) = per_head
             self._slice_off = src_head * head_bytes
@@ -167,13 +165,24 @@ class ConvertingPlanner:
             self._seg_bytes = [nheads * head_bytes] * len(remote.segments)
             self._src_geom = segment_geometry(dataclasses.replace(remote, kv_heads=nheads))
         # Each reader (segment, part) and the holder (segment, part) with the same layer's K or V,
-        # grouped by what one scatter_tokens call can take: one reader region, one part pair.
+        # grouped by what one scatter_tokens call can take: one reader region, one part pair. A
+        # reader segment fed part for part by one holder segment (same format family, e.g. cpu
+        # -> cpu at another block size) goes as a whole, all parts in one call: the kernel then
+        # copies a cpu head's K^T and V together, which is faster than two passes.
         theirs = _kv_parts(remote, segment_geometry(remote))
-        self._groups: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        per_local: dict[int, list[tuple[int, int, int]]] = {}  # reader segment -> [(its part, seg_r, part_r)]
         for key, (seg_l, part_l) in sorted(_kv_parts(local, self._dst_geom).items()):
-            seg_r, part_r = theirs[key]
+            per_local.setdefault(seg_l, []).append((part_l, *theirs[key]))
+        whole = len(self._src_geom.parts) == len(self._dst_geom.parts)
+        # (reader region, holder part or None for all parts, reader part or None) -> [(seg_r, seg_l)]
+        self._groups: dict[tuple[int, int | None, int | None], list[tuple[int, int]]] = {}
+        for seg_l, parts in sorted(per_local.items()):
             region = local.segments[seg_l].region
-            self._groups.setdefault((region, part_r, part_l), []).append((seg_r, seg_l))
+            if whole and len({seg_r for _, seg_r, _ in parts}) == 1 and all(pl == pr for pl, _, pr in parts):
+                self._groups.setdefault((region, None, None), []).append((parts[0][1], seg_l))
+                continue
+            for part_l, seg_r, part_r in parts:
+                self._groups.setdefault((region, part_r, part_l), []).append((seg_r, seg_l))
         self._stage_base = np.cumsum([0] + self._seg_bytes[:-1], dtype=np.int64)  # per staged block
 
     @property
@@ -207,9 +216,22 @@ class ConvertingPlanner:
         return StagedRead(plan, staging_offset, self.staging_bytes(n), remote_first_token,
                           tuple(int(b) for b in local_blocks), local_first_token, start, ntokens)
 
+    def read_pairs(self, remote_blocks: Sequence[int], local_blocks: Sequence[int], staging_offset: int) -> StagedRead:
+        """Block for block (equal block sizes, another format or head split): holder block
+        ``remote_blocks[i]`` whole into reader block ``local_blocks[i]``, like PeerPlanner.plan's
+        pairs. Token positions only matter within a block, so the pairs are treated as one sequence."""
+        if self.remote.block_size != self.local.block_size:
+            raise LayoutError(f"read_pairs needs equal block sizes, holder has {self.remote.block_size}, this "
+                              f"reader {self.local.block_size}; use read() with token positions")
+        if len(remote_blocks) != len(local_blocks) or not remote_blocks:
+            raise LayoutError(f"{len(remote_blocks)} remote blocks but {len(local_blocks)} local blocks")
+        return self.read(remote_blocks, 0, local_blocks, 0, 0, len(remote_blocks) * self.local.block_size,
+                         staging_offset)
+
     def scatter(self, job: StagedRead, staging: native.RawBuffer, regions: Sequence[native.RawBuffer]) -> None:
         """Copy the job's token range and heads from staging into the reader's blocks, every layer,
-        K and V: one native call per (reader region, holder part, reader part)."""
+        K and V: one native call per (reader region, holder part, reader part), or per reader
+        region where segments pair whole."""
         n = job.staging_bytes // sum(self._seg_bytes)  # staged holder blocks
         # Runs in block indices once; each segment pair only swaps in its byte offsets.
         proto = token_runs(np.arange(n, dtype=np.int64), self.remote.block_size,
@@ -226,8 +248,25 @@ class ConvertingPlanner:
                 ls = self.local.segments[seg_l]
                 runs[:, 1] = ls.base + local_blocks[dst_idx] * ls.block_stride
                 chunks.append(runs)
-            native.scatter_tokens(staging, regions[region], np.concatenate(chunks), self._src_geom.select(part_r),
-                                  self._dst_geom.select(part_l), elem_size=self._elem)
+            src_geom = self._src_geom if part_r is None else self._src_geom.select(part_r)
+            dst_geom = self._dst_geom if part_l is None else self._dst_geom.select(part_l)
+            native.scatter_tokens(staging, regions[region], np.concatenate(chunks), src_geom, dst_geom,
+                                  elem_size=self._elem)
+
+
+def planner_for(remote: KVLayout, local: KVLayout, staging_region: int | None, *, src_head: int = 0,
+                dst_head: int = 0, nheads: int | None = None) -> PeerPlanner | ConvertingPlanner:
+    """The planner for one holder (rank), chosen at connect: straight into place where bytes need
+    no rearranging (same byte format and block size, all heads; or a head slice of head-major
+    blocks of equal size), else staged and scattered. ``staging_region`` None: no staging area,
+    so only direct reads are possible (a LayoutError says why not)."""
+    heads = dict(src_head=src_head, dst_head=dst_head, nheads=nheads)
+    try:
+        return PeerPlanner(remote, local, **heads)
+    except LayoutError as direct:
+        if staging_region is None:
+            raise LayoutError(f"{direct}; and there is no staging area to convert through") from direct
+    return ConvertingPlanner(remote, local, staging_region, **heads)
 
 
 class StagingArea:
@@ -263,4 +302,4 @@ class StagingArea:
             return sum(self._used.values())
 
 
-__all__ = ["ConvertingPlanner", "StagedRead", "StagingArea", "check_convertible"]
+__all__ = ["ConvertingPlanner", "StagedRead", "StagingArea", "check_convertible", "planner_for"]

@@ -7,7 +7,10 @@ when K and V live apart): block ``b`` of a segment is the byte range
 opaque bytes: the order of tokens inside a block is never assumed (on CPU, K is transposed).
 
 Which blocks hold which tokens, and how bytes move between two layouts, is
-:mod:`pdxfer.plan`.
+:mod:`pdxfer.plan` (byte for byte) and :mod:`pdxfer.convert` (another block size, format or TP
+head split). :meth:`KVLayout.fingerprint` identifies a byte format (equal fingerprints: blocks are
+interchangeable); :func:`content_fingerprint` identifies the KV content (dtype, layers, total KV
+heads, head_dim) whatever the format, block size and TP split, i.e. what a converting reader can use.
 """
 
 from __future__ import annotations

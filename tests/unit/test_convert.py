@@ -8,10 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdxfer import native
-from pdxfer.convert import ConvertingPlanner, StagingArea
-from pdxfer.layout import LayoutError, describe_kv_caches
+from pdxfer.convert import ConvertingPlanner, StagingArea, check_convertible, planner_for
+from pdxfer.heads import head_sources, rank_heads
+from pdxfer.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD, LayoutError, content_fingerprint, describe_kv_caches
+from pdxfer.plan import PeerPlanner
+from tests.kv_pattern import FORMATS, decode, describe, encode, layer_names, pattern_logical, play_plan
+from tests.kv_pattern import raw as raw_buf
 
 H, D, LAYERS = 2, 16, 3
 
@@ -86,14 +92,7 @@ def test_staging_area_first_fit_and_free():
 
 # --------------------------------------------------------------------------- formats and head slices
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
-from pdxfer.convert import check_convertible  # noqa: E402
-from pdxfer.heads import head_sources, rank_heads  # noqa: E402
-from pdxfer.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD, content_fingerprint  # noqa: E402
-from tests.kv_pattern import (FORMATS, decode, describe, encode, layer_names, pattern_logical,  # noqa: E402
-                              play_plan, raw as raw_buf, tokens_of)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,7 +131,7 @@ def test_planner_moves_exactly_the_token_range_and_head_slice_between_any_format
     l_blocks = [int(b) for b in torch.randperm(l_nb, generator=g)[: -(-c["n_seq"] // lb)]]
     hold = torch.randn(layers, 2, h_nb, hb, c["hr"], d, generator=g).to(dtype)
     mine = torch.randn(layers, 2, l_nb, lb, c["hl"], d, generator=g).to(dtype)
-    h_phys, rl = _cache(c["src"], hold, hb)
+    h_phys, rl = _cache(c["src"], hold, hb)  # h_phys keeps the holder memory the plan reads alive
     l_phys, ll = _cache(c["dst"], mine, lb)
     planner = ConvertingPlanner(rl, ll, staging_region=len(ll.regions), src_head=c["src_head"],
                                 dst_head=c["dst_head"], nheads=c["nheads"])
@@ -144,6 +143,7 @@ def test_planner_moves_exactly_the_token_range_and_head_slice_between_any_format
     staging = np.zeros(c["stage_at"] + job.staging_bytes, dtype=np.uint8)
     play_plan(job.plan, rl, {len(ll.regions): staging})
     planner.scatter(job, native.RawBuffer(staging.ctypes.data, staging.nbytes), [raw_buf(l_phys)])
+    del h_phys
 
     want = mine.clone()
     t = torch.arange(c["start"], end)
@@ -179,7 +179,7 @@ def test_tp2_holder_ranks_gather_into_a_tp1_reader_in_process():
         ranks.append(_cache(FLASH_HND, log, hb))
     l_phys, ll = _cache(CPU, torch.zeros(2, 2, 6, lb, H, 8), lb)
     for src in head_sources(H, 2, 1, 0):
-        h_phys, rl = ranks[src.holder_rank]
+        _, rl = ranks[src.holder_rank]  # `ranks` keeps each holder's memory alive
         p = ConvertingPlanner(rl, ll, 1, src_head=src.src_head, dst_head=src.dst_head, nheads=src.nheads)
         job = p.read(h_blocks, 0, l_blocks, 0, 0, ntok, staging_offset=0)
         staging = np.zeros(job.staging_bytes, dtype=np.uint8)
@@ -229,3 +229,66 @@ def test_content_fingerprint_ignores_format_block_size_and_tp_only():
     assert fp not in others and len(others) == 4
     with pytest.raises(LayoutError, match="cannot be a TP share"):
         rank.content_fingerprint(6)
+
+
+# --------------------------------------------------------------------------- direct head slices
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from([CPU, FLASH_HND]), block=st.sampled_from([1, 4, 16]), hr=st.integers(1, 4),
+       hl=st.integers(1, 4), data=st.data())
+def test_peer_planner_reads_a_head_slice_straight_into_place(fmt, block, hr, hl, data):
+    n = data.draw(st.integers(1, min(hr, hl)))
+    sh, dh = data.draw(st.integers(0, hr - n)), data.draw(st.integers(0, hl - n))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    hold, mine = torch.randn(2, 2, 6, block, hr, 4, generator=g), torch.randn(2, 2, 7, block, hl, 4, generator=g)
+    h_phys, rl = _cache(fmt, hold, block)  # h_phys keeps the holder memory the plan reads alive
+    l_phys, ll = _cache(fmt, mine, block)
+    rb, lb = [4, 5, 0, 2], [1, 2, 3, 6]
+    p = PeerPlanner(rl, ll, src_head=sh, dst_head=dh, nheads=n)
+    plan = p.plan(rb, lb)
+    play_plan(plan, rl, {0: np.frombuffer(memoryview(l_phys.numpy()).cast("B"), dtype=np.uint8)})
+    del h_phys
+    want = mine.clone()
+    want[:, :, lb, :, dh:dh + n] = hold[:, :, rb, :, sh:sh + n]
+    assert torch.equal(decode(fmt, l_phys), want)
+    assert plan.total_bytes == len(rb) * 2 * 2 * n * block * 4 * 4  # only the slice moves
+
+
+def test_planner_for_reads_straight_where_it_can_and_stages_elsewhere():
+    _, cpu4 = _cache(CPU, torch.zeros(2, 2, 4, 16, 4, 8), 16)
+    _, cpu2 = _cache(CPU, torch.zeros(2, 2, 4, 16, 2, 8), 16)
+    _, cpu2_32 = _cache(CPU, torch.zeros(2, 2, 4, 32, 2, 8), 32)
+    _, nhd2 = _cache(FLASH_NHD, torch.zeros(2, 2, 4, 16, 2, 8), 16)
+    _, nhd4 = _cache(FLASH_NHD, torch.zeros(2, 2, 4, 16, 4, 8), 16)
+    assert type(planner_for(cpu4, cpu4, 1)) is PeerPlanner
+    assert type(planner_for(cpu4, cpu2, 1, src_head=2, nheads=2)) is PeerPlanner  # head-major: a byte range
+    assert type(planner_for(cpu4, cpu2_32, 1, src_head=2, nheads=2)) is ConvertingPlanner  # block size
+    assert type(planner_for(nhd4, nhd2, 1, src_head=2, nheads=2)) is ConvertingPlanner  # NHD interleaves heads
+    assert type(planner_for(cpu4, nhd4, 1)) is ConvertingPlanner  # format
+    with pytest.raises(LayoutError, match="no staging area"):
+        planner_for(cpu4, nhd4, None)
+    with pytest.raises(LayoutError, match="head-major"):
+        PeerPlanner(nhd4, nhd2, src_head=0, nheads=2)
+
+
+def test_read_pairs_converts_block_for_block_at_equal_block_size():
+    g = torch.Generator().manual_seed(3)
+    hold, mine = torch.randn(2, 2, 5, 8, 2, 4, generator=g), torch.randn(2, 2, 6, 8, 2, 4, generator=g)
+    h_phys, rl = _cache(FLASH_NHD, hold, 8)
+    l_phys, ll = _cache(CPU, mine, 8)
+    p = planner_for(rl, ll, 1)
+    assert type(p) is ConvertingPlanner
+    rb, lb = [4, 0, 2], [1, 5, 3]
+    job = p.read_pairs(rb, lb, staging_offset=0)
+    staging = np.zeros(job.staging_bytes, dtype=np.uint8)
+    play_plan(job.plan, rl, {1: staging})
+    p.scatter(job, native.RawBuffer(staging.ctypes.data, staging.nbytes), [raw_buf(l_phys)])
+    del h_phys
+    want = mine.clone()
+    want[:, :, lb] = hold[:, :, rb]
+    assert torch.equal(decode(CPU, l_phys), want)
+    _, other = _cache(CPU, torch.zeros(2, 2, 6, 16, 2, 4), 16)
+    with pytest.raises(LayoutError, match="equal block sizes"):
+        ConvertingPlanner(rl, other, 1).read_pairs(rb, lb, 0)
