@@ -9,9 +9,9 @@ its own rank, with its real tensors' layout, to plan.
 
 Per holder rank a reader rank reads from (:func:`pdxfer.heads.head_sources`):
 
-- **direct**: same layout fingerprint (byte format, dtype, layers, per-rank KV heads, head dim),
-  same block size, and the reader needs exactly the holder rank's heads: a block-for-block READ
-  into the reader's blocks (:class:`pdxfer.plan.PeerPlanner`);
+- **direct**: the bytes need no rearranging, so they are READ straight into the reader's blocks
+  (:class:`pdxfer.plan.PeerPlanner`): same byte format and block size with all heads, or a head
+  slice between head-major blocks (cpu, flash_hnd) of equal size, where a head is one byte range;
 - **converted**: anything else that :func:`pdxfer.convert.check_convertible` accepts (another
   format, block size, or a slice of the holder rank's heads), READ into the registered staging
   area and scattered (:class:`pdxfer.convert.ConvertingPlanner`); needs ``staging_mib`` > 0;
@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from pdxfer.convert import check_convertible
 from pdxfer.heads import head_sources
 from pdxfer.layout import CPU_AMX, KVLayout, LayoutError
+from pdxfer.plan import PeerPlanner
 
 
 class NotReadable(ValueError):
@@ -66,8 +67,7 @@ def routes(node_id: str, holder_layouts: Sequence[KVLayout], holder_total_heads:
         if remote.dtype != local.dtype:
             raise NotReadable(f"{where} holds KV as {remote.dtype}, this reader as {local.dtype}: converting "
                               "would change the numbers")
-        whole = src.src_head == 0 and src.dst_head == 0 and src.nheads == local.kv_heads == remote.kv_heads
-        if whole and remote.fingerprint() == local.fingerprint() and remote.block_size == local.block_size:
+        if _direct(remote, local, src.src_head, src.dst_head, src.nheads):
             out.append(Route(src.holder_rank, src.src_head, src.dst_head, src.nheads, True))
             continue
         if CPU_AMX in (remote.kv_format, local.kv_format):
@@ -89,6 +89,16 @@ def routes(node_id: str, holder_layouts: Sequence[KVLayout], holder_total_heads:
                               f"(block size {local.block_size}), and staging_mib is 0")
         out.append(Route(src.holder_rank, src.src_head, src.dst_head, src.nheads, False))
     return out
+
+
+def _direct(remote: KVLayout, local: KVLayout, src_head: int, dst_head: int, nheads: int) -> bool:
+    """Whether PeerPlanner moves these heads straight into place (its own check is the rule; made
+    once per holder, so trying costs nothing on the read path)."""
+    try:
+        PeerPlanner(remote, local, src_head=src_head, dst_head=dst_head, nheads=nheads)
+    except LayoutError:
+        return False
+    return True
 
 
 def holder_total_heads(total_kv_heads: int, tp_size: int, rank0_layout: KVLayout) -> int:

@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pdxfer.layout import KVLayout, describe_kv_caches
@@ -217,14 +217,9 @@ class WorkerSide:
         assert self.layout is not None and self.transport is not None
         try:
             _, peer, planner = self._peers[(ref.node_id, route.holder_rank)]
-            if not route.direct and not r.remote_block_size:
-                # Same block size, but converted (format, head slice): the block pairs as a
-                # token range of their own, block i <-> block i, through staging.
-                bs = self.layout.block_size
-                r = replace(r, remote_block_size=bs, remote_first_token=0, local_first_token=0, start=0,
-                            num_tokens=len(r.remote_blocks) * bs)
-            if r.remote_block_size:  # READ into staging, scatter when done
-                job = self._staging.start(planner, r)
+            if isinstance(planner, ConvertingPlanner):  # READ into staging, convert when done
+                # Same block size (no holder block size in the read): block i <-> block i.
+                job = self._staging.start(planner, r) if r.remote_block_size else self._staging.start_pairs(planner, r)
                 inf.staged.append((planner, job))
                 plan = job.plan
             else:

@@ -191,6 +191,8 @@ def test_tp1_reader_gathers_its_heads_from_both_holder_ranks(engines):
     assert _moved(holder, h_ids, reader, r_ids, ext)
     assert reader.workers[0].connected_holders() == [holder.name]
     assert sorted(reader.workers[0]._peers) == [(holder.name, 0), (holder.name, 1)]  # one connection per rank
+    # CPU blocks are head-major: each rank's half is one byte range per block, read into place.
+    assert {type(p[2]).__name__ for p in reader.workers[0]._peers.values()} == {"PeerPlanner"}
     assert reader.workers[0].stats.tokens_loaded == ext
 
 
@@ -222,6 +224,19 @@ def test_other_format_holder_shares_the_namespace_and_converts(engines, holder_f
     ext, r_ids, errors = reader.load("d", toks)
     assert ext == len(toks) - 1 and not errors
     assert _moved(holder, h_ids, reader, r_ids, ext)
+
+
+def test_tp1_flash_reader_gathers_interleaved_heads_through_staging(engines):
+    """Flash NHD interleaves heads per token: a TP1 reader of a TP2 flash holder stages each
+    rank's blocks and scatters its heads into place."""
+    holder = engines("p", producer=True, consumer=False, tp=2, fmt=FLASH_NHD, seed=10)
+    reader = engines("d", producer=False, consumer=True, tp=1, fmt=FLASH_NHD)
+    toks = _tokens(C + 130, 10)
+    h_ids = holder.run_request("p", toks)
+    ext, r_ids, errors = reader.load("d", toks)
+    assert ext == len(toks) - 1 and not errors
+    assert _moved(holder, h_ids, reader, r_ids, ext)
+    assert {type(p[2]).__name__ for p in reader.workers[0]._peers.values()} == {"ConvertingPlanner"}
 
 
 def test_tp2_flash_holder_to_tp2_cpu_reader(engines):

@@ -35,13 +35,23 @@ def test_same_layout_same_tp_is_direct():
     assert r([lay(heads=2), lay(heads=2)], lay(heads=2), reader_tp=2, rank=1) == [Route(1, 0, 0, 2, True)]
 
 
-def test_tp_mismatch_gathers_or_slices_through_staging():
-    # TP1 reader, TP2 holder: half the heads from each holder rank.
-    assert r([lay(heads=2), lay(heads=2)], lay(heads=4)) == [Route(0, 0, 0, 2, False), Route(1, 0, 2, 2, False)]
+def test_tp_mismatch_reads_head_slices_straight_between_head_major_blocks():
+    # TP1 reader, TP2 holder: half the heads from each holder rank; a head is a byte range of a
+    # CPU block, so both READs go straight into place.
+    assert r([lay(heads=2), lay(heads=2)], lay(heads=4)) == [Route(0, 0, 0, 2, True), Route(1, 0, 2, 2, True)]
     # TP2 reader rank 1, TP1 holder: its half of the holder's one rank.
-    assert r([lay(heads=4)], lay(heads=2), reader_tp=2, rank=1) == [Route(0, 2, 0, 2, False)]
+    assert r([lay(heads=4)], lay(heads=2), reader_tp=2, rank=1) == [Route(0, 2, 0, 2, True)]
     # TP4 reader of a 2-head model (heads replicated): rank 3 holds head 1.
-    assert r([lay(heads=2)], lay(heads=1), reader_tp=4, rank=3, total=2) == [Route(0, 1, 0, 1, False)]
+    assert r([lay(heads=2)], lay(heads=1), reader_tp=4, rank=3, total=2) == [Route(0, 1, 0, 1, True)]
+    assert r([lay(fmt=FLASH_HND, heads=4)], lay(fmt=FLASH_HND, heads=2), reader_tp=2, rank=1) == [
+        Route(0, 2, 0, 2, True)]
+
+
+def test_tp_mismatch_converts_where_heads_interleave_or_sizes_differ():
+    # Flash NHD interleaves heads per token: a slice is staged and scattered.
+    assert r([lay(fmt=FLASH_NHD, heads=2)] * 2, lay(fmt=FLASH_NHD, heads=4)) == [
+        Route(0, 0, 0, 2, False), Route(1, 0, 2, 2, False)]
+    assert r([lay(heads=4, bs=64)], lay(heads=2), reader_tp=2, rank=0) == [Route(0, 0, 0, 2, False)]
 
 
 @pytest.mark.parametrize("holder, local", [
