@@ -93,6 +93,7 @@ class PDPair:
     decode_args: tuple[str, ...] = ()
     prefill_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: cores per TP rank, ranks split by "|"
     decode_bind: str = "1"
+    extra_cfg: dict = field(default_factory=dict)  # more kv_connector_extra_config for both sides
 
     def start_master(self) -> None:
         # A fixed port (chosen free once) lets a restarted master be found at the same address.
@@ -106,7 +107,7 @@ class PDPair:
         self.hooks.mkdir(parents=True, exist_ok=True)
         self.start_master()
         self.prefill_port, self.decode_port = free_port(), free_port()
-        common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0}
+        common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0, **self.extra_cfg}
         p_cfg = pdxfer_kv_config("kv_producer", self.master_addr, self.transport, **common)
         d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport, **common)
         self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
@@ -141,10 +142,10 @@ class PDPair:
 
 def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: str,
               prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
-              prefill_bind: str = "0", decode_bind: str = "1"):
+              prefill_bind: str = "0", decode_bind: str = "1", extra_cfg: dict | None = None):
     pair = PDPair(tmp_path_factory.mktemp(f"pd-{transport}"), model, transport,
                   prefill_args=prefill_args, decode_args=decode_args, prefill_bind=prefill_bind,
-                  decode_bind=decode_bind)
+                  decode_bind=decode_bind, extra_cfg=dict(extra_cfg or {}))
     try:
         pair.start()
         yield pair
