@@ -21,8 +21,9 @@ TP2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
 # with the other instance (and, here, with other engineers' vLLM pairs). At load 6-9 on the two
 # cores, reads of 0.2 MiB were seen pending 0.5-4 s (past the default 0.5 s floor) and a prefill's
 # heartbeats starved past its 4 s lease (the master dropped it with its locks: loads recomputed,
-# correctly). Give reads, leases and locks room.
-CFG = {"read_timeout_floor_s": 3.0, "lease_ttl_s": 10.0, "lock_ttl_s": 10.0}
+# correctly), and a rank's release to the master timed out at its 0.5 s bound (load recomputed).
+# Give reads, leases, locks and master calls room.
+CFG = {"read_timeout_floor_s": 3.0, "lease_ttl_s": 10.0, "lock_ttl_s": 10.0, "lookup_timeout_s": 2.0}
 
 
 @pytest.fixture(scope="module", params=["P1-D2", "P2-D1"])
