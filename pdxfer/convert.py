@@ -1,18 +1,32 @@
-"""Moving KV between holders and readers whose block sizes differ.
+"""Moving KV between holders and readers whose block size, byte format or TP head split differ.
 
 A block is opaque bytes and, in vLLM's CPU layout, tokens are not contiguous inside it (K is
-stored transposed), so a token range cannot be READ straight into blocks of another size. The
-reader READs the holder's whole blocks into a registered *staging* area instead, then scatters
-the token range into its own blocks with the native kernels (``pdxfer.native.scatter_tokens``,
-threaded C++; a torch path where the library is absent). Same-size blocks never come here:
-they are READ straight into place (:class:`pdxfer.plan.PeerPlanner`).
+stored transposed), so a token range cannot be READ straight into blocks of another size or
+format. The reader READs the holder's whole blocks into a registered *staging* area instead, then
+scatters the token range into its own blocks with the native kernels
+(``pdxfer.native.scatter_tokens``, threaded C++; a torch path where the library is absent), one
+K or V part at a time: any two formats with a block geometry (:mod:`pdxfer.blockgeom`: cpu,
+flash_nhd, flash_hnd, blocks_first_nhd) convert into each other at any pair of block sizes.
+Parts are matched by (layer, K or V), so a CPU "kv" segment's K^T part feeds a flash "k" segment.
 
-Staging layout of one read: for segment ``s`` (layer, or K/V of a layer) and staged holder block
-``i``: ``offset + seg_offset[s] + i * seg_block_bytes[s]`` inside the staging region.
+Tensor parallelism: a planner moves one holder rank's heads ``[src_head, src_head + nheads)`` into
+heads ``[dst_head, ...)`` of the reader's blocks (:func:`pdxfer.heads.head_sources` says which);
+holder and reader ``kv_heads`` are each that rank's count. Where the holder's format keeps a
+head's bytes together (cpu, flash_hnd), only the slice is READ.
+
+Same-format same-size reads never come here: they are READ straight into place
+(:class:`pdxfer.plan.PeerPlanner`; all heads, or a head slice of cpu/flash_hnd blocks, which is
+one byte range per block); :func:`planner_for` chooses. Refused, naming both sides (:func:`check_convertible`):
+different dtype (converting would change the numbers), head_dim or layer names, and cpu_amx,
+whose AMX-packed blocks have no geometry.
+
+Staging layout of one read: for holder segment ``s`` (layer, or K/V of a layer) and staged holder
+block ``i``: ``offset + seg_offset[s] + i * staged_block_bytes[s]`` inside the staging region.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -20,12 +34,77 @@ from typing import Sequence
 import numpy as np
 
 from pdxfer import native
-from pdxfer.blockgeom import segment_geometry, token_runs
-from pdxfer.layout import KVLayout, LayoutError
-from pdxfer.plan import TransferPlan, TransferRun, coalesce
+from pdxfer.blockgeom import BlockGeometry, segment_geometry, token_runs
+from pdxfer.layout import CPU_AMX, KVLayout, LayoutError
+from pdxfer.plan import HEAD_MAJOR_FORMATS, PeerPlanner, TransferPlan, TransferRun, coalesce
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1,
                 "int8": 1}
+
+
+def _side(kv: KVLayout) -> str:
+    return (f"dtype {kv.dtype} ({kv.kv_format}, {kv.kv_heads} kv heads, head_dim {kv.head_dim}, "
+            f"{kv.num_layers} layers, block size {kv.block_size})")
+
+
+def _kv_parts(kv: KVLayout, geom: BlockGeometry) -> dict[tuple[str, str], tuple[int, int]]:
+    """(layer, "k" or "v") -> (segment index, part index in the segment's geometry)."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for i, s in enumerate(kv.segments):
+        if s.part == "kv" and len(geom.parts) == 2:
+            entries = [("k", 0), ("v", 1)]  # the geometries put K first (cpu: K^T, blocks-first: K)
+        elif s.part in ("k", "v") and len(geom.parts) == 1:
+            entries = [(s.part, 0)]
+        else:
+            raise LayoutError(f"segment {s.layer}/{s.part} does not fit format {kv.kv_format} "
+                              f"({len(geom.parts)} parts per segment)")
+        for which, p in entries:
+            if (s.layer, which) in out:
+                raise LayoutError(f"layer {s.layer} has two {which.upper()} segments")
+            out[(s.layer, which)] = (i, p)
+    return out
+
+
+def _refusal(remote: KVLayout, local: KVLayout) -> str | None:
+    """Why the holder's blocks cannot be converted into ours, or None."""
+    for side, kv in (("holder", remote), ("reader", local)):
+        if kv.kv_format == CPU_AMX:
+            return (f"the {side}'s format cpu_amx packs blocks for AMX tiles and has no known block "
+                    "geometry, so its tokens cannot be located")
+        try:
+            segment_geometry(kv)
+        except ValueError as exc:
+            return f"the {side}'s format has no block geometry: {exc}"
+    if remote.dtype != local.dtype:
+        return "dtypes differ; converting them would change the numbers"
+    if local.dtype not in _DTYPE_BYTES:
+        return f"dtype {local.dtype} is not one pdxfer knows the element size of"
+    if remote.head_dim != local.head_dim:
+        return "head_dim differs"
+    if {s.layer for s in remote.segments} != {s.layer for s in local.segments}:
+        return "layer names differ"
+    for side, kv in (("holder", remote), ("reader", local)):
+        geom = segment_geometry(kv)
+        try:
+            parts = _kv_parts(kv, geom)
+        except LayoutError as exc:
+            return f"the {side}'s segments are inconsistent: {exc}"
+        if len(parts) != 2 * kv.num_layers:
+            return f"the {side} lacks K or V of some layer"
+        elem = _DTYPE_BYTES[kv.dtype]
+        need = max(geom.part_extent(p) for p in range(len(geom.parts))) * elem
+        if any(s.block_bytes < need for s in kv.segments):
+            return f"the {side}'s segment blocks are smaller than its format's geometry ({need} bytes)"
+    return None
+
+
+def check_convertible(remote: KVLayout, local: KVLayout) -> None:
+    """Refuse, at connect time, a holder whose KV this reader cannot convert (any block sizes,
+    formats with a geometry, head counts); the error names what differs and both sides."""
+    why = _refusal(remote, local)
+    if why is not None:
+        raise LayoutError(f"cannot convert KV blocks ({why}): holder has {_side(remote)}, "
+                          f"this reader {_side(local)}")
 
 
 @dataclass(frozen=True)
@@ -43,30 +122,68 @@ class StagedRead:
 
 
 class ConvertingPlanner:
-    """Plans from one holder whose block size differs from the reader's (same byte format
-    otherwise); made once per holder at connect, like PeerPlanner. Refuses, naming both sides,
-    what it cannot convert."""
+    """Plans from one holder (rank) whose blocks differ from the reader's in size, format or head
+    split; made once per holder at connect, like PeerPlanner. Refuses, naming both sides, what it
+    cannot convert.
 
-    def __init__(self, remote: KVLayout, local: KVLayout, staging_region: int) -> None:
-        mine = (local.kv_format, local.dtype, local.num_layers, local.kv_heads, local.head_dim)
-        theirs = (remote.kv_format, remote.dtype, remote.num_layers, remote.kv_heads, remote.head_dim)
-        if mine != theirs:
-            raise LayoutError(f"cannot convert KV blocks: holder has (format, dtype, layers, kv heads, head "
-                              f"dim) {theirs}, this reader {mine}")
-        if [(s.layer, s.part) for s in remote.segments] != [(s.layer, s.part) for s in local.segments]:
-            raise LayoutError("cannot convert KV blocks: holder and reader name their layers differently")
-        try:
-            self._src_geom = segment_geometry(remote)
-            self._dst_geom = segment_geometry(local)
-        except ValueError as exc:
-            raise LayoutError(f"cannot convert KV blocks of format {remote.kv_format}: {exc}") from exc
-        if local.dtype not in _DTYPE_BYTES:
-            raise LayoutError(f"cannot convert KV blocks of dtype {local.dtype}")
+    ``src_head``/``dst_head``/``nheads``: copy holder heads ``[src_head, src_head + nheads)`` into
+    reader heads ``[dst_head, ...)`` (rank-relative; see :func:`pdxfer.heads.head_sources`). The
+    default, ``nheads=None``, means every head and needs equal ``kv_heads`` on both sides.
+    """
+
+    def __init__(self, remote: KVLayout, local: KVLayout, staging_region: int, *, src_head: int = 0,
+                 dst_head: int = 0, nheads: int | None = None) -> None:
+        check_convertible(remote, local)
+        if nheads is None:
+            if remote.kv_heads != local.kv_heads or src_head or dst_head:
+                raise LayoutError(f"holder has {remote.kv_heads} kv heads per block, this reader {local.kv_heads}: "
+                                  "pass src_head, dst_head and nheads (pdxfer.heads.head_sources says which)")
+            nheads = local.kv_heads
+        for name, first, have in (("holder", src_head, remote.kv_heads), ("reader", dst_head, local.kv_heads)):
+            if nheads <= 0 or first < 0 or first + nheads > have:
+                raise LayoutError(f"heads [{first}, {first + nheads}) are outside the {have} kv heads of the "
+                                  f"{name}'s blocks")
         self.remote = remote
         self.local = local
         self.staging_region = staging_region
+        self.src_head, self.dst_head, self.nheads = src_head, dst_head, nheads
         self._elem = _DTYPE_BYTES[local.dtype]
+        self._dst_geom = segment_geometry(local)
+        # What is staged per holder block and segment: the whole block, or only the head slice
+        # where the format keeps a head's bytes together (then the staged block is a block of the
+        # same format with nheads heads, and the copy starts at its head 0).
+        self._slice_off = 0
+        self._staged_src_head = src_head
         self._seg_bytes = [s.block_bytes for s in remote.segments]
+        self._src_geom = segment_geometry(remote)
+        per_head = {s.block_bytes // remote.kv_heads for s in remote.segments}
+        if nheads < remote.kv_heads and remote.kv_format in HEAD_MAJOR_FORMATS and len(per_head) == 1 \
+                and all(s.block_bytes % remote.kv_heads == 0 for s in remote.segments):
+            (head_bytes,) = per_head
+            self._slice_off = src_head * head_bytes
+            self._staged_src_head = 0
+            self._seg_bytes = [nheads * head_bytes] * len(remote.segments)
+            self._src_geom = segment_geometry(dataclasses.replace(remote, kv_heads=nheads))
+        # Each reader (segment, part) and the holder (segment, part) with the same layer's K or V,
+        # grouped by what one scatter_tokens call can take: one reader region, one part pair. A
+        # reader segment fed part for part by one holder segment (same format family, e.g. cpu
+        # -> cpu at another block size) goes as a whole, all parts in one call: the kernel then
+        # copies a cpu head's K^T and V together, which is faster than two passes.
+        theirs = _kv_parts(remote, segment_geometry(remote))
+        per_local: dict[int, list[tuple[int, int, int]]] = {}  # reader segment -> [(its part, seg_r, part_r)]
+        for key, (seg_l, part_l) in sorted(_kv_parts(local, self._dst_geom).items()):
+            per_local.setdefault(seg_l, []).append((part_l, *theirs[key]))
+        whole = len(self._src_geom.parts) == len(self._dst_geom.parts)
+        # (reader region, holder part or None for all parts, reader part or None) -> [(seg_r, seg_l)]
+        self._groups: dict[tuple[int, int | None, int | None], list[tuple[int, int]]] = {}
+        for seg_l, parts in sorted(per_local.items()):
+            region = local.segments[seg_l].region
+            if whole and len({seg_r for _, seg_r, _ in parts}) == 1 and all(pl == pr for pl, _, pr in parts):
+                self._groups.setdefault((region, None, None), []).append((parts[0][1], seg_l))
+                continue
+            for part_l, seg_r, part_r in parts:
+                self._groups.setdefault((region, part_r, part_l), []).append((seg_r, seg_l))
+        self._stage_base = np.cumsum([0] + self._seg_bytes[:-1], dtype=np.int64)  # per staged block
 
     @property
     def remote_block_size(self) -> int:
@@ -77,41 +194,79 @@ class ConvertingPlanner:
 
     def read(self, remote_blocks: Sequence[int], remote_first_token: int, local_blocks: Sequence[int],
              local_first_token: int, start: int, ntokens: int, staging_offset: int) -> StagedRead:
-        """The READ of ``remote_blocks`` (whole) into staging at ``staging_offset``, and what to
-        scatter from there once it landed."""
+        """The READ of ``remote_blocks`` (whole, or their head slice) into staging at
+        ``staging_offset``, and what to scatter from there once it landed."""
         self.remote.check_blocks(remote_blocks, "remote")
         self.local.check_blocks(local_blocks, "local")
         n = len(remote_blocks)
         if ntokens <= 0 or start < remote_first_token or start + ntokens > remote_first_token + n * self.remote.block_size:
             raise LayoutError(f"tokens [{start}, {start + ntokens}) are not inside the staged holder blocks "
                               f"from token {remote_first_token}")
+        if start < local_first_token or start + ntokens > local_first_token + len(local_blocks) * self.local.block_size:
+            raise LayoutError(f"tokens [{start}, {start + ntokens}) are not inside the reader's {len(local_blocks)} "
+                              f"blocks from token {local_first_token}")
         runs = []
         off = staging_offset
         for seg, nbytes in zip(self.remote.segments, self._seg_bytes):
             for i, b in enumerate(remote_blocks):
-                runs.append(TransferRun(seg.region, seg.block_offset(int(b)), self.staging_region,
+                runs.append(TransferRun(seg.region, seg.block_offset(int(b)) + self._slice_off, self.staging_region,
                                         off + i * nbytes, nbytes))
             off += n * nbytes
         plan = TransferPlan(tuple(coalesce(runs)), len(runs))
         return StagedRead(plan, staging_offset, self.staging_bytes(n), remote_first_token,
                           tuple(int(b) for b in local_blocks), local_first_token, start, ntokens)
 
+    def read_pairs(self, remote_blocks: Sequence[int], local_blocks: Sequence[int], staging_offset: int) -> StagedRead:
+        """Block for block (equal block sizes, another format or head split): holder block
+        ``remote_blocks[i]`` whole into reader block ``local_blocks[i]``, like PeerPlanner.plan's
+        pairs. Token positions only matter within a block, so the pairs are treated as one sequence."""
+        if self.remote.block_size != self.local.block_size:
+            raise LayoutError(f"read_pairs needs equal block sizes, holder has {self.remote.block_size}, this "
+                              f"reader {self.local.block_size}; use read() with token positions")
+        if len(remote_blocks) != len(local_blocks) or not remote_blocks:
+            raise LayoutError(f"{len(remote_blocks)} remote blocks but {len(local_blocks)} local blocks")
+        return self.read(remote_blocks, 0, local_blocks, 0, 0, len(remote_blocks) * self.local.block_size,
+                         staging_offset)
+
     def scatter(self, job: StagedRead, staging: native.RawBuffer, regions: Sequence[native.RawBuffer]) -> None:
-        """Copy the job's token range from staging into the reader's blocks, every layer."""
+        """Copy the job's token range and heads from staging into the reader's blocks, every layer,
+        K and V: one native call per (reader region, holder part, reader part), or per reader
+        region where segments pair whole."""
         n = job.staging_bytes // sum(self._seg_bytes)  # staged holder blocks
-        per_region: dict[int, list[np.ndarray]] = {}
-        off = job.staging_offset
-        for seg_r, seg_l, nbytes in zip(self.remote.segments, self.local.segments, self._seg_bytes):
-            src = off + np.arange(n, dtype=np.int64) * nbytes
-            dst = np.array([seg_l.block_offset(b) for b in job.local_blocks], dtype=np.int64)
-            per_region.setdefault(seg_l.region, []).append(token_runs(
-                src, self.remote.block_size, dst, self.local.block_size, job.ntokens,
-                src_start=job.start - job.remote_first_token, dst_start=job.start - job.local_first_token,
-                nheads=self.local.kv_heads))
-            off += n * nbytes
-        for region, parts in per_region.items():
-            native.scatter_tokens(staging, regions[region], np.concatenate(parts), self._src_geom, self._dst_geom,
+        # Runs in block indices once; each segment pair only swaps in its byte offsets.
+        proto = token_runs(np.arange(n, dtype=np.int64), self.remote.block_size,
+                           np.arange(len(job.local_blocks), dtype=np.int64), self.local.block_size, job.ntokens,
+                           src_start=job.start - job.remote_first_token, dst_start=job.start - job.local_first_token,
+                           src_head=self._staged_src_head, dst_head=self.dst_head, nheads=self.nheads)
+        src_idx, dst_idx = proto[:, 0].copy(), proto[:, 1].copy()
+        local_blocks = np.asarray(job.local_blocks, dtype=np.int64)
+        for (region, part_r, part_l), pairs in self._groups.items():
+            chunks = []
+            for seg_r, seg_l in pairs:
+                runs = proto.copy()
+                runs[:, 0] = job.staging_offset + self._stage_base[seg_r] * n + src_idx * self._seg_bytes[seg_r]
+                ls = self.local.segments[seg_l]
+                runs[:, 1] = ls.base + local_blocks[dst_idx] * ls.block_stride
+                chunks.append(runs)
+            src_geom = self._src_geom if part_r is None else self._src_geom.select(part_r)
+            dst_geom = self._dst_geom if part_l is None else self._dst_geom.select(part_l)
+            native.scatter_tokens(staging, regions[region], np.concatenate(chunks), src_geom, dst_geom,
                                   elem_size=self._elem)
+
+
+def planner_for(remote: KVLayout, local: KVLayout, staging_region: int | None, *, src_head: int = 0,
+                dst_head: int = 0, nheads: int | None = None) -> PeerPlanner | ConvertingPlanner:
+    """The planner for one holder (rank), chosen at connect: straight into place where bytes need
+    no rearranging (same byte format and block size, all heads; or a head slice of head-major
+    blocks of equal size), else staged and scattered. ``staging_region`` None: no staging area,
+    so only direct reads are possible (a LayoutError says why not)."""
+    heads = dict(src_head=src_head, dst_head=dst_head, nheads=nheads)
+    try:
+        return PeerPlanner(remote, local, **heads)
+    except LayoutError as direct:
+        if staging_region is None:
+            raise LayoutError(f"{direct}; and there is no staging area to convert through") from direct
+    return ConvertingPlanner(remote, local, staging_region, **heads)
 
 
 class StagingArea:
@@ -147,4 +302,4 @@ class StagingArea:
             return sum(self._used.values())
 
 
-__all__ = ["ConvertingPlanner", "StagedRead", "StagingArea"]
+__all__ = ["ConvertingPlanner", "StagedRead", "StagingArea", "check_convertible", "planner_for"]

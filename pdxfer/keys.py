@@ -26,7 +26,15 @@ import numpy as np
 KEY_BYTES = 32
 DEFAULT_CHUNK_TOKENS = 256
 _UINT32_MAX = 0xFFFFFFFF
-_NAMESPACE_VERSION = 1
+# Namespace encoding versions (a bump changes every key; instances of different versions never
+# share chunks, which is the point when what a namespace means changes):
+#   1  model id, layout fingerprint (byte format, dtype, layers, per-rank KV heads, head dim),
+#      TP size and rank, chunk tokens, cache salt
+#   2  model id, *content* fingerprint (dtype, layers, total KV heads, head dim), chunk tokens,
+#      cache salt. Byte format, block size and TP are out: readers convert formats and block
+#      sizes and gather their TP heads from any holder rank, so instances that differ only there
+#      must find each other's chunks (see Namespace).
+_NAMESPACE_VERSION = 2
 
 
 def _as_uint32_be(tokens: Any) -> np.ndarray:
@@ -109,28 +117,31 @@ def tail_key(prev: bytes, tail_tokens: Any) -> bytes:
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that must match for two holders' KV bytes to be interchangeable.
+    """Everything that must match for two instances' KV *content* to be interchangeable.
 
-    Block size is deliberately absent: holders and readers with different block sizes address
-    the same chunk by the same key.
+    ``content_fingerprint`` names the numbers (dtype, layers, total KV heads, head dim; see
+    :func:`pdxfer.layout.content_fingerprint`), not how they are laid out. Deliberately absent:
+
+    - block size and byte format (CPU / flash NHD / HND): a reader converts while it reads;
+    - TP size and rank: a chunk key names the KV of *all* heads of a token range. A TP holder
+      publishes once per engine, and each reader rank reads its own heads from the holder
+      rank(s) holding them. Keying per rank would make a TP2 decode unable to use a TP1
+      prefill's chunks, which is the whole point of disaggregating them.
+
+    Whether a particular holder can be read (AMX-packed blocks, a dtype mismatch through an
+    explicit ``model_id``) is decided per holder by the reader, not by the key.
     """
 
     model_id: str
-    layout_fingerprint: str
-    tp_size: int = 1
-    tp_rank: int = 0
+    content_fingerprint: str
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_id:
             raise ValueError("namespace model_id must be a non-empty string")
-        if not self.layout_fingerprint:
-            raise ValueError("namespace layout_fingerprint must be a non-empty string")
-        if self.tp_size < 1:
-            raise ValueError(f"namespace tp_size must be >= 1, got {self.tp_size}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"namespace tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        if not self.content_fingerprint:
+            raise ValueError("namespace content_fingerprint must be a non-empty string")
         _check_chunk_tokens(self.chunk_tokens)
 
     def encode(self) -> bytes:
@@ -138,9 +149,7 @@ class Namespace:
         doc = {
             "v": _NAMESPACE_VERSION,
             "model_id": self.model_id,
-            "layout": self.layout_fingerprint,
-            "tp_size": self.tp_size,
-            "tp_rank": self.tp_rank,
+            "content": self.content_fingerprint,
             "chunk_tokens": self.chunk_tokens,
             "cache_salt": self.cache_salt,
         }

@@ -7,7 +7,10 @@ when K and V live apart): block ``b`` of a segment is the byte range
 opaque bytes: the order of tokens inside a block is never assumed (on CPU, K is transposed).
 
 Which blocks hold which tokens, and how bytes move between two layouts, is
-:mod:`pdxfer.plan`.
+:mod:`pdxfer.plan` (byte for byte) and :mod:`pdxfer.convert` (another block size, format or TP
+head split). :meth:`KVLayout.fingerprint` identifies a byte format (equal fingerprints: blocks are
+interchangeable); :func:`content_fingerprint` identifies the KV content (dtype, layers, total KV
+heads, head_dim) whatever the format, block size and TP split, i.e. what a converting reader can use.
 """
 
 from __future__ import annotations
@@ -94,6 +97,15 @@ class KVLayout:
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return f"{self.kv_format}-{self.dtype}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
+    def content_fingerprint(self, total_kv_heads: int) -> str:
+        """Identity of the KV *content* this cache holds, whatever its format, block size and TP
+        split (see :func:`content_fingerprint`); ``kv_heads`` is this rank's share of
+        ``total_kv_heads``."""
+        if total_kv_heads < self.kv_heads or (total_kv_heads % self.kv_heads and self.kv_heads != 1):
+            raise LayoutError(f"{self.kv_heads} KV heads per rank cannot be a TP share of {total_kv_heads} "
+                              "KV heads in all")
+        return content_fingerprint(self.dtype, self.num_layers, total_kv_heads, self.head_dim)
+
     def to_wire(self) -> dict[str, Any]:
         """A JSON-able description (no local addresses) that a peer can plan against."""
         return {
@@ -147,6 +159,23 @@ class KVLayout:
         for b in blocks:
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
                 raise LayoutError(f"{side + ' ' if side else ''}block id {b!r} outside [0, {self.num_blocks})")
+
+
+def content_fingerprint(dtype: str, num_layers: int, total_kv_heads: int, head_dim: int) -> str:
+    """Identity of KV content independent of the byte format, block size and TP split.
+
+    Two caches with equal content fingerprints hold the same numbers for the same tokens (given the
+    same model), so :mod:`pdxfer.convert` can move KV between them; keys may be namespaced by this
+    instead of :meth:`KVLayout.fingerprint` once readers convert. The dtype stays in: converting
+    it would change the numbers.
+    """
+    for name, v in (("num_layers", num_layers), ("total_kv_heads", total_kv_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise LayoutError(f"content_fingerprint: {name} must be a positive int, got {v!r}")
+    doc = {"v": LAYOUT_WIRE_VERSION, "what": "kv-content", "dtype": str(dtype), "layers": num_layers,
+           "total_kv_heads": total_kv_heads, "head_dim": head_dim}
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return f"kv-{dtype}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
 # --------------------------------------------------------------------------- describing tensors

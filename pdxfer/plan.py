@@ -11,7 +11,11 @@ Three steps, each in one place:
   pairs per holder (:func:`pair_hit_blocks`);
 - a :class:`PeerPlanner` made once per holder when the reader connects: the two layouts are
   checked for compatibility there, not on every read;
-- :meth:`PeerPlanner.plan`: block pairs -> coalesced byte runs.
+- :meth:`PeerPlanner.plan`: block pairs -> coalesced byte runs (whole blocks, or a TP head slice
+  of head-major blocks of equal size).
+
+Blocks of another size, byte format or head arrangement go through :mod:`pdxfer.convert`
+(staging + native scatter); :func:`pdxfer.convert.planner_for` picks one of the two.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from pdxfer.layout import KVLayout, LayoutError
+from pdxfer.layout import CPU, FLASH_HND, KVLayout, LayoutError
+
+# Formats whose block is head-major ([heads, ...] inside a block): one head's bytes (K and V) are
+# one contiguous range, so a TP head slice between two such blocks of equal size is a byte range.
+HEAD_MAJOR_FORMATS = (CPU, FLASH_HND)
 
 
 # --------------------------------------------------------------------------- tokens and blocks
@@ -113,6 +121,31 @@ def check_compatible(remote: KVLayout, local: KVLayout) -> None:
         raise LayoutError("layouts have the same fingerprint but different segment lists (layer names?)")
 
 
+def check_head_slice(remote: KVLayout, local: KVLayout, src_head: int, dst_head: int, nheads: int) -> int:
+    """Refuse a direct (unstaged) head-slice read unless both sides are one head-major format with
+    equal block size, dtype, head_dim and segments; returns the bytes of one head in a block."""
+    same = (remote.kv_format == local.kv_format and remote.dtype == local.dtype
+            and remote.head_dim == local.head_dim and remote.block_size == local.block_size)
+    if not same or remote.kv_format not in HEAD_MAJOR_FORMATS:
+        raise LayoutError(f"a head slice is one byte range only between blocks of one head-major format "
+                          f"({', '.join(HEAD_MAJOR_FORMATS)}) with equal block size, dtype and head_dim: holder "
+                          f"has {remote.kv_format} {remote.dtype} block {remote.block_size} head_dim {remote.head_dim}, "
+                          f"this reader {local.kv_format} {local.dtype} block {local.block_size} head_dim "
+                          f"{local.head_dim}; use pdxfer.convert.ConvertingPlanner")
+    if [(s.layer, s.part) for s in remote.segments] != [(s.layer, s.part) for s in local.segments]:
+        raise LayoutError("holder and reader name their layers differently")
+    per_head = {s.block_bytes // remote.kv_heads for s in remote.segments} | \
+        {s.block_bytes // local.kv_heads for s in local.segments}
+    if len(per_head) != 1 or any(s.block_bytes % remote.kv_heads for s in remote.segments) \
+            or any(s.block_bytes % local.kv_heads for s in local.segments):
+        raise LayoutError("segment blocks are not kv_heads equal head ranges on both sides")
+    for name, first, have in (("holder", src_head, remote.kv_heads), ("reader", dst_head, local.kv_heads)):
+        if nheads <= 0 or first < 0 or first + nheads > have:
+            raise LayoutError(f"heads [{first}, {first + nheads}) are outside the {have} kv heads of the "
+                              f"{name}'s blocks")
+    return per_head.pop()
+
+
 def coalesce(runs: Iterable[TransferRun]) -> list[TransferRun]:
     """Merge each run into the previous one when both sides continue exactly where it ended."""
     out: list[TransferRun] = []
@@ -131,15 +164,31 @@ def coalesce(runs: Iterable[TransferRun]) -> list[TransferRun]:
 
 class PeerPlanner:
     """Plans from one holder's layout into this reader's: made once per holder at connect, so the
-    compatibility check and the segment pairing are paid once, not on every read."""
+    compatibility check and the segment pairing are paid once, not on every read.
 
-    def __init__(self, remote: KVLayout, local: KVLayout) -> None:
-        check_compatible(remote, local)
+    With ``nheads`` (TP, see :func:`pdxfer.heads.head_sources`) it moves only holder heads
+    ``[src_head, src_head + nheads)`` into reader heads ``[dst_head, ...)``, straight into place;
+    that needs one head-major format and equal block sizes (:func:`check_head_slice`), otherwise
+    :class:`pdxfer.convert.ConvertingPlanner` stages and scatters."""
+
+    def __init__(self, remote: KVLayout, local: KVLayout, *, src_head: int = 0, dst_head: int = 0,
+                 nheads: int | None = None) -> None:
+        # (remote offset, local offset, bytes) inside each block; whole blocks by default.
+        self._slice: tuple[int, int, int] | None = None
+        all_heads = nheads is None or (nheads == remote.kv_heads == local.kv_heads and not src_head and not dst_head)
+        if all_heads:
+            check_compatible(remote, local)
+        else:
+            assert nheads is not None
+            head_bytes = check_head_slice(remote, local, src_head, dst_head, nheads)
+            self._slice = (src_head * head_bytes, dst_head * head_bytes, nheads * head_bytes)
         self.remote = remote
         self.local = local
         # (remote segment, local segment, both densely packed): dense segments move a run of
-        # consecutive blocks as one byte range.
-        self._segments = [(rs, ls, rs.block_stride == rs.block_bytes and ls.block_stride == ls.block_bytes)
+        # consecutive blocks as one byte range (never a head slice: slices of neighbouring blocks
+        # are not adjacent).
+        self._segments = [(rs, ls, self._slice is None and rs.block_stride == rs.block_bytes
+                           and ls.block_stride == ls.block_bytes)
                           for rs, ls in zip(remote.segments, local.segments)]
 
     def plan(self, remote_blocks: Sequence[int], local_blocks: Sequence[int],
@@ -164,16 +213,19 @@ class PeerPlanner:
                     continue
             block_runs.append([rb, lb, 1])
 
+        r_off, l_off, nbytes = self._slice or (0, 0, 0)
+
         def generate() -> Iterable[TransferRun]:
             for rs, ls, dense in self._segments:
+                size = nbytes or rs.block_bytes
                 for rb, lb, count in block_runs:
                     if dense:
                         yield TransferRun(rs.region, rs.block_offset(rb), ls.region, ls.block_offset(lb),
                                           rs.block_bytes * count)
                     else:
                         for i in range(count):
-                            yield TransferRun(rs.region, rs.block_offset(rb + i), ls.region,
-                                              ls.block_offset(lb + i), rs.block_bytes)
+                            yield TransferRun(rs.region, rs.block_offset(rb + i) + r_off, ls.region,
+                                              ls.block_offset(lb + i) + l_off, size)
 
         n = len(self._segments) * len(remote_blocks)
         runs = coalesce(generate()) if coalesce_runs else list(generate())

@@ -54,7 +54,7 @@ from pdxfer.master.errors import (
 from pdxfer.master.registrations import Registrations
 from pdxfer.master.local import LocalMaster, start_local_master
 from pdxfer.master.node_session import NodeSession
-from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, RankEndpoint, Registration
 
 __all__ = [
     "ChunkLocation",
@@ -66,6 +66,7 @@ __all__ = [
     "MasterProtocolError",
     "MasterUnavailable",
     "NodeInfo",
+    "RankEndpoint",
     "NodeSession",
     "NotLeader",
     "PublishFenced",

@@ -296,9 +296,13 @@ class MasterClient:
                                   len(batch))
         return accepted
 
-    def lookup_and_lock(self, keys: Sequence[bytes], reader: str, lock_ttl_s: float = 10.0) -> LookupResult:
+    def lookup_and_lock(self, keys: Sequence[bytes], reader: str, lock_ttl_s: float = 10.0,
+                        parties: int = 1) -> LookupResult:
         """The longest held prefix of ``keys``, locked. The lock's TTL is ``lock_ttl_s`` capped by
-        the master's ``max_lock_ttl_s``: the result's ``lock_ttl_s`` is the one granted."""
+        the master's ``max_lock_ttl_s``: the result's ``lock_ttl_s`` is the one granted.
+        ``parties``: how many ``release`` calls the lock waits for before its entries are
+        unpinned (one per TP rank that reads under it; each release says whether the lock was
+        valid when it arrived)."""
         keys = list(keys)
         if not keys:
             return LookupResult(None, 0, [], {}, lock_ttl_s)
@@ -306,14 +310,15 @@ class MasterClient:
         for attempt in range(2):
             with self._lock:
                 have = dict(self._have) if attempt == 0 else {}
-            reply = self._ask(ops.encode_lookup(joined, reader, lock_ttl_s, have), ops.decode_lookup_reply, len(keys))
+            reply = self._ask(ops.encode_lookup(joined, reader, lock_ttl_s, have, parties), ops.decode_lookup_reply,
+                              len(keys))
             try:
                 nodes = {nid: self._node_from(nid, epoch, info) for nid, (epoch, info) in reply.nodes.items()}
             except _StaleNodeCache:
                 # Another thread evicted a node description between request and reply: drop
                 # this lock and ask again with the full descriptions.
                 if reply.lock_id:
-                    self.release(reply.lock_id)
+                    self.release(reply.lock_id, all_parties=True)
                 continue
             locations = list(map(ChunkLocation, keys[: reply.hit], reply.holders, reply.block_lists))
             return LookupResult(reply.lock_id, reply.hit, locations, nodes, reply.ttl)
@@ -337,8 +342,10 @@ class MasterClient:
                 self._have[nid] = epoch
         return info
 
-    def release(self, lock_id: str) -> bool:
-        return self._ask(ops.encode_release(lock_id), ops.decode_release_reply)
+    def release(self, lock_id: str, all_parties: bool = False) -> bool:
+        """One party's release (True: the lock was valid until now); ``all_parties``: give the
+        whole lock back (nobody will read under it)."""
+        return self._ask(ops.encode_release(lock_id, all_parties), ops.decode_release_reply)
 
     def next_publish_seq(self, node_id: str) -> int:
         """A new publish sequence number for the node (above all handed out in this process)."""

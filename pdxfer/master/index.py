@@ -226,7 +226,9 @@ class ChunkIndex:
 
     # ---- lookups and locks --------------------------------------------------------------------
 
-    def lookup_and_lock(self, keys: Sequence[bytes], reader: str, ttl: float, now: float) -> LookupOutcome:
+    def lookup_and_lock(self, keys: Sequence[bytes], reader: str, ttl: float, now: float,
+                        parties: int = 1) -> LookupOutcome:
+        """``parties``: how many releases the lock expects (one per TP rank reading under it)."""
         c = self.counters
         c.lookups += 1
         c.lookup_chunks += len(keys)
@@ -280,7 +282,7 @@ class ChunkIndex:
             node = self.nodes[nid]
             node.locks.add(lock_id)
             nodes[nid] = node
-        self.locks[lock_id] = Lock(lock_id, reader, deadline, chosen, set(nodes))
+        self.locks[lock_id] = Lock(lock_id, reader, deadline, chosen, set(nodes), max(1, parties))
         heapq.heappush(self._lock_heap, (deadline, lock_id))
         c.hit_chunks += hit
         return LookupOutcome(
@@ -303,13 +305,19 @@ class ChunkIndex:
             j += 1
         return j - start
 
-    def release(self, lock_id: str, now: float) -> bool:
-        lock = self.locks.pop(lock_id, None)
+    def release(self, lock_id: str, now: float, all_parties: bool = False) -> bool:
+        """True if the lock was valid when this release arrived. The lock (and its pins) goes
+        away with its last party's release, or at once with ``all_parties`` (a lock nobody reads
+        under), or when it was no longer valid."""
+        lock = self.locks.get(lock_id)
         if lock is None:
             self.counters.releases_expired += 1
             return False
-        self._unpin(lock)
         valid = now < lock.deadline
+        lock.parties -= 1
+        if all_parties or lock.parties <= 0 or not valid:
+            del self.locks[lock_id]
+            self._unpin(lock)
         if valid:
             self.counters.releases_ok += 1
         else:

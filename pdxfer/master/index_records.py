@@ -78,6 +78,9 @@ class Lock:
     deadline: float
     pins: list[Entry]
     nodes: set[str]
+    # Releases still expected: a TP reader's ranks each read their heads under the one lock and
+    # each release it; the pins stay until the last one (or the deadline).
+    parties: int = 1
 
 
 @dataclass

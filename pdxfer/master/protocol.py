@@ -46,7 +46,14 @@ MAGIC = b"PX"
 #            Op 11 "hello" {tok}: with a token configured, the first frame of every connection
 #            (<= MAX_PREAUTH_BYTES; anything else is refused before its body is read); requests
 #            no longer carry "tok".
-PROTOCOL_VERSION = 2
+#   3        Tensor parallelism: register (and the node descriptions in lookup replies) carry
+#            "tp" (the engine's TP size), "kvh" (its total KV heads, 0 = not said) and "eps",
+#            the endpoints of ranks 1 .. tp-1 ([{rank, meta (base64), layout, fp}]); the flat
+#            fields (rank, blob / "meta", layout, fp) keep meaning rank 0. One node per engine.
+#            Lookups carry "parties" (releases the lock waits for: one per reader TP rank; the
+#            entries stay pinned until the last, or the deadline); release's "all": true gives
+#            back every party's share (a lock nobody reads under).
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
 

@@ -20,11 +20,13 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 from pdxfer.keys import KEY_BYTES
 from pdxfer.master import protocol as P
-from pdxfer.master.records import NodeInfo, Registration
+from pdxfer.master.records import NodeInfo, RankEndpoint, Registration
 
 MAX_TTL_S = 3600.0  # node leases and reader locks
 MAX_RETENTION_S = 30 * 24 * 3600.0
 MAX_RANK = 1 << 20
+MAX_TP = 1024  # ranks of one engine (vLLM's largest TP groups are far below)
+MAX_KV_HEADS = 1 << 16
 MIN_LEASE_TTL_S = 0.1
 MIN_LOCK_TTL_S = 0.001
 
@@ -93,12 +95,49 @@ class RegisterRequest:
     fingerprint: str
     ttl: float
     metadata: bytes
+    tp_size: int = 1
+    total_kv_heads: int = 0
+    more_ranks: tuple[RankEndpoint, ...] = ()
+
+
+def _encode_endpoints(eps: Sequence[RankEndpoint]) -> list[dict[str, Any]]:
+    return [{"rank": int(e.rank), "meta": base64.b64encode(bytes(e.transport_metadata)).decode(),
+             "layout": e.layout, "fp": e.layout_fingerprint} for e in eps]
+
+
+def _decode_tp(doc: dict[str, Any], node_id: str) -> tuple[int, int, tuple[RankEndpoint, ...]]:
+    """(tp size, total KV heads, endpoints of ranks 1 .. tp-1); absent fields mean TP 1."""
+    tp = P.get_int(doc, "tp", 1, MAX_TP) if "tp" in doc else 1
+    kvh = P.get_int(doc, "kvh", 0, MAX_KV_HEADS) if "kvh" in doc else 0
+    raw = doc.get("eps", [])
+    if not isinstance(raw, list) or len(raw) != tp - 1:
+        raise _malformed(f"field 'eps' of node {node_id!r} must list the {tp - 1} endpoint(s) of ranks 1..{tp - 1}")
+    eps = []
+    total_meta = 0
+    for want, e in enumerate(raw, start=1):
+        if not isinstance(e, dict) or not isinstance(e.get("layout"), dict):
+            raise _malformed(f"endpoint {want} of node {node_id!r} must be an object with a 'layout' object")
+        rank = P.get_int(e, "rank", 0, MAX_RANK)
+        if rank != want:
+            raise _malformed(f"endpoints of node {node_id!r} must be ranks 1..{tp - 1} in order, got rank {rank} "
+                             f"at position {want}")
+        try:
+            meta = base64.b64decode(e.get("meta"), validate=True)
+        except (ValueError, TypeError):
+            raise _malformed(f"field 'meta' of node {node_id!r} rank {rank} must be base64 text") from None
+        total_meta += len(meta)
+        if total_meta > P.MAX_METADATA_BYTES:
+            raise P.ProtocolError(P.ERR_OVERSIZED, f"transport metadata of node {node_id!r} exceeds "
+                                  f"{P.MAX_METADATA_BYTES} bytes over its ranks")
+        eps.append(RankEndpoint(rank, meta, e["layout"], P.get_str(e, "fp")))
+    return tp, kvh, tuple(eps)
 
 
 def encode_register(info: NodeInfo, lease_ttl_s: float) -> Request:
     doc = {
         "node_id": info.node_id, "rank": int(info.rank), "transport": info.transport,
         "layout": info.layout, "fp": info.layout_fingerprint, "ttl": float(lease_ttl_s),
+        "tp": int(info.tp_size), "kvh": int(info.total_kv_heads), "eps": _encode_endpoints(info.more_ranks),
     }
     return Request(P.OP_REGISTER, doc, bytes(info.transport_metadata))
 
@@ -114,7 +153,8 @@ def decode_register(doc: dict[str, Any], blob: bytes | memoryview) -> RegisterRe
     ttl = P.get_float(doc, "ttl", MIN_LEASE_TTL_S, MAX_TTL_S)
     if len(blob) > P.MAX_METADATA_BYTES:
         raise P.ProtocolError(P.ERR_OVERSIZED, f"transport metadata of {len(blob)} bytes exceeds {P.MAX_METADATA_BYTES}")
-    return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob))
+    tp, kvh, eps = _decode_tp(doc, node_id)
+    return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob), tp, kvh, eps)
 
 
 def encode_register_reply(epoch: int, ttl: float, max_lock_ttl: float) -> dict[str, Any]:
@@ -132,7 +172,7 @@ def encode_node_description(req: RegisterRequest, epoch: int) -> str:
     return json.dumps({
         "node_id": req.node_id, "rank": req.rank, "transport": req.transport,
         "meta": base64.b64encode(req.metadata).decode(), "layout": req.layout, "fp": req.fingerprint,
-        "epoch": epoch,
+        "epoch": epoch, "tp": req.tp_size, "kvh": req.total_kv_heads, "eps": _encode_endpoints(req.more_ranks),
     }, separators=(",", ":"))
 
 
@@ -150,8 +190,9 @@ def decode_node_description(node_id: str, d: Any) -> tuple[int, NodeInfo | None]
         meta = base64.b64decode(d["meta"], validate=True)
     except (ValueError, TypeError):
         raise _malformed(f"field 'meta' of node {node_id!r} must be base64 text") from None
+    tp, kvh, eps = _decode_tp(d, node_id)
     info = NodeInfo(node_id, P.get_int(d, "rank", 0, MAX_RANK), P.get_str(d, "transport"), meta, layout,
-                    P.get_str(d, "fp"))
+                    P.get_str(d, "fp"), tp, kvh, eps)
     return epoch, info
 
 
@@ -260,11 +301,14 @@ class LookupRequest:
     reader: str
     ttl: float
     have: dict[str, int]  # node id -> epoch whose description the client already holds
+    parties: int = 1  # releases the lock expects (TP ranks reading under it)
 
 
-def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict[str, int]) -> Request:
+def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict[str, int],
+                  parties: int = 1) -> Request:
     """``joined_keys``: ``protocol.join_keys(keys)`` (the caller may retry with the same bytes)."""
-    doc = {"n": len(joined_keys) // KEY_BYTES, "reader": reader, "ttl": float(lock_ttl_s), "have": have}
+    doc = {"n": len(joined_keys) // KEY_BYTES, "reader": reader, "ttl": float(lock_ttl_s), "have": have,
+           "parties": int(parties)}
     return Request(P.OP_LOOKUP, doc, joined_keys)
 
 
@@ -273,8 +317,9 @@ def decode_lookup(doc: dict[str, Any], blob: bytes | memoryview) -> LookupReques
     reader = P.get_str(doc, "reader")
     ttl = P.get_float(doc, "ttl", MIN_LOCK_TTL_S, MAX_TTL_S)
     have = doc.get("have")
+    parties = P.get_int(doc, "parties", 1, MAX_TP) if "parties" in doc else 1
     # "have" only saves bytes: anything unusable means "send every description".
-    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {})
+    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {}, parties)
 
 
 def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tuple[str, int]],
@@ -332,12 +377,16 @@ def decode_lookup_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: in
 # ---- release --------------------------------------------------------------------------------------
 
 
-def encode_release(lock_id: str) -> Request:
-    return Request(P.OP_RELEASE, {"lock": lock_id}, b"")
+def encode_release(lock_id: str, all_parties: bool = False) -> Request:
+    doc: dict[str, Any] = {"lock": lock_id}
+    if all_parties:
+        doc["all"] = True
+    return Request(P.OP_RELEASE, doc, b"")
 
 
-def decode_release(doc: dict[str, Any], blob: bytes | memoryview) -> str:
-    return P.get_str(doc, "lock")
+def decode_release(doc: dict[str, Any], blob: bytes | memoryview) -> tuple[str, bool]:
+    """(lock id, whether every party's share is released: a lock nobody reads under)."""
+    return P.get_str(doc, "lock"), doc.get("all") is True
 
 
 def encode_release_reply(valid: bool) -> dict[str, Any]:

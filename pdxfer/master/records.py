@@ -5,14 +5,43 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class RankEndpoint:
+    """Where one tensor-parallel rank of a node serves its KV: its transport metadata and the
+    layout of its (per-rank) KV tensors."""
+
+    rank: int
+    transport_metadata: bytes
+    layout: dict
+    layout_fingerprint: str
+
+
 @dataclass
 class NodeInfo:
+    """One holder engine. The flat fields describe rank 0 (as before protocol 3); a TP engine
+    registers once with every rank's endpoint in ``more_ranks`` (ranks 1 .. tp_size - 1)."""
+
     node_id: str
     rank: int
     transport: str
     transport_metadata: bytes
     layout: dict
     layout_fingerprint: str
+    tp_size: int = 1
+    total_kv_heads: int = 0  # 0: not announced (then rank 0's layout's kv_heads x tp_size)
+    more_ranks: tuple[RankEndpoint, ...] = ()
+
+    @property
+    def endpoints(self) -> tuple[RankEndpoint, ...]:
+        """Every rank's endpoint, rank 0 first."""
+        first = RankEndpoint(self.rank, self.transport_metadata, self.layout, self.layout_fingerprint)
+        return (first, *self.more_ranks)
+
+    def endpoint(self, rank: int) -> RankEndpoint:
+        for ep in self.endpoints:
+            if ep.rank == rank:
+                return ep
+        raise KeyError(f"node {self.node_id} has no rank {rank} (TP size {self.tp_size})")
 
 
 @dataclass(frozen=True)

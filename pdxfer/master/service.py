@@ -293,14 +293,15 @@ class MasterService:
         t0 = time.perf_counter()
         req = ops.decode_lookup(doc, blob)
         ttl = min(req.ttl, self.max_lock_ttl_s)
-        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now)
+        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now, req.parties)
         nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
         head = ops.encode_lookup_reply(out.lock_id, out.hit, ttl, out.runs, out.counts, nodes, req.have)
         self.lookup_seconds += time.perf_counter() - t0
         return head, out.blocks
 
     def _release(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
-        return ops.encode_release_reply(self.index.release(ops.decode_release(doc, blob), now))
+        lock_id, all_parties = ops.decode_release(doc, blob)
+        return ops.encode_release_reply(self.index.release(lock_id, now, all_parties))
 
     def _publish(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         req = ops.decode_publish(doc, blob)

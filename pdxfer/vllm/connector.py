@@ -21,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdxfer.vllm.config import parse_extra_config
-from pdxfer.vllm.connector_layout import derive_layout_fingerprint, kv_block_size, kv_format, model_identity
+from pdxfer.vllm.connector_layout import (derive_content_fingerprint, derive_layout_fingerprint, kv_block_size,
+                                         kv_format, model_identity, total_kv_heads)
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
@@ -58,7 +59,8 @@ class PdxferConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         self.block_size = kv_block_size(vllm_config, kv_cache_config)
         self.fingerprint = derive_layout_fingerprint(vllm_config, kv_cache_config)
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        total_heads = total_kv_heads(vllm_config)
         self.scheduler_side = None
         self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
@@ -74,7 +76,9 @@ class PdxferConnector(KVConnectorBase_V1):
             self.scheduler_side = SchedulerSide(
                 self.cfg, engine_id=self.engine_id,
                 model_id=self.cfg.model_id or model_identity(vllm_config),
-                layout_fingerprint=self.fingerprint, block_size=self.block_size,
+                layout_fingerprint=self.fingerprint,
+                content_fingerprint=derive_content_fingerprint(vllm_config, kv_cache_config),
+                total_kv_heads=total_heads, block_size=self.block_size,
                 producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer), tp_size=tp_size)
             self._sched_stats_sent = self.scheduler_side.stats.counters()
         else:
@@ -83,9 +87,11 @@ class PdxferConnector(KVConnectorBase_V1):
             from pdxfer.vllm.worker_side import WorkerSide
 
             rank = get_tensor_model_parallel_rank()
-            self.worker_side = WorkerSide(self.cfg, node_id=f"{self.engine_id}-r{rank}", rank=rank,
+            # One node per engine: every rank names it alike, the rank tells its endpoint apart.
+            self.worker_side = WorkerSide(self.cfg, node_id=self.engine_id, rank=rank,
                                           expected_fingerprint=self.fingerprint, block_size=self.block_size,
-                                          kv_format=kv_format(vllm_config, kv_cache_config))
+                                          kv_format=kv_format(vllm_config, kv_cache_config),
+                                          tp_size=tp_size, total_kv_heads=total_heads)
             self._handshake: PdxferHandshake | None = None
 
     # pdxfer holds published blocks through block-pool references, not through vLLM's

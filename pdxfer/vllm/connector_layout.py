@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdxfer.layout import CPU, CPU_AMX, KVLayout, Region, Segment
+from pdxfer.layout import CPU, CPU_AMX, KVLayout, Region, Segment, content_fingerprint
 from pdxfer.vllm.keyability import weights_fingerprint
 
 
@@ -68,6 +68,19 @@ def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     layout = KVLayout(fmt, dtype, 1, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size),
                       (Region(0, 1),), segs)
     return layout.fingerprint()
+
+
+def total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over all TP ranks (the KV cache spec has one rank's share)."""
+    return int(vllm_config.model_config.get_total_num_kv_heads())
+
+
+def derive_content_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
+    """What the KV holds, whatever its format, block size and TP split: the namespace's part
+    (``pdxfer.layout.content_fingerprint``; the worker's handshake is checked against it)."""
+    spec, layers = _spec(kv_cache_config)
+    dtype = str(spec.dtype).removeprefix("torch.")
+    return content_fingerprint(dtype, len(layers), total_kv_heads(vllm_config), int(spec.head_size))
 
 
 def model_identity(vllm_config: Any) -> str:

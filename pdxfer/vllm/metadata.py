@@ -20,8 +20,11 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
 # What changed in each version (both halves check it before trusting a field):
 #   1  loads (LoadSpec: reads per holder, lock, expiry, blocks) and holder refs; handshake
 #   2  NodeRead carries a token range and the holder's block size for staged (converting) reads
-#   3  LoadSpec carries looked_up_at (wall clock of the lookup) for the per-phase TTFT stats
-METADATA_VERSION = 3
+#   3  tensor parallelism: HolderRef carries every rank's endpoint (transport metadata, layout)
+#      and the holder's total KV heads; the handshake carries tp_size, total_kv_heads, dtype,
+#      kv_format and block_size (each worker reads its own heads from the holder ranks)
+#   4  LoadSpec carries looked_up_at (wall clock of the lookup) for the per-phase TTFT stats
+METADATA_VERSION = 4
 
 
 class MetadataVersionError(RuntimeError):
@@ -29,13 +32,47 @@ class MetadataVersionError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class EndpointRef:
+    """One rank of a holder engine: where to connect, and its KV layout (wire form)."""
+
+    rank: int
+    transport_metadata: bytes
+    layout: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class HolderRef:
-    """Just enough about a holder for a worker to connect and plan: from the master's NodeInfo."""
+    """Just enough about a holder engine for a worker to connect and plan: from the master's
+    NodeInfo, every TP rank (``endpoints``, rank order)."""
 
     node_id: str
     transport: str
-    transport_metadata: bytes
-    layout: dict[str, Any]
+    endpoints: tuple[EndpointRef, ...]
+    total_kv_heads: int = 0  # 0: not announced (see holder_routes.holder_total_heads)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.endpoints)
+
+    @property
+    def transport_metadata(self) -> bytes:  # rank 0
+        return self.endpoints[0].transport_metadata
+
+    @property
+    def layout(self) -> dict[str, Any]:  # rank 0
+        return self.endpoints[0].layout
+
+    def endpoint(self, rank: int) -> EndpointRef:
+        ep = self.endpoints[rank]
+        if ep.rank != rank:
+            raise MetadataVersionError(f"holder {self.node_id}: endpoint {rank} says rank {ep.rank}")
+        return ep
+
+    @classmethod
+    def of(cls, node: Any) -> "HolderRef":
+        """From a master NodeInfo (any object with its fields)."""
+        eps = tuple(EndpointRef(int(e.rank), bytes(e.transport_metadata), dict(e.layout)) for e in node.endpoints)
+        return cls(node.node_id, node.transport, eps, int(getattr(node, "total_kv_heads", 0) or 0))
 
 
 @dataclass(frozen=True)
@@ -91,14 +128,20 @@ class PdxferConnectorMetadata(_MetaBase):  # type: ignore[misc]
 
 @dataclass
 class PdxferHandshake(_HandshakeBase):  # type: ignore[misc]
-    """Worker -> scheduler at engine start: the node the scheduler registers and publishes for."""
+    """Worker -> scheduler at engine start: one TP rank's endpoint and what its KV is; the
+    scheduler registers one node per engine with every rank's endpoint."""
 
     node_id: str
-    rank: int
+    rank: int  # TP rank
     transport: str
     transport_metadata: bytes
     layout: dict[str, Any]
     layout_fingerprint: str
+    tp_size: int = 1
+    total_kv_heads: int = 0
+    dtype: str = ""
+    kv_format: str = ""
+    block_size: int = 0
     version: int = METADATA_VERSION
 
     def check(self) -> None:

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from pdxfer.keys import IncrementalHasher
+from pdxfer.layout import KVLayout
 from pdxfer.master import MasterError
 from pdxfer.plan import pair_hit_blocks
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.holder_routes import NotReadable, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
 from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
 
@@ -49,13 +51,20 @@ _HINT_RETRY_S = 0.002
 
 
 class ReaderPath:
-    def __init__(self, cfg: ConnectorConfig, *, block_size: int, layout_fingerprint: str, reader_id: str,
-                 hot: Any, bg: Any, stats: SchedulerStats,
+    def __init__(self, cfg: ConnectorConfig, *, block_size: int, tp_size: int, total_kv_heads: int,
+                 reader_id: str, hot: Any, bg: Any, stats: SchedulerStats,
                  hasher: Callable[[str, str | None], IncrementalHasher],
                  own_node: Callable[[], str | None]) -> None:
         self.cfg = cfg
         self.block_size = block_size
-        self.layout_fingerprint = layout_fingerprint
+        self.tp_size = tp_size
+        self.total_kv_heads = total_kv_heads
+        # This engine's KV layout per TP rank, from the workers' handshakes; until they arrive
+        # no holder is usable (vLLM hands them over before it schedules anything).
+        self._local: dict[int, KVLayout] = {}
+        # Per holder (node id + what it announced): usable or not, decided once; a refusal is
+        # logged once per holder and reason, naming both sides.
+        self._usable: dict[tuple[str, str], bool] = {}
         self.reader_id = reader_id
         self._hot = hot  # lookups: the short bound of the scheduler's hot path
         self._bg = bg
@@ -126,7 +135,8 @@ class ReaderPath:
         self.stats.lookups += 1
         t0 = time.monotonic()
         try:
-            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl)
+            # Every TP rank of this engine reads its heads under this lock and releases it.
+            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl, parties=self.tp_size)
         except MasterError as exc:
             self.stats.master_errors += 1
             self._lookup_log.fail(exc)
@@ -191,26 +201,49 @@ class ReaderPath:
         wait.next_try = now + _HINT_RETRY_S
         return True
 
+    def set_local_layouts(self, layouts: dict[int, KVLayout]) -> None:
+        self._local = dict(layouts)
+        self._usable.clear()
+
     def _usable_chunks(self, lk: _Lookup) -> int:
-        """Leading hit chunks this reader can plan: same block size and layout, not itself."""
+        """Leading hit chunks this reader can load: from holders every rank of this engine can
+        read (directly or converting), not from itself."""
         n = 0
         own = self._own_node()
         for loc in lk.locations:
             node = lk.nodes.get(loc.node_id)
-            if node is None or loc.node_id == own:
-                break
-            if node.layout_fingerprint != self.layout_fingerprint or not self._block_size_ok(node):
+            if node is None or loc.node_id == own or not self._holder_usable(node):
                 break
             n += 1
         return n
 
-    def _block_size_ok(self, node: Any) -> bool:
-        """Same block size, or one the worker converts from (staging on, blocks tile chunks)."""
-        hb = int(node.layout.get("block_size", -1))
-        if hb == self.block_size:
+    def _holder_usable(self, node: Any) -> bool:
+        sig = repr([(e.rank, e.layout_fingerprint, e.layout.get("block_size")) for e in node.endpoints])
+        key = (node.node_id, f"{node.total_kv_heads}:{sig}")
+        ok = self._usable.get(key)
+        if ok is None:
+            if len(self._usable) >= 1024:  # bounded: holders come and go over a long life
+                self._usable.clear()
+            ok = self._usable[key] = self._check_holder(node)
+        return ok
+
+    def _check_holder(self, node: Any) -> bool:
+        """Can every rank of this engine read its heads from ``node``? Logged once when not."""
+        if not self._local:
+            return False
+        try:
+            if node.transport != self.cfg.transport:
+                raise NotReadable(f"holder {node.node_id} serves over {node.transport}, this reader uses "
+                                  f"{self.cfg.transport}")
+            layouts = layouts_of(node.endpoints)
+            total = holder_total_heads(int(node.total_kv_heads or 0), len(layouts), layouts[0])
+            for rank, local in sorted(self._local.items()):
+                routes(node.node_id, layouts, total, local, self.tp_size, rank, self.total_kv_heads,
+                       staging=self.cfg.staging_mib > 0, chunk_tokens=self.cfg.chunk_tokens)
             return True
-        C = self.cfg.chunk_tokens
-        return self.cfg.staging_mib > 0 and hb > 0 and (C % hb == 0 or hb % C == 0)
+        except NotReadable as exc:
+            log.warning("pdxfer: not reading from holder %s: %s; its chunks are computed here", node.node_id, exc)
+            return False
 
     # ------------------------------------------------------------------ plan
 
@@ -240,9 +273,7 @@ class ReaderPath:
             else:
                 reads = self._token_range_reads(lk, block_ids, start)
             for node_id in {r.node_id for r in reads}:
-                n = lk.nodes[node_id]
-                self._pending_nodes[node_id] = HolderRef(node_id, n.transport, bytes(n.transport_metadata),
-                                                         dict(n.layout))
+                self._pending_nodes[node_id] = HolderRef.of(lk.nodes[node_id])
         except Exception as exc:
             # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
             log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
@@ -305,7 +336,7 @@ class ReaderPath:
         """A lock we will not use: give it back off the hot path (it expires anyway)."""
         def run() -> None:
             try:
-                self._bg.release(lock_id)
+                self._bg.release(lock_id, all_parties=True)
             except Exception as exc:  # expiry covers it
                 log.debug("pdxfer: release of unused lock %s failed: %s", lock_id, exc)
         try:

@@ -13,8 +13,8 @@ import logging
 from typing import Any, Callable, Iterable, Sequence
 
 from pdxfer.keys import IncrementalHasher, Namespace
-from pdxfer.layout import LayoutError
-from pdxfer.master import MasterClient, NodeInfo
+from pdxfer.layout import KVLayout, LayoutError
+from pdxfer.master import MasterClient, NodeInfo, RankEndpoint
 from pdxfer.plan import chunk_span
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.block_pool import BlockPoolHolder
@@ -36,19 +36,27 @@ class SchedulerSide:
         engine_id: str,
         model_id: str,
         layout_fingerprint: str,
+        content_fingerprint: str,
+        total_kv_heads: int,
         block_size: int,
         producer: bool,
         consumer: bool,
         tp_size: int = 1,
         client_factory: Callable[..., Any] | None = None,
     ):
-        if tp_size != 1:
-            raise ValueError(f"pdxfer connector supports tensor_parallel_size 1 in this version, got {tp_size}")
+        """``layout_fingerprint``: the byte format of one rank's KV (checked against every worker);
+        ``content_fingerprint``: what the KV holds, independent of format, block size and TP (the
+        namespace); ``total_kv_heads``: the model's KV heads over all ``tp_size`` ranks."""
+        if tp_size < 1 or total_kv_heads < 1:
+            raise ValueError(f"tp_size and total_kv_heads must be >= 1, got {tp_size}, {total_kv_heads}")
         chunk_span(0, cfg.chunk_tokens, block_size)  # refuses incompatible chunk/block sizes early
         self.cfg = cfg
         self.engine_id = engine_id
         self.model_id = model_id
         self.layout_fingerprint = layout_fingerprint
+        self.content_fingerprint = content_fingerprint
+        self.total_kv_heads = total_kv_heads
+        self.tp_size = tp_size
         self.block_size = block_size
         self.producer = producer
         self.consumer = consumer
@@ -60,7 +68,7 @@ class SchedulerSide:
         self._bg = factory(cfg.master, token=cfg.token, timeout_s=cfg.master_timeout_s)
         self._hashers: dict[str, IncrementalHasher] = {}
         self._kept_out_reasons: set[str] = set()
-        self.reader = ReaderPath(cfg, block_size=block_size, layout_fingerprint=layout_fingerprint,
+        self.reader = ReaderPath(cfg, block_size=block_size, tp_size=tp_size, total_kv_heads=total_kv_heads,
                                  reader_id=f"{engine_id}-reader", hot=self._hot, bg=self._bg, stats=self.stats,
                                  hasher=self._hasher, own_node=lambda: self.node_id)
         self.holder = HolderPath(cfg, block_size=block_size, hot=self._hot, bg=self._bg, stats=self.stats)
@@ -71,22 +79,55 @@ class SchedulerSide:
         self.holder.bind_block_pool(pool)
 
     def on_handshake(self, handshakes: Iterable[PdxferHandshake]) -> None:
-        """Workers registered their KV with the transport: register the node, start holding."""
+        """Every TP rank registered its KV with the transport: check that the ranks form one
+        engine this scheduler can describe, register it as ONE node with every rank's endpoint,
+        start holding. Refuses (raises, naming both sides) only what cannot work at all."""
+        by_rank: dict[int, PdxferHandshake] = {}
         for hs in handshakes:
             hs.check()
-            if hs.layout_fingerprint != self.layout_fingerprint:
-                raise LayoutError(f"worker {hs.node_id} reports KV layout {hs.layout_fingerprint}, the "
-                                  f"scheduler derived {self.layout_fingerprint} from the config")
-            if hs.rank != 0:
-                continue
-            self.node_id = hs.node_id
-            if self.producer:
-                self.holder.start(NodeInfo(node_id=hs.node_id, rank=hs.rank, transport=hs.transport,
-                                           transport_metadata=hs.transport_metadata, layout=hs.layout,
-                                           layout_fingerprint=hs.layout_fingerprint))
+            if hs.rank in by_rank:
+                raise LayoutError(f"two workers of engine {self.engine_id} report TP rank {hs.rank}")
+            by_rank[hs.rank] = hs
+        if sorted(by_rank) != list(range(self.tp_size)):
+            raise LayoutError(f"engine {self.engine_id} has tensor_parallel_size {self.tp_size}, but its workers "
+                              f"reported TP ranks {sorted(by_rank)}")
+        layouts: dict[int, KVLayout] = {}
+        for rank, hs in sorted(by_rank.items()):
+            self._check_rank(hs)
+            layouts[rank] = KVLayout.from_wire(hs.layout)
+        rank0 = by_rank[0]
+        self.node_id = rank0.node_id
+        self.reader.set_local_layouts(layouts)
+        if self.producer:
+            more = tuple(RankEndpoint(r, hs.transport_metadata, hs.layout, hs.layout_fingerprint)
+                         for r, hs in sorted(by_rank.items()) if r != 0)
+            self.holder.start(NodeInfo(node_id=rank0.node_id, rank=0, transport=rank0.transport,
+                                       transport_metadata=rank0.transport_metadata, layout=rank0.layout,
+                                       layout_fingerprint=rank0.layout_fingerprint, tp_size=self.tp_size,
+                                       total_kv_heads=self.total_kv_heads, more_ranks=more))
+
+    def _check_rank(self, hs: PdxferHandshake) -> None:
+        """One worker agrees with what this scheduler derived from the config (else the keys it
+        hashes would not name what that worker's bytes are)."""
+        who = f"worker {hs.node_id} (TP rank {hs.rank})"
+        if hs.layout_fingerprint != self.layout_fingerprint:
+            raise LayoutError(f"{who} reports KV layout {hs.layout_fingerprint}, the scheduler derived "
+                              f"{self.layout_fingerprint} from the config")
+        if hs.tp_size not in (0, self.tp_size) or hs.total_kv_heads not in (0, self.total_kv_heads):
+            raise LayoutError(f"{who} reports TP size {hs.tp_size} with {hs.total_kv_heads} KV heads in all, "
+                              f"the scheduler has TP size {self.tp_size} with {self.total_kv_heads}")
+        if hs.transport != self.cfg.transport:
+            raise LayoutError(f"{who} registered with transport {hs.transport}, the scheduler is configured "
+                              f"for {self.cfg.transport}")
+        content = KVLayout.from_wire(hs.layout).content_fingerprint(self.total_kv_heads)
+        if content != self.content_fingerprint:
+            raise LayoutError(f"{who} holds KV content {content}, the scheduler derived {self.content_fingerprint} "
+                              "from the config; keys would not name what the bytes are")
 
     def namespace(self, cache_salt: str | None) -> Namespace:
-        return Namespace(self.model_id, self.layout_fingerprint, 1, 0, self.cfg.chunk_tokens, cache_salt)
+        # Content, not layout, and no TP (see Namespace): any instance of this model and dtype
+        # finds these keys and decides per holder whether it can read them.
+        return Namespace(self.model_id, self.content_fingerprint, self.cfg.chunk_tokens, cache_salt)
 
     def _new_hasher(self, cache_salt: str | None) -> IncrementalHasher:
         return IncrementalHasher(self.cfg.chunk_tokens, self.namespace(cache_salt).root())

@@ -25,6 +25,7 @@ from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
 from pdxfer.vllm.phase_times import PhaseTimes
 
@@ -49,9 +50,9 @@ class _Inflight:
     started: float
     nbytes: int
     error: str | None = None
-    pending: list[tuple[HolderRef, Any]] = field(default_factory=list)  # reads awaiting a connection
+    pending: list[tuple[HolderRef, Route, Any]] = field(default_factory=list)  # reads awaiting a connection
     validation: Future | None = None  # the master's answer to release(): did the lock hold?
-    handle_nodes: list[str] = field(default_factory=list)  # holder of each handle, in order
+    handle_nodes: list[tuple[str, int]] = field(default_factory=list)  # holder (node, rank) of each handle
     staged: list[Any] = field(default_factory=list)  # (planner, StagedRead) still to scatter
     read_deadline: float = 0.0  # monotonic; past it a read still pending is given up
     cancelled: bool = False
@@ -83,10 +84,15 @@ class WorkerStats:
 
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, *, node_id: str, rank: int, expected_fingerprint: str,
-                 block_size: int, client_factory: Any = None, kv_format: str | None = None):
+                 block_size: int, client_factory: Any = None, kv_format: str | None = None,
+                 tp_size: int = 1, total_kv_heads: int = 0):
+        """``rank`` of ``tp_size``: this worker's TP rank; ``total_kv_heads``: the model's KV heads
+        over all ranks (0: this rank's tensors have them all, i.e. TP 1)."""
         self.cfg = cfg
         self.node_id = node_id
         self.rank = rank
+        self.tp_size = tp_size
+        self.total_kv_heads = total_kv_heads
         self.expected_fingerprint = expected_fingerprint
         self.kv_format = kv_format  # None: from the tensor shape (the shape cannot tell AMX packing)
         self.block_size = block_size
@@ -96,10 +102,12 @@ class WorkerSide:
         self._staging: ReaderStaging | None = None
         self.transport: Any = None
         self._kv_caches: Mapping[str, Any] | None = None  # keeps registered memory alive
-        # node -> (its metadata, transport peer id, planner made once at connect)
-        self._peers: dict[str, tuple[bytes, str, PeerPlanner | ConvertingPlanner]] = {}
+        # (node, holder rank) -> (its metadata, transport peer id, planner made once at connect)
+        self._peers: dict[tuple[str, int], tuple[bytes, str, PeerPlanner | ConvertingPlanner]] = {}
         self._peers_lock = threading.Lock()
-        self._connecting: dict[str, Future] = {}
+        self._connecting: dict[tuple[str, int], Future] = {}
+        # holder (node id, what it announced) -> this rank's routes to it, or why it cannot read it
+        self._routes: dict[tuple[str, str], list[Route] | str] = {}
         self._connect_pool = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-connect")
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-validate")
         self._inflight: dict[str, _Inflight] = {}
@@ -124,11 +132,16 @@ class WorkerSide:
         regions = [RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions]
         transport.register(regions + ([self._staging.region()] if self._staging.enabled else []))
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
-        log.info("pdxfer: node %s registered %d KV region(s), %d blocks x %d bytes, transport %s",
-                 self.node_id, len(layout.regions), layout.num_blocks, layout.bytes_per_block,
+        if not self.total_kv_heads:
+            self.total_kv_heads = layout.kv_heads * self.tp_size
+        log.info("pdxfer: node %s rank %d/%d registered %d KV region(s), %d blocks x %d bytes (%d of %d KV "
+                 "heads), transport %s", self.node_id, self.rank, self.tp_size, len(layout.regions),
+                 layout.num_blocks, layout.bytes_per_block, layout.kv_heads, self.total_kv_heads,
                  self.cfg.transport)
         return PdxferHandshake(self.node_id, self.rank, self.cfg.transport, transport.metadata(),
-                               layout.to_wire(), layout.fingerprint())
+                               layout.to_wire(), layout.fingerprint(), tp_size=self.tp_size,
+                               total_kv_heads=self.total_kv_heads, dtype=layout.dtype,
+                               kv_format=layout.kv_format, block_size=layout.block_size)
 
     def _master(self) -> Any:
         if self._client is None:
@@ -165,51 +178,86 @@ class WorkerSide:
             return
         for r in spec.reads:
             ref = nodes[r.node_id]
-            if self._connected(ref):
-                self._post_read(inf, ref, r)
-            else:
-                # Connecting to a new holder (a NIXL agent takes ~0.2 s here) happens off the
-                # step path; the read is posted from get_finished once the connection is up.
-                self._start_connect(ref)
-                inf.pending.append((ref, r))
-            if inf.error is not None:
+            try:
+                my_routes = self._routes_to(ref)
+            except NotReadable as exc:  # the scheduler thought otherwise: never read wrong bytes
+                inf.error = str(exc)
                 return
+            # One read per holder rank holding some of this rank's heads (TP: several, or a
+            # slice of one); the load is loaded only when all of them finished.
+            for route in my_routes:
+                if self._connected(ref, route):
+                    self._post_read(inf, ref, route, r)
+                else:
+                    # Connecting to a new holder (a NIXL agent takes ~0.2 s here) happens off the
+                    # step path; the read is posted from get_finished once the connection is up.
+                    self._start_connect(ref, route)
+                    inf.pending.append((ref, route, r))
+                if inf.error is not None:
+                    return
 
-    def _post_read(self, inf: _Inflight, ref: HolderRef, r: Any) -> None:
+    def _routes_to(self, ref: HolderRef) -> list[Route]:
+        """This rank's reads from holder ``ref`` (decided once per holder and what it announced)."""
+        assert self.layout is not None
+        sig = repr([(e.rank, e.transport_metadata, e.layout.get("block_size")) for e in ref.endpoints])
+        key = (ref.node_id, f"{ref.total_kv_heads}:{sig}")
+        got = self._routes.get(key)
+        if got is None:
+            try:
+                layouts = layouts_of(ref.endpoints)
+                total = holder_total_heads(ref.total_kv_heads, len(layouts), layouts[0])
+                got = routes(ref.node_id, layouts, total, self.layout, self.tp_size, self.rank,
+                             self.total_kv_heads or self.layout.kv_heads * self.tp_size,
+                             staging=self._staging is not None and self._staging.enabled,
+                             chunk_tokens=self.cfg.chunk_tokens)
+            except NotReadable as exc:
+                got = str(exc)
+            if len(self._routes) >= 1024:  # bounded: holders come and go over a long life
+                self._routes.clear()
+            self._routes[key] = got
+        if isinstance(got, str):
+            raise NotReadable(got)
+        return got
+
+    def _post_read(self, inf: _Inflight, ref: HolderRef, route: Route, r: Any) -> None:
         assert self.layout is not None and self.transport is not None
         try:
-            _, peer, planner = self._peers[ref.node_id]
-            if r.remote_block_size:  # another block size: READ into staging, scatter when done
-                job = self._staging.start(planner, r)
+            _, peer, planner = self._peers[(ref.node_id, route.holder_rank)]
+            if isinstance(planner, ConvertingPlanner):  # READ into staging, convert when done
+                # Same block size (no holder block size in the read): block i <-> block i.
+                job = self._staging.start(planner, r) if r.remote_block_size else self._staging.start_pairs(planner, r)
                 inf.staged.append((planner, job))
                 plan = job.plan
             else:
                 plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
             inf.nbytes += plan.total_bytes
             inf.handles.append(self.transport.read(peer, plan))
-            inf.handle_nodes.append(ref.node_id)
+            inf.handle_nodes.append((ref.node_id, route.holder_rank))
             bound = self._read_bound(ref.node_id, plan.total_bytes)
             inf.read_deadline = max(inf.read_deadline, time.monotonic() + bound)
         except Exception as exc:
             inf.error = f"{type(exc).__name__}: {exc}"
 
-    def _connected(self, ref: HolderRef) -> bool:
+    def _connected(self, ref: HolderRef, route: Route) -> bool:
         with self._peers_lock:
-            cached = self._peers.get(ref.node_id)
-        return cached is not None and cached[0] == ref.transport_metadata
+            cached = self._peers.get((ref.node_id, route.holder_rank))
+        return cached is not None and cached[0] == ref.endpoint(route.holder_rank).transport_metadata
 
-    def _start_connect(self, ref: HolderRef) -> None:
-        fut = self._connecting.get(ref.node_id)
+    def _start_connect(self, ref: HolderRef, route: Route) -> None:
+        key = (ref.node_id, route.holder_rank)
+        fut = self._connecting.get(key)
         if fut is not None and not fut.done():
             return  # under way (perhaps to older metadata: _post_pending checks and retries)
-        self._connecting[ref.node_id] = self._connect_pool.submit(self._connect, ref)
+        self._connecting[key] = self._connect_pool.submit(self._connect, ref, route)
 
-    def _connect(self, ref: HolderRef) -> None:
+    def _connect(self, ref: HolderRef, route: Route) -> None:
         if ref.transport != self.cfg.transport:
             raise RuntimeError(f"holder {ref.node_id} uses transport {ref.transport}, this node {self.cfg.transport}")
+        key = (ref.node_id, route.holder_rank)
+        ep = ref.endpoint(route.holder_rank)
         with self._peers_lock:
-            cached = self._peers.get(ref.node_id)
-        if cached is not None and cached[0] == ref.transport_metadata:
+            cached = self._peers.get(key)
+        if cached is not None and cached[0] == ep.transport_metadata:
             return
         if cached is not None:  # the node restarted with new metadata
             try:
@@ -217,34 +265,36 @@ class WorkerSide:
             except Exception:
                 pass
         assert self.layout is not None and self._staging is not None
-        # The holder's layout is checked against ours once, here, not on every read.
-        planner = self._staging.planner_for(KVLayout.from_wire(ref.layout))
-        peer = self.transport.connect(ref.transport_metadata, timeout=self._connect_bound())
+        # The holder rank's layout is checked against ours once, here, not on every read.
+        planner = self._staging.planner_for(KVLayout.from_wire(ep.layout), route)
+        peer = self.transport.connect(ep.transport_metadata, timeout=self._connect_bound())
         with self._peers_lock:
-            self._peers[ref.node_id] = (ref.transport_metadata, peer, planner)
+            self._peers[key] = (ep.transport_metadata, peer, planner)
 
     def _post_pending(self, inf: _Inflight) -> bool:
         """Post reads whose connection came up; False while some connection is still pending."""
         still = []
-        for ref, r in inf.pending:
-            fut = self._connecting.get(ref.node_id)
+        for ref, route, r in inf.pending:
+            key = (ref.node_id, route.holder_rank)
+            fut = self._connecting.get(key)
             if fut is None or not fut.done():
                 if fut is None:
-                    self._start_connect(ref)
-                still.append((ref, r))
+                    self._start_connect(ref, route)
+                still.append((ref, route, r))
                 continue
             exc = fut.exception()
             if exc is not None:
-                inf.error = f"cannot connect to holder {ref.node_id}: {type(exc).__name__}: {exc}"
-                self._connecting.pop(ref.node_id, None)  # a later load may try again
+                inf.error = (f"cannot connect to holder {ref.node_id} rank {route.holder_rank}: "
+                             f"{type(exc).__name__}: {exc}")
+                self._connecting.pop(key, None)  # a later load may try again
                 inf.pending = []
                 return True
-            if not self._connected(ref):  # that connect was for older metadata of this node
-                self._connecting.pop(ref.node_id, None)
-                self._start_connect(ref)
-                still.append((ref, r))
+            if not self._connected(ref, route):  # that connect was for older metadata of this node
+                self._connecting.pop(key, None)
+                self._start_connect(ref, route)
+                still.append((ref, route, r))
                 continue
-            self._post_read(inf, ref, r)
+            self._post_read(inf, ref, route, r)
             if inf.error is not None:
                 inf.pending = []
                 return True
@@ -293,17 +343,18 @@ class WorkerSide:
         return out
 
     def connected_holders(self) -> list[str]:
-        """Holder node ids this reader keeps a transport connection to."""
+        """Holder node ids this reader keeps a transport connection to (to any of their ranks)."""
         with self._peers_lock:
-            return sorted(self._peers)
+            return sorted({node for node, _ in self._peers})
 
     def _drop_departed(self, inf: _Inflight) -> None:
         """Forget holders whose read failed because they are gone (their sockets, NIXL agents):
         a reader must not keep one per holder that ever left. A later load reconnects."""
-        for h, node_id in zip(inf.handles, inf.handle_nodes):
+        for h, key in zip(inf.handles, inf.handle_nodes):
             if isinstance(h.error, (PeerDied, PeerUnreachable)):
+                node_id = "%s rank %d" % key
                 with self._peers_lock:
-                    cached = self._peers.pop(node_id, None)
+                    cached = self._peers.pop(key, None)
                 if cached is not None:
                     try:
                         self.transport.disconnect(cached[1])
@@ -404,7 +455,7 @@ class WorkerSide:
         if elapsed <= 0 or inf.nbytes <= 0:
             return
         seen = inf.nbytes / elapsed
-        for node_id in set(inf.handle_nodes):
+        for node_id in {node for node, _ in inf.handle_nodes}:
             old = self._bandwidth.get(node_id)
             self._bandwidth[node_id] = seen if old is None else 0.7 * old + 0.3 * seen
 
@@ -425,9 +476,14 @@ class WorkerSide:
             self._staging.release(inf.staged)
         spec = inf.spec
         elapsed = time.monotonic() - inf.started
+        # vLLM sums connector stats over TP ranks, and every rank sees every load: successes and
+        # tokens are counted by rank 0 only, bytes (each rank's own heads) by every rank, and a
+        # failure by each rank it happened on (a load that failed on rank 1 only also shows as
+        # rank 0's success: loads_failed is the signal to watch with TP).
+        counts = 1 if self.rank == 0 else 0
         if inf.error is None and valid:
-            self.stats.loads_ok += 1
-            self.stats.tokens_loaded += spec.num_tokens
+            self.stats.loads_ok += counts
+            self.stats.tokens_loaded += spec.num_tokens * counts
             self.stats.bytes_loaded += inf.nbytes
             self.stats.transfer_s.append(elapsed)
             self._observe(inf, elapsed)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from pdxfer import native
-from pdxfer.convert import ConvertingPlanner, StagedRead, StagingArea
+from pdxfer.convert import ConvertingPlanner, StagedRead, StagingArea, planner_for
 from pdxfer.layout import KVLayout
 from pdxfer.plan import PeerPlanner
 from pdxfer.transport.base import RegisteredRegion
@@ -36,11 +36,12 @@ class ReaderStaging:
     def region(self) -> RegisteredRegion:
         return RegisteredRegion(self.region_index, self._mem.ctypes.data, self._mem.nbytes)
 
-    def planner_for(self, remote: KVLayout) -> PeerPlanner | ConvertingPlanner:
-        """Checked once per holder at connect: block for block when sizes match, else staged."""
-        if remote.block_size == self.layout.block_size or not self.enabled:
-            return PeerPlanner(remote, self.layout)
-        return ConvertingPlanner(remote, self.layout, self.region_index)
+    def planner_for(self, remote: KVLayout, route: Any) -> PeerPlanner | ConvertingPlanner:
+        """Checked once per holder rank at connect, for ``route``'s heads
+        (:mod:`pdxfer.vllm.holder_routes`): straight into place where the bytes need no
+        rearranging, else staged and converted (another block size, format or head arrangement)."""
+        return planner_for(remote, self.layout, self.region_index if self.enabled else None,
+                           src_head=route.src_head, dst_head=route.dst_head, nheads=route.nheads)
 
     def start(self, planner: ConvertingPlanner, r: Any) -> StagedRead:
         """Room in staging for one token-range read (a NodeRead with a holder block size)."""
@@ -50,6 +51,18 @@ class ReaderStaging:
         try:
             return planner.read(r.remote_blocks, r.remote_first_token, r.local_blocks, r.local_first_token,
                                 r.start, r.num_tokens, off)
+        except Exception:
+            self.area.free(off)
+            raise
+
+    def start_pairs(self, planner: ConvertingPlanner, r: Any) -> StagedRead:
+        """Room in staging for block-for-block pairs converted on the way (another format or a
+        head slice at the same block size: a NodeRead without a holder block size)."""
+        off = self.area.alloc(planner.staging_bytes(len(r.remote_blocks)))
+        if off is None:
+            raise StagingFull(f"staging area ({self._mem.nbytes >> 20} MiB) is full; raise staging_mib")
+        try:
+            return planner.read_pairs(r.remote_blocks, r.local_blocks, off)
         except Exception:
             self.area.free(off)
             raise

@@ -52,7 +52,10 @@ def test_requests_round_trip():
     assert ops.decode_fence(*_over_the_wire(ops.encode_fence("n1", 7, 9))) == (("n1", 7), 9)
     assert ops.decode_hello(*_over_the_wire(ops.encode_hello("s3cret"))) == "s3cret"
     assert ops.decode_hello(*_over_the_wire(ops.encode_hello(None))) is None
-    assert ops.decode_release(*_over_the_wire(ops.encode_release("ab-1"))) == "ab-1"
+    assert ops.decode_release(*_over_the_wire(ops.encode_release("ab-1"))) == ("ab-1", False)
+    assert ops.decode_release(*_over_the_wire(ops.encode_release("ab-1", all_parties=True))) == ("ab-1", True)
+    look2 = ops.decode_lookup(*_over_the_wire(ops.encode_lookup(P.join_keys(keys), "r", 2.0, {}, parties=4)))
+    assert look2.parties == 4 and look.parties == 1
     assert ops.decode_heartbeat(*_over_the_wire(ops.encode_heartbeat("n1", 7))) == ("n1", 7)
     assert ops.decode_deregister(*_over_the_wire(ops.encode_deregister("n1", 7))) == ("n1", 7)
 

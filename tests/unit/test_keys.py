@@ -91,14 +91,12 @@ def test_bad_root():
 
 
 def test_namespaces_isolate():
-    base = Namespace("llama-tiny", "cpu-bfloat16-abc", 2, 0, 256, None)
+    base = Namespace("llama-tiny", "kv-bfloat16-abc", 256, None)
     variants = [
-        Namespace("llama-other", "cpu-bfloat16-abc", 2, 0, 256, None),
-        Namespace("llama-tiny", "cpu-float16-abc", 2, 0, 256, None),
-        Namespace("llama-tiny", "cpu-bfloat16-abc", 2, 1, 256, None),
-        Namespace("llama-tiny", "cpu-bfloat16-abc", 4, 0, 256, None),
-        Namespace("llama-tiny", "cpu-bfloat16-abc", 2, 0, 128, None),
-        Namespace("llama-tiny", "cpu-bfloat16-abc", 2, 0, 256, "tenant-a"),
+        Namespace("llama-other", "kv-bfloat16-abc", 256, None),
+        Namespace("llama-tiny", "kv-float16-abc", 256, None),
+        Namespace("llama-tiny", "kv-bfloat16-abc", 128, None),
+        Namespace("llama-tiny", "kv-bfloat16-abc", 256, "tenant-a"),
     ]
     roots = {base.root()} | {v.root() for v in variants}
     assert len(roots) == len(variants) + 1
@@ -106,18 +104,22 @@ def test_namespaces_isolate():
     assert base.chunk_hashes(toks) == chunk_hashes(toks, 256, base.root())
     assert base.chunk_hashes(toks)[0] != variants[-1].chunk_hashes(toks)[0]
     # Equal namespaces built separately agree (no per-process randomness).
-    assert Namespace("llama-tiny", "cpu-bfloat16-abc", 2, 0, 256, None).root() == base.root()
+    assert Namespace("llama-tiny", "kv-bfloat16-abc", 256, None).root() == base.root()
+
+
+def test_namespace_has_no_tp_or_format():
+    """Namespace v2: TP and byte format are not part of a key (readers convert and gather heads)."""
+    doc = Namespace("m", "kv-bfloat16-abc").encode().decode()
+    assert '"v":2' in doc and "tp" not in doc and "layout" not in doc
 
 
 @pytest.mark.parametrize("kwargs, what", [
     (dict(model_id=""), "model_id"),
-    (dict(layout_fingerprint=""), "layout_fingerprint"),
-    (dict(tp_size=0), "tp_size"),
-    (dict(tp_rank=2, tp_size=2), "tp_rank"),
+    (dict(content_fingerprint=""), "content_fingerprint"),
     (dict(chunk_tokens=0), "chunk_tokens"),
 ])
 def test_namespace_validation(kwargs, what):
-    args = dict(model_id="m", layout_fingerprint="f") | kwargs
+    args = dict(model_id="m", content_fingerprint="f") | kwargs
     with pytest.raises(ValueError, match=what):
         Namespace(**args)
 

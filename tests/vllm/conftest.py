@@ -100,6 +100,9 @@ class PDPair:
     hooks: Path = field(default_factory=Path)
     prefill_args: tuple[str, ...] = ()  # extra `vllm serve` flags per side (e.g. --block-size)
     decode_args: tuple[str, ...] = ()
+    prefill_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: cores per TP rank, ranks split by "|"
+    decode_bind: str = "1"
+    extra_cfg: dict = field(default_factory=dict)  # more kv_connector_extra_config for both sides
 
     def start_master(self) -> None:
         # A fixed port (chosen free once) lets a restarted master be found at the same address.
@@ -114,15 +117,16 @@ class PDPair:
         self.start_master()
         self.prefill_port, self.decode_port = free_port(), free_port()
         # A generous publish-hint wait: a loaded CI box may take a while to land a publish.
-        common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0, "publish_hint_wait_s": 3.0}
+        common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0, "publish_hint_wait_s": 3.0,
+                  **self.extra_cfg}
         p_cfg = pdxfer_kv_config("kv_producer", self.master_addr, self.transport, **common)
         d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport, **common)
         self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
-                                  cpu_bind="0", log_dir=self.run_dir, name=f"prefill-{self.transport}",
+                                  cpu_bind=self.prefill_bind, log_dir=self.run_dir, name=f"prefill-{self.transport}",
                                   extra_args=PAIR_VLLM_ARGS + self.prefill_args,
                                   extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks)})
         self.decode = start_vllm(self.model, self.decode_port, d_cfg,
-                                 cpu_bind="1", log_dir=self.run_dir, name=f"decode-{self.transport}",
+                                 cpu_bind=self.decode_bind, log_dir=self.run_dir, name=f"decode-{self.transport}",
                                  extra_args=PAIR_VLLM_ARGS + self.decode_args,
                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks),
                                             "VLLM_SERVER_DEV_MODE": "1"})
@@ -165,9 +169,11 @@ class PDPair:
 
 
 def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: str,
-              prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
+              prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
+              prefill_bind: str = "0", decode_bind: str = "1", extra_cfg: dict | None = None):
     pair = PDPair(tmp_path_factory.mktemp(f"pd-{transport}"), model, transport,
-                  prefill_args=prefill_args, decode_args=decode_args)
+                  prefill_args=prefill_args, decode_args=decode_args, prefill_bind=prefill_bind,
+                  decode_bind=decode_bind, extra_cfg=dict(extra_cfg or {}))
     try:
         pair.start()
         yield pair

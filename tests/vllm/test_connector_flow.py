@@ -56,12 +56,15 @@ class Node:
                  block_size: int = BS, **extra):
         self.bs = block_size
         self.kv = _kv(seed, block_size)
-        self.fp = describe_kv_caches(self.kv, block_size=block_size).fingerprint()
+        layout = describe_kv_caches(self.kv, block_size=block_size)
+        self.fp = layout.fingerprint()
         # A generous publish wait: these tests look up right after a request finished.
         self.cfg = parse_extra_config({"master": master_addr, "transport": "tcp", "publish_wait_s": 2.0, **extra})
         self.pool = BlockPool(NUM_BLOCKS, True, block_size)
         self.sched = SchedulerSide(self.cfg, engine_id=name, model_id="tiny", layout_fingerprint=self.fp,
-                                   block_size=block_size, producer=producer, consumer=consumer)
+                                   content_fingerprint=layout.content_fingerprint(layout.kv_heads),
+                                   total_kv_heads=layout.kv_heads, block_size=block_size, producer=producer,
+                                   consumer=consumer)
         self.sched.bind_block_pool(self.pool)
         self.worker = WorkerSide(self.cfg, node_id=f"{name}-r0", rank=0, expected_fingerprint=self.fp,
                                  block_size=block_size)
