@@ -151,7 +151,6 @@ public:
             copy_bytes(dst, src, (size_t)len, stream_);
             return;
         }
-        if (count_ == kCap) pop();
         q_[(head_ + count_) & (kCap - 1)] = {src, dst, len, cold};
         ++count_;
         queued_ += len;
@@ -170,10 +169,13 @@ private:
         int64_t len;
         bool cold;  // starts away from where the previous row's source ended
     };
-    static constexpr int64_t kCap = 64;        // a power of two
     static constexpr int64_t kQueueMin = 1024;  // shorter rows are copied without the queue
-    static constexpr int64_t kAhead = 8192;  // prefetch distance, bytes of source
-    static constexpr int64_t kSlice = 1024;  // bytes copied between cursor top-ups; <= kAhead
+    static constexpr int64_t kAhead = 8192;     // prefetch distance, bytes of source
+    static constexpr int64_t kSlice = 1024;     // bytes copied between cursor top-ups
+    // push() leaves at most kAhead / kQueueMin rows behind the oldest one, so with one more being
+    // added the ring never fills.
+    static constexpr int64_t kCap = 16;  // a power of two
+    static_assert(kCap >= kAhead / kQueueMin + 2 && (kCap & (kCap - 1)) == 0, "row ring too small");
 
     void pop() {
         const Row r = q_[head_ & (kCap - 1)];
