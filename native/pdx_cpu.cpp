@@ -135,27 +135,18 @@ public:
     RowSink &operator=(const RowSink &) = delete;
 
     void push(const char *src, char *dst, int64_t len) {
-        if (len <= 0) return;
-        // Only rows that do not continue where the previous one's source ended get prefetched:
-        // a continuing stream is already followed by the hardware prefetcher, and prefetching it
-        // too only competed with the copy's own loads (block 128 -> 64 and 64 -> 256, whose 4-8 KiB
-        // V rows follow their head's K^T rows: 1.1x -> 0.6-0.7x of memcpy).
-        bool cold = src != last_end_;
-        last_end_ = src + len;
         if (len < kQueueMin) {
             // Short rows (K^T rows of one block, one head's D-vector) cost more to queue and track
             // than to copy (256 -> 32 with its 64 B rows queued: 0.90x -> 0.46x of memcpy), and they
             // come in dense runs the hardware prefetcher follows. Copied at once, after what is
             // queued so a thread's writes stay in order.
-            flush();
+            if (len <= 0) return;
+            if (count_) flush();
+            last_end_ = src + len;
             copy_bytes(dst, src, (size_t)len, stream_);
             return;
         }
-        q_[(head_ + count_) & (kCap - 1)] = {src, dst, len, cold};
-        ++count_;
-        queued_ += len;
-        // Copy the oldest row once enough is queued behind it for the cursor to stay kAhead ahead.
-        while (count_ > 1 && queued_ - q_[head_ & (kCap - 1)].len >= kAhead) pop();
+        push_long(src, dst, len);
     }
 
     void flush() {
@@ -163,6 +154,20 @@ public:
     }
 
 private:
+    __attribute__((noinline)) void push_long(const char *src, char *dst, int64_t len) {
+        // Only rows that do not continue where the previous one's source ended get prefetched:
+        // a continuing stream is already followed by the hardware prefetcher, and prefetching it
+        // too only competed with the copy's own loads (block 128 -> 64 and 64 -> 256, whose 4-8 KiB
+        // V rows follow their head's K^T rows: 1.1x -> 0.6-0.7x of memcpy).
+        bool cold = src != last_end_;
+        last_end_ = src + len;
+        q_[(head_ + count_) & (kCap - 1)] = {src, dst, len, cold};
+        ++count_;
+        queued_ += len;
+        // Copy the oldest row once enough is queued behind it for the cursor to stay kAhead ahead.
+        while (count_ > 1 && queued_ - q_[head_ & (kCap - 1)].len >= kAhead) pop();
+    }
+
     struct Row {
         const char *src;
         char *dst;
