@@ -80,10 +80,9 @@ int clamp_shards(int threads, int64_t total_bytes) {
     return (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, by_size, kMaxThreads}));
 }
 
-// CPUs this process may run on. More threads than that only time-slice a core: a memory copy gains
-// nothing from it and pays a thread start plus, at every switch, the other thread's cache lines and
-// half-filled write-combining buffers (threads=2 under `taskset -c 1` measured 0.63x memcpy where
-// one thread made 0.89x).
+// CPUs the calling thread may run on. More threads than that only time-slice them: a memory copy
+// gains nothing from it and pays thread starts and, at every switch, the other thread's cache lines
+// and half-filled write-combining buffers.
 int cpus_available() {
 #if defined(__linux__)
     cpu_set_t set;
