@@ -12,7 +12,10 @@ Medians of ``--repeats`` timed runs after one untimed warm-up per method. The na
 checked byte-for-byte against the torch path's. Target (issue 11): native >= 0.7x memcpy and
 >= 2x torch.
 
-    taskset -c 1 python bench/native.py [--threads 1,2] [--repeats 5] [--mib 128] [--json PATH]
+    python bench/native.py --cpus 1 [--threads 1,2] [--repeats 9] [--mib 128] [--json PATH]
+
+``--cpus`` pins the process (as ``taskset -c`` would). The kernel runs at most as many OS threads as
+CPUs it may use, so with one CPU ``--threads 2`` cuts the work in two shards run by one thread.
 """
 
 from __future__ import annotations
@@ -142,7 +145,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--mib", type=int, default=128, help="bytes moved per case")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cpus", help="pin to these CPUs, comma separated (default: as started)")
     args = ap.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, {int(x) for x in args.cpus.split(",")})
     threads = [int(x) for x in args.threads.split(",")]
     torch.set_num_threads(1)
     _use("native")

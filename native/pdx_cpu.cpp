@@ -8,10 +8,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -27,7 +31,7 @@ void copy_bytes(char *dst, const char *src, size_t n, bool stream) {
 #if defined(__SSE2__)
     if (stream && n >= 64) {
         size_t head = (size_t)(-(uintptr_t)dst & 15);
-        std::memcpy(dst, src, head);
+        if (head) std::memcpy(dst, src, head);
         dst += head, src += head, n -= head;
         size_t body = n & ~(size_t)63;
         for (size_t i = 0; i < body; i += 64) {
@@ -40,7 +44,7 @@ void copy_bytes(char *dst, const char *src, size_t n, bool stream) {
             _mm_stream_si128((__m128i *)(dst + i + 32), c);
             _mm_stream_si128((__m128i *)(dst + i + 48), d);
         }
-        std::memcpy(dst + body, src + body, n - body);
+        if (n > body) std::memcpy(dst + body, src + body, n - body);
         return;
     }
     // Rows of a few cache lines (K^T rows of 32-128 tokens, one head's D-vector) are copied
@@ -62,35 +66,169 @@ void store_fence() {
 #endif
 }
 
-// Below this many bytes per thread, starting a thread costs more than it saves. Settable so tests
-// can drive the work split with small inputs.
-std::atomic<int64_t> g_min_bytes_per_thread{256 * 1024};
+// A thread start + join costs 18-23 us on the 2-core dev box (measured, std::thread), the time
+// to copy ~400 KiB; below 1 MiB per thread a second thread barely pays for itself (256 KiB, the
+// earlier threshold, split a 512 KiB call in two at a loss). Settable so tests can drive the work
+// split with small inputs.
+std::atomic<int64_t> g_min_bytes_per_thread{1 << 20};
 constexpr int kMaxThreads = 64;
 constexpr int64_t kMaxGroup = 16;  // runs interleaved row by row; 16 covers 256 -> 16 blocks
 
-int clamp_threads(int threads, int64_t total_bytes) {
+// How many shards the work is cut into: what the caller asked for, fewer for small calls.
+int clamp_shards(int threads, int64_t total_bytes) {
     int64_t by_size = std::max<int64_t>(1, total_bytes / std::max<int64_t>(1, g_min_bytes_per_thread.load()));
     return (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, by_size, kMaxThreads}));
 }
 
+// CPUs the calling thread may run on. More threads than that only time-slice them: a memory copy
+// gains nothing from it and pays thread starts and, at every switch, the other thread's cache lines
+// and half-filled write-combining buffers.
+int cpus_available() {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, (int)CPU_COUNT(&set));
+#endif
+    unsigned n = std::thread::hardware_concurrency();
+    return n ? (int)n : 1;
+}
+
+// fn(i, shards) for every shard, on at most `threads` OS threads (thread k takes shards k,
+// k + threads, ...). The split depends only on the shard count, so a 4-way split is the same code
+// path on a 1-CPU box as on a 4-CPU one (the tests rely on that).
 template <class F>
-void run_parallel(int nthreads, F &&fn) {
-    if (nthreads <= 1) {
-        fn(0, 1);
+void run_parallel(int shards, int threads, F &&fn) {
+    threads = std::max(1, std::min(threads, shards));
+    auto worker = [&fn, shards, threads](int k) {
+        for (int i = k; i < shards; i += threads) fn(i, shards);
+    };
+    if (threads == 1) {
+        worker(0);
         return;
     }
     std::vector<std::thread> pool;
     int started = 1;
     try {
-        pool.reserve(nthreads - 1);
-        for (; started < nthreads; ++started) pool.emplace_back(fn, started, nthreads);
+        pool.reserve(threads - 1);
+        for (; started < threads; ++started) pool.emplace_back(worker, started);
     } catch (...) {
         // Out of threads or memory: this thread does the shards that did not get one.
     }
-    for (int i = started; i < nthreads; ++i) fn(i, nthreads);
-    fn(0, nthreads);
+    for (int k = started; k < threads; ++k) worker(k);
+    worker(0);
     for (auto &t : pool) t.join();
 }
+
+// ------------------------------------------------------------------ row queue with source prefetch
+
+// Every contiguous row (one memcpy's worth) goes through this short queue, so that a prefetch
+// cursor can run a fixed distance ahead through the source bytes still to be copied, across row and
+// run boundaries. The hardware prefetcher follows one sequential stream and restarts at every jump:
+// reading 32 KiB out of every 64 KiB (a head slice of vLLM CPU blocks) ran at 14.8-16 GB/s against
+// 21-25 GB/s for a dense source, and at 22-25 GB/s with this cursor 8 KiB ahead (C harness on the
+// dev box: 2048 x 32 KiB into shuffled slots, non-temporal stores; 4 KiB ahead: 22, in-row only:
+// 21; for 8 KiB chunks 10 -> 21-22). Dense sources gain too (21 -> 26).
+class RowSink {
+public:
+    explicit RowSink(bool stream) : stream_(stream) {}
+    RowSink(const RowSink &) = delete;
+    RowSink &operator=(const RowSink &) = delete;
+
+    void push(const char *src, char *dst, int64_t len) {
+        if (len < kQueueMin) {
+            // Short rows (K^T rows of one block, one head's D-vector) cost more to queue and track
+            // than to copy (256 -> 32 with its 64 B rows queued: 0.90x -> 0.46x of memcpy), and they
+            // come in dense runs the hardware prefetcher follows. Copied at once, after what is
+            // queued so a thread's writes stay in order.
+            if (len <= 0) return;
+            if (count_) flush();
+            last_end_ = src + len;
+            copy_bytes(dst, src, (size_t)len, stream_);
+            return;
+        }
+        push_long(src, dst, len);
+    }
+
+    void flush() {
+        while (count_) pop();
+    }
+
+private:
+    __attribute__((noinline)) void push_long(const char *src, char *dst, int64_t len) {
+        // Only rows that do not continue where the previous one's source ended get prefetched:
+        // a continuing stream is already followed by the hardware prefetcher, and prefetching it
+        // too only competed with the copy's own loads (block 128 -> 64 and 64 -> 256, whose 4-8 KiB
+        // V rows follow their head's K^T rows: 1.1x -> 0.6-0.7x of memcpy).
+        bool cold = src != last_end_;
+        last_end_ = src + len;
+        q_[(head_ + count_) & (kCap - 1)] = {src, dst, len, cold};
+        ++count_;
+        queued_ += len;
+        // Copy the oldest row once enough is queued behind it for the cursor to stay kAhead ahead.
+        while (count_ > 1 && queued_ - q_[head_ & (kCap - 1)].len >= kAhead) pop();
+    }
+
+    struct Row {
+        const char *src;
+        char *dst;
+        int64_t len;
+        bool cold;  // starts away from where the previous row's source ended
+    };
+    static constexpr int64_t kQueueMin = 1024;  // shorter rows are copied without the queue
+    static constexpr int64_t kAhead = 8192;     // prefetch distance, bytes of source
+    static constexpr int64_t kSlice = 1024;     // bytes copied between cursor top-ups
+    // push() leaves at most kAhead / kQueueMin rows behind the oldest one, so with one more being
+    // added the ring never fills.
+    static constexpr int64_t kCap = 16;  // a power of two
+    static_assert(kCap >= kAhead / kQueueMin + 2 && (kCap & (kCap - 1)) == 0, "row ring too small");
+
+    void pop() {
+        const Row r = q_[head_ & (kCap - 1)];
+        for (int64_t off = 0; off < r.len;) {
+            // Slices end on destination cache lines: only the first has an unaligned head.
+            int64_t n = std::min<int64_t>(r.len - off, kSlice - (int64_t)((uintptr_t)(r.dst + off) & 63));
+            top_up();
+            copy_bytes(r.dst + off, r.src + off, (size_t)n, stream_);
+            off += n;
+            lead_ -= n;
+            if (lead_ < 0) {  // the rationed top-up fell behind the copy: restart at the copy
+                pf_ = head_, pf_off_ = off, lead_ = 0;
+                if (pf_off_ == r.len) ++pf_, pf_off_ = 0;
+            }
+        }
+        ++head_;
+        --count_;
+        queued_ -= r.len;
+    }
+
+    // Prefetch line by line until the cursor is kAhead bytes ahead of the copy or at the queue's end.
+    void top_up() {
+        // At most two lines per line about to be copied: the lead builds up over a few slices
+        // instead of stalling the copy behind a burst of prefetches into full miss buffers (an
+        // 8 KiB row copied on its own, between short rows, lost 10-30% to that burst).
+        for (int64_t budget = 2 * kSlice; lead_ < kAhead && pf_ < head_ + count_ && budget > 0;) {
+            const Row &r = q_[pf_ & (kCap - 1)];
+            if (!r.cold) {  // skipped, but counted: the distance is in bytes still to copy
+                lead_ += r.len - pf_off_;
+                ++pf_, pf_off_ = 0;
+                continue;
+            }
+            const char *p = r.src + pf_off_;
+            __builtin_prefetch(p, 0, 3);
+            int64_t step = std::min<int64_t>(64 - (int64_t)((uintptr_t)p & 63), r.len - pf_off_);
+            pf_off_ += step;
+            lead_ += step;
+            budget -= 64;
+            if (pf_off_ == r.len) ++pf_, pf_off_ = 0;
+        }
+    }
+
+    Row q_[kCap];
+    int64_t head_ = 0, count_ = 0, queued_ = 0;  // head_ counts rows ever popped (slot head_ & (kCap-1))
+    int64_t pf_ = 0, pf_off_ = 0;                // cursor: row (same numbering) and offset in it
+    int64_t lead_ = 0;                           // source bytes between the copy and the cursor
+    const char *last_end_ = nullptr;             // end of the last row pushed, in the source
+    bool stream_;
+};
 
 // ------------------------------------------------------------------ copy_runs
 
@@ -99,11 +237,13 @@ void copy_byte_range(const char *src, char *dst, const pdx_run *runs, const std:
     // prefix[r] = bytes before run r; find the run holding byte lo of the concatenated stream.
     int64_t r = std::upper_bound(prefix.begin(), prefix.end(), lo) - prefix.begin() - 1;
     int64_t n = (int64_t)prefix.size() - 1;
+    RowSink sink(stream);
     for (; r < n && prefix[r] < hi; ++r) {
         int64_t a = std::max(lo, prefix[r]) - prefix[r];
         int64_t b = std::min(hi, prefix[r + 1]) - prefix[r];
-        if (b > a) copy_bytes(dst + runs[r].dst_off + a, src + runs[r].src_off + a, (size_t)(b - a), stream);
+        if (b > a) sink.push(src + runs[r].src_off + a, dst + runs[r].dst_off + a, b - a);
     }
+    sink.flush();
     store_fence();
 }
 
@@ -112,6 +252,82 @@ void copy_byte_range(const char *src, char *dst, const pdx_run *runs, const std:
 struct Dim {
     int64_t n, s, d;  // extent, src stride, dst stride (elements)
 };
+
+constexpr int kMaxDims = 4;  // part, head, token, dim
+
+// One strided copy: element (i0, .., ik) goes from src + sum(i*s) to dst + sum(i*d) (elements of
+// the call's size from these byte pointers). dims[0] is outermost.
+struct Strided {
+    const char *src;
+    char *dst;
+    Dim dims[kMaxDims];
+    int nd;
+};
+
+// Canonical form, so that a copy is as few and as long rows as the two layouts allow: drop extent-1
+// dims, order outermost-first by source stride (reads in address order: the source is usually a
+// staging buffer just received, read once; measured, reading in order beats writing in order
+// 1.3-2x, and non-temporal stores absorb scattered writes), then fold each dim into the next inner
+// one wherever the pair is contiguous on both sides (outer stride == inner extent * inner stride, in
+// src and in dst): a whole HND head, all NHD heads of a token, a whole-token K^T block. The fold is
+// exact for any strides, so a wrong order only costs speed. Returns false for an empty copy.
+bool canonicalize(Strided &c) {
+    Dim dims[kMaxDims];
+    int nd = 0;
+    for (int i = 0; i < c.nd; ++i) {
+        if (c.dims[i].n <= 0) return false;
+        if (c.dims[i].n > 1) dims[nd++] = c.dims[i];
+    }
+    auto before = [](const Dim &x, const Dim &y) { return x.s != y.s ? x.s > y.s : x.d > y.d; };
+    for (int i = 1; i < nd; ++i)  // insertion sort of at most four dims
+        for (int j = i; j > 0 && before(dims[j], dims[j - 1]); --j) std::swap(dims[j], dims[j - 1]);
+    int m = -1;
+    for (int i = 0; i < nd; ++i) {
+        if (m >= 0 && dims[m].s == dims[i].n * dims[i].s && dims[m].d == dims[i].n * dims[i].d)
+            dims[m] = {dims[m].n * dims[i].n, dims[i].s, dims[i].d};
+        else
+            dims[++m] = dims[i];
+    }
+    c.nd = m + 1;
+    std::copy(dims, dims + c.nd, c.dims);
+    return true;
+}
+
+// Parts whose canonical copies have the same dims and lie the same distance apart in src and in dst
+// become one copy with a part dim, which canonicalize then usually folds too. That is what makes a
+// whole-token head range of a vLLM CPU block ([heads, 2B, D]: K^T then V per head, each one
+// contiguous B*D range) a single row instead of one per part and head (head slice 2 of 4 heads,
+// block 64: 4 rows of 8 KiB per run -> one of 32 KiB). Parts are taken in source address order;
+// a part dim needs positive distances on both sides. np == 1 is the copy itself.
+bool merge_parts(const Strided *c, int np, int esize, Strided &out) {
+    if (np == 1) {
+        out = c[0];
+        return true;
+    }
+    int idx[PDX_MAX_PARTS];
+    for (int i = 0; i < np; ++i) {  // insertion sort of at most four parts by source address
+        int j = i;
+        for (; j > 0 && c[idx[j - 1]].src > c[i].src; --j) idx[j] = idx[j - 1];
+        idx[j] = i;
+    }
+    const Strided &first = c[idx[0]];
+    if (first.nd >= kMaxDims) return false;
+    std::ptrdiff_t ds = c[idx[1]].src - first.src, dd = c[idx[1]].dst - first.dst;
+    if (ds <= 0 || dd <= 0 || ds % esize || dd % esize) return false;
+    for (int k = 1; k < np; ++k) {
+        const Strided &x = c[idx[k]], &prev = c[idx[k - 1]];
+        if (x.src - prev.src != ds || x.dst - prev.dst != dd || x.nd != first.nd) return false;
+        for (int i = 0; i < first.nd; ++i)
+            if (x.dims[i].n != first.dims[i].n || x.dims[i].s != first.dims[i].s || x.dims[i].d != first.dims[i].d)
+                return false;
+    }
+    out.src = first.src;
+    out.dst = first.dst;
+    out.dims[0] = {(int64_t)np, (int64_t)(ds / esize), (int64_t)(dd / esize)};
+    std::copy(first.dims, first.dims + first.nd, out.dims + 1);
+    out.nd = first.nd + 1;
+    return canonicalize(out);
+}
 
 template <class T>
 void transpose_tiles(const T *src, T *dst, Dim x, Dim y) {
@@ -131,70 +347,63 @@ void transpose_tiles(const T *src, T *dst, Dim x, Dim y) {
     }
 }
 
+// Copies with no dim contiguous on both sides: a transpose (K^T <-> row-major: one dim contiguous
+// in src, another in dst) through tiles, anything else element by element.
 template <class T>
-void copy_strided(const T *src, T *dst, const Dim *dims_in, int nd, bool stream) {
-    // dims_in: outermost first, 1..3 of them after collapsing; pad to exactly three.
-    Dim dims[3] = {{1, 0, 0}, {1, 0, 0}, {1, 0, 0}};
-    std::copy(dims_in, dims_in + nd, dims + (3 - nd));
-    const Dim &o = dims[0], &m = dims[1], &in = dims[2];
-    if (in.s == 1 && in.d == 1) {
-        size_t row = (size_t)in.n * sizeof(T);
-        for (int64_t i = 0; i < o.n; ++i)
-            for (int64_t j = 0; j < m.n; ++j)
-                copy_bytes((char *)(dst + i * o.d + j * m.d), (const char *)(src + i * o.s + j * m.s), row, stream);
-        return;
-    }
-    // A transpose (K^T <-> row-major): one dim contiguous in src, another in dst.
+void copy_elements(const T *src, T *dst, const Strided &c) {
+    Dim dims[kMaxDims];
+    for (int i = 0; i < kMaxDims; ++i) dims[i] = {1, 0, 0};
+    std::copy(c.dims, c.dims + c.nd, dims + (kMaxDims - c.nd));
     int xs = -1, yd = -1;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < kMaxDims; ++i) {
         if (dims[i].n > 1 && dims[i].s == 1 && xs < 0) xs = i;
         if (dims[i].n > 1 && dims[i].d == 1 && yd < 0) yd = i;
     }
     if (xs >= 0 && yd >= 0 && xs != yd) {
-        const Dim &z = dims[3 - xs - yd];
-        for (int64_t k = 0; k < z.n; ++k) transpose_tiles(src + k * z.s, dst + k * z.d, dims[xs], dims[yd]);
+        Dim o[2] = {{1, 0, 0}, {1, 0, 0}};
+        for (int i = 0, k = 0; i < kMaxDims; ++i)
+            if (i != xs && i != yd) o[k++] = dims[i];
+        for (int64_t i = 0; i < o[0].n; ++i)
+            for (int64_t j = 0; j < o[1].n; ++j)
+                transpose_tiles(src + i * o[0].s + j * o[1].s, dst + i * o[0].d + j * o[1].d, dims[xs], dims[yd]);
         return;
     }
-    for (int64_t i = 0; i < o.n; ++i)
-        for (int64_t j = 0; j < m.n; ++j) {
-            const T *s = src + i * o.s + j * m.s;
-            T *d = dst + i * o.d + j * m.d;
-            for (int64_t k = 0; k < in.n; ++k) d[k * in.d] = s[k * in.s];
-        }
+    const Dim &a = dims[0], &b = dims[1], &m = dims[2], &in = dims[3];
+    for (int64_t i = 0; i < a.n; ++i)
+        for (int64_t j = 0; j < b.n; ++j)
+            for (int64_t k = 0; k < m.n; ++k) {
+                const T *s = src + i * a.s + j * b.s + k * m.s;
+                T *d = dst + i * a.d + j * b.d + k * m.d;
+                for (int64_t l = 0; l < in.n; ++l) d[l * in.d] = s[l * in.s];
+            }
 }
 
-// Order dims so reads are sequential (the source is usually a staging buffer just received or a
-// holder's cache, read once), merge dims contiguous in both buffers (a whole HND head, all NHD
-// heads of a token), and pick the tightest loop. Scattered writes are absorbed by the
-// non-temporal stores of large calls; measured, reading in order beats writing in order 1.3-2x.
-void copy_3d(const char *src, char *dst, const Dim dims_in[3], int esize, bool stream) {
-    Dim dims[3];
-    int nd = 0;
-    for (int i = 0; i < 3; ++i)
-        if (dims_in[i].n == 0) return;
-        else if (dims_in[i].n > 1) dims[nd++] = dims_in[i];
-    if (nd == 0) {
-        std::memcpy(dst, src, (size_t)esize);
+// Run a canonical copy: rows (innermost dim contiguous on both sides) go through the sink; other
+// copies run directly, after the sink has drained so a thread's writes keep their order.
+void emit(const Strided &c, int esize, RowSink &sink) {
+    if (c.nd == 0) {
+        sink.push(c.src, c.dst, esize);
         return;
     }
-    auto before = [](const Dim &x, const Dim &y) { return x.s != y.s ? x.s > y.s : x.d > y.d; };
-    for (int i = 1; i < nd; ++i)  // insertion sort of at most three dims
-        for (int j = i; j > 0 && before(dims[j], dims[j - 1]); --j) std::swap(dims[j], dims[j - 1]);
-    int m = 0;
-    for (int i = 1; i < nd; ++i) {
-        Dim &outer = dims[m];
-        if (outer.s == dims[i].n * dims[i].s && outer.d == dims[i].n * dims[i].d) {
-            outer = {outer.n * dims[i].n, dims[i].s, dims[i].d};
-        } else {
-            dims[++m] = dims[i];
-        }
+    const Dim &in = c.dims[c.nd - 1];
+    if (in.s == 1 && in.d == 1) {
+        Dim o[3] = {{1, 0, 0}, {1, 0, 0}, {1, 0, 0}};
+        std::copy(c.dims, c.dims + c.nd - 1, o + (4 - c.nd));
+        int64_t row = in.n * esize;
+        for (int64_t i = 0; i < o[0].n; ++i)
+            for (int64_t j = 0; j < o[1].n; ++j)
+                for (int64_t k = 0; k < o[2].n; ++k) {
+                    int64_t s = i * o[0].s + j * o[1].s + k * o[2].s, d = i * o[0].d + j * o[1].d + k * o[2].d;
+                    sink.push(c.src + s * esize, c.dst + d * esize, row);
+                }
+        return;
     }
-    nd = m + 1;
+    sink.flush();
     switch (esize) {
-        case 1: copy_strided((const uint8_t *)src, (uint8_t *)dst, dims, nd, stream); break;
-        case 2: copy_strided((const uint16_t *)src, (uint16_t *)dst, dims, nd, stream); break;
-        case 4: copy_strided((const uint32_t *)src, (uint32_t *)dst, dims, nd, stream); break;
-        default: copy_strided((const uint64_t *)src, (uint64_t *)dst, dims, nd, stream); break;
+        case 1: copy_elements((const uint8_t *)c.src, (uint8_t *)c.dst, c); break;
+        case 2: copy_elements((const uint16_t *)c.src, (uint16_t *)c.dst, c); break;
+        case 4: copy_elements((const uint32_t *)c.src, (uint32_t *)c.dst, c); break;
+        default: copy_elements((const uint64_t *)c.src, (uint64_t *)c.dst, c); break;
     }
 }
 
@@ -236,40 +445,77 @@ bool tok_run_ok(const pdx_tok_run &r, const pdx_geom *sg, const pdx_geom *dg, in
     return true;
 }
 
-const char *part_src(const char *src, const pdx_part &a, const pdx_tok_run &r, int64_t h, int esize) {
-    return src + r.src_off + (a.base + r.src_tok * a.tok_stride + (r.src_head + h) * a.head_stride) * esize;
-}
+struct Scatter {
+    const char *src;
+    char *dst;
+    const pdx_geom *sg, *dg;
+    int esize;
 
-char *part_dst(char *dst, const pdx_part &b, const pdx_tok_run &r, int64_t h, int esize) {
-    return dst + r.dst_off + (b.base + r.dst_tok * b.tok_stride + (r.dst_head + h) * b.head_stride) * esize;
-}
+    const char *part_src(const pdx_part &a, const pdx_tok_run &r, int64_t h) const {
+        return src + r.src_off + (a.base + r.src_tok * a.tok_stride + (r.src_head + h) * a.head_stride) * esize;
+    }
+    char *part_dst(const pdx_part &b, const pdx_tok_run &r, int64_t h) const {
+        return dst + r.dst_off + (b.base + r.dst_tok * b.tok_stride + (r.dst_head + h) * b.head_stride) * esize;
+    }
 
-void scatter_part(const char *src, char *dst, const pdx_geom *sg, const pdx_geom *dg, int64_t p, int esize,
-                  const pdx_tok_run &r, int64_t h0, int64_t h1, bool stream) {
-    const pdx_part &a = sg->parts[p], &b = dg->parts[p];
-    Dim dims[3] = {{h1 - h0, a.head_stride, b.head_stride},
+    // Part p, heads [h0, h1) of run r, canonical.
+    Strided part_copy(const pdx_tok_run &r, int64_t p, int64_t h0, int64_t h1) const {
+        const pdx_part &a = sg->parts[p], &b = dg->parts[p];
+        Strided c{part_src(a, r, h0), part_dst(b, r, h0),
+                  {{h1 - h0, a.head_stride, b.head_stride},
                    {r.ntok, a.tok_stride, b.tok_stride},
-                   {sg->head_dim, a.dim_stride, b.dim_stride}};
-    copy_3d(part_src(src, a, r, h0, esize), part_dst(dst, b, r, h0, esize), dims, esize, stream);
-}
+                   {sg->head_dim, a.dim_stride, b.dim_stride},
+                   {1, 0, 0}},
+                  3};
+        canonicalize(c);  // never empty: callers pass ntok > 0 and h1 > h0
+        return c;
+    }
 
-// Token-fastest parts (vLLM CPU's K^T) on both sides, a group of runs sharing one source block (a
-// big block split into small ones): copy row d of every run before row d+1, so the source block is
-// read in address order instead of in stripes (256 -> 32: 1.5x). Grouping runs that share a
-// destination block instead (small blocks merged) was measured slower with non-temporal stores
-// (0.75x vs 0.9x of memcpy for 64 -> 256: it reads several source streams at once), so it is not done.
-void scatter_rows_grouped(const char *src, char *dst, const pdx_geom *sg, const pdx_geom *dg, int64_t p,
-                          int esize, const pdx_tok_run *runs, int64_t g0, int64_t g1, int64_t h0, int64_t h1,
-                          bool stream) {
-    const pdx_part &a = sg->parts[p], &b = dg->parts[p];
-    for (int64_t h = h0; h < h1; ++h)
-        for (int64_t d = 0; d < sg->head_dim; ++d)
-            for (int64_t g = g0; g < g1; ++g) {
-                const pdx_tok_run &r = runs[g];
-                copy_bytes(part_dst(dst, b, r, h, esize) + d * b.dim_stride * esize,
-                           part_src(src, a, r, h, esize) + d * a.dim_stride * esize, (size_t)(r.ntok * esize), stream);
-            }
-}
+    // Heads [h0, h1) of run r, all parts, as one copy if the parts merge; false (nothing copied) if not.
+    bool try_merged(const pdx_tok_run &r, int64_t h0, int64_t h1, RowSink &sink) const {
+        Strided c[PDX_MAX_PARTS], m;
+        int np = (int)sg->nparts;
+        for (int p = 0; p < np; ++p) c[p] = part_copy(r, p, h0, h1);
+        if (!merge_parts(c, np, esize, m)) return false;
+        emit(m, esize, sink);
+        return true;
+    }
+
+    void copy_part(const pdx_tok_run &r, int64_t p, int64_t h0, int64_t h1, RowSink &sink) const {
+        emit(part_copy(r, p, h0, h1), esize, sink);
+    }
+
+    // Heads [h0, h1) of one run. Where K and V of a head are adjacent in the source (head_major),
+    // a copy that does not merge whole goes head by head, so reads still advance in address order.
+    void copy_heads(const pdx_tok_run &r, int64_t h0, int64_t h1, bool head_major, RowSink &sink) const {
+        if (try_merged(r, h0, h1, sink)) return;
+        if (!head_major) {
+            for (int64_t p = 0; p < sg->nparts; ++p) copy_part(r, p, h0, h1, sink);
+            return;
+        }
+        for (int64_t h = h0; h < h1; ++h)
+            if (h1 - h0 == 1 || !try_merged(r, h, h + 1, sink))
+                for (int64_t p = 0; p < sg->nparts; ++p) copy_part(r, p, h, h + 1, sink);
+    }
+
+    // Token-fastest parts (vLLM CPU's K^T) on both sides, a group of runs sharing one source block
+    // (a big block split into small ones): row d of every run before row d+1, so the source block is
+    // read in address order instead of in stripes (256 -> 32: 1.5x). Grouping runs that share a
+    // destination block instead (small blocks merged) was measured slower with non-temporal stores
+    // (0.75x vs 0.9x of memcpy for 64 -> 256: it reads several source streams at once), so it is not
+    // done.
+    void rows_grouped(int64_t p, const pdx_tok_run *runs, int64_t g0, int64_t g1, int64_t h0, int64_t h1,
+                      RowSink &sink) const {
+        const pdx_part &a = sg->parts[p], &b = dg->parts[p];
+        for (int64_t h = h0; h < h1; ++h)
+            for (int64_t d = 0; d < sg->head_dim; ++d)
+                for (int64_t g = g0; g < g1; ++g) {
+                    const pdx_tok_run &r = runs[g];
+                    sink.push(part_src(a, r, h) + d * a.dim_stride * esize, part_dst(b, r, h) + d * b.dim_stride * esize,
+                              r.ntok * esize);
+                }
+    }
+};
 
 bool same_group(const pdx_tok_run &x, const pdx_tok_run &y) {
     return x.src_off == y.src_off && x.src_head == y.src_head && x.dst_head == y.dst_head &&
@@ -293,9 +539,9 @@ int copy_runs_impl(const void *src, int64_t src_nbytes, void *dst, int64_t dst_n
     int64_t total = prefix[nruns];
     if (total == 0) return PDX_OK;
     if (!src || !dst) return PDX_EARG;
-    int nt = clamp_threads(threads, total);
+    int shards = clamp_shards(threads, total);
     bool stream = total >= g_stream_bytes.load();
-    run_parallel(nt, [&](int i, int n) {
+    run_parallel(shards, shards > 1 ? cpus_available() : 1, [&](int i, int n) {
         copy_byte_range((const char *)src, (char *)dst, runs, prefix, total * i / n, total * (i + 1) / n, stream);
     });
     return PDX_OK;
@@ -322,10 +568,9 @@ int scatter_tokens_impl(const void *src, int64_t src_nbytes, void *dst, int64_t 
     if (total == 0) return PDX_OK;
     if (!src || !dst) return PDX_EARG;
     int64_t unit_bytes = src_geom->head_dim * src_geom->nparts * elem_size;
-    int nt = clamp_threads(threads, total * unit_bytes);
+    int shards = clamp_shards(threads, total * unit_bytes);
     bool stream = total * unit_bytes >= g_stream_bytes.load();
-    // Parts interleaved per head in the source (vLLM CPU: K^T then V of head 0, then head 1):
-    // copy head by head so reads advance through the block in address order.
+    // Parts interleaved per head in the source (vLLM CPU: K^T then V of head 0, then head 1).
     bool head_major = src_geom->nparts > 1;
     for (int64_t p = 0; p < src_geom->nparts; ++p)
         head_major = head_major && src_geom->parts[p].head_stride == src_geom->parts[0].head_stride &&
@@ -333,9 +578,11 @@ int scatter_tokens_impl(const void *src, int64_t src_nbytes, void *dst, int64_t 
     int row_parts = 0;  // parts whose tokens are contiguous on both sides
     for (int64_t p = 0; p < src_geom->nparts; ++p)
         if (src_geom->parts[p].tok_stride == 1 && dst_geom->parts[p].tok_stride == 1) row_parts |= 1 << p;
-    run_parallel(nt, [&](int t, int n) {
+    const Scatter sc{(const char *)src, (char *)dst, src_geom, dst_geom, elem_size};
+    run_parallel(shards, shards > 1 ? cpus_available() : 1, [&](int t, int n) {
+        RowSink sink(stream);
         int64_t lo = total * t / n, hi = total * (t + 1) / n;
-        // A thread owns the (run, head) units whose first element falls in [lo, hi).
+        // A shard owns the (run, head) units whose first element falls in [lo, hi).
         int64_t r = std::upper_bound(prefix.begin(), prefix.end(), lo) - prefix.begin() - 1;
         while (r < nruns && prefix[r] < hi) {
             const pdx_tok_run &run = runs[r];
@@ -346,33 +593,29 @@ int scatter_tokens_impl(const void *src, int64_t src_nbytes, void *dst, int64_t 
             }
             int64_t h0 = std::max<int64_t>(0, (lo - prefix[r] + per_head - 1) / per_head);
             int64_t h1 = std::min<int64_t>(run.nheads, (hi - prefix[r] + per_head - 1) / per_head);
-            // Extend to a group of following runs this thread owns whole (see scatter_rows_grouped).
+            // Extend to a group of following runs this shard owns whole (see rows_grouped).
             int64_t g1 = r + 1;
             if (row_parts && h0 == 0 && h1 == run.nheads)
                 while (g1 < nruns && g1 - r < kMaxGroup && same_group(run, runs[g1]) &&
                        prefix[g1] + (runs[g1].nheads - 1) * runs[g1].ntok < hi)
                     ++g1;
-            // Head-major where K and V of a head are adjacent, so both sides advance in address order.
+            if (g1 - r == 1) {
+                if (h1 > h0) sc.copy_heads(run, h0, h1, head_major, sink);
+                r = g1;
+                continue;
+            }
             int64_t nh = run.nheads;
             int64_t hstep = head_major ? 1 : nh;
             for (int64_t hb = 0; hb < nh; hb += hstep)
                 for (int64_t p = 0; p < src_geom->nparts; ++p) {
-                    int64_t ha = hb, he = hb + hstep;
-                    if (g1 - r > 1 && (row_parts >> p & 1)) {
-                        scatter_rows_grouped((const char *)src, (char *)dst, src_geom, dst_geom, p, elem_size, runs,
-                                             r, g1, ha, he, stream);
-                        continue;
-                    }
-                    for (int64_t g = r; g < g1; ++g) {
-                        // The first run may be shared with the previous thread: only heads [h0, h1).
-                        int64_t lo_h = std::max(ha, g == r ? h0 : 0), hi_h = std::min(he, g == r ? h1 : nh);
-                        if (hi_h > lo_h)
-                            scatter_part((const char *)src, (char *)dst, src_geom, dst_geom, p, elem_size, runs[g],
-                                         lo_h, hi_h, stream);
-                    }
+                    if (row_parts >> p & 1)
+                        sc.rows_grouped(p, runs, r, g1, hb, hb + hstep, sink);
+                    else
+                        for (int64_t g = r; g < g1; ++g) sc.copy_part(runs[g], p, hb, hb + hstep, sink);
                 }
             r = g1;
         }
+        sink.flush();
         store_fence();
     });
     return PDX_OK;

@@ -74,11 +74,13 @@ typedef struct {
     int64_t nheads;
 } pdx_tok_run;
 
-/* CPU (pdx_cpu.cpp). threads <= 0 means one thread. On failure *bad (if not null) names the run. */
+/* CPU (pdx_cpu.cpp). threads <= 0 means one thread; the work is cut into that many shards (fewer for
+ * small calls) run on at most as many OS threads as CPUs in the caller's affinity mask. On failure
+ * *bad (if not null) names the run. */
 int pdx_abi_version(void);
 /* Process-wide tuning, for tests and benchmarks (the defaults suit real transfers); values <= 0
  * keep the current setting, old (if not null) receives the previous two values.
- *   min_bytes_per_thread  fewer bytes per thread than this use fewer threads (256 KiB)
+ *   min_bytes_per_thread  fewer bytes per thread than this use fewer threads (1 MiB)
  *   stream_min_bytes      calls moving at least this many bytes use non-temporal stores (8 MiB) */
 void pdx_set_tuning(int64_t min_bytes_per_thread, int64_t stream_min_bytes, int64_t *old);
 int pdx_copy_runs(const void *src, int64_t src_nbytes, void *dst, int64_t dst_nbytes,

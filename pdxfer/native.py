@@ -219,7 +219,7 @@ def library_path() -> str | None:
 
 def set_tuning(min_bytes_per_thread: int = 0, stream_min_bytes: int = 0) -> tuple[int, int] | None:
     """Native path, process-wide: use more than one thread only above ``min_bytes_per_thread``
-    per thread (256 KiB), non-temporal stores from ``stream_min_bytes`` per call (8 MiB); 0 keeps
+    per thread (1 MiB), non-temporal stores from ``stream_min_bytes`` per call (8 MiB); 0 keeps
     a value. Tests use 1 to drive those paths with small inputs. Returns the previous values;
     None on the torch path."""
     lib = _lib()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from native_ref import FORMATS, apply_runs, encode, geometry, random_logical
+from native_ref import FORMATS, PAD_KEYS, apply_runs, encode, encode_padded, geometry, padded_geometry, random_logical
 
 from pdxfer import blockgeom as bg
 from pdxfer import native
@@ -199,6 +199,204 @@ def test_head_slice_of_cpu_blocks_into_smaller_tp_rank(backend):
     native.scatter_tokens(encode("cpu", src_l), dst, runs, sg, dg)
     want = src_l[:, :, :, 2:4].reshape(2, 2, 2, 64, 2, 8).permute(0, 2, 1, 3, 4, 5).reshape(4, 2, 64, 2, 8)
     assert torch.equal(dst, encode("cpu", want))
+
+
+# --------------------------------------------------------------------------- merged dims and long rows
+# The kernel folds dims contiguous in both buffers (tokens x dim, heads x tokens x dim, K and V
+# parts when adjacent) into as few, as long rows as it can. Padded layouts put one extra element
+# (or a few) after a row, head, part or block on one side or both, so every fold is met both where
+# it is right and one stride off where it is not; pads must stay untouched.
+
+PADDED_DTYPES = [torch.int8, torch.int16, torch.bfloat16, torch.float32, torch.int64]  # 1, 2, 2, 4, 8 bytes
+
+
+@st.composite
+def pads_for(draw, kind):
+    pads = dict.fromkeys(PAD_KEYS[kind], 0)
+    key = draw(st.sampled_from([None, None, *PAD_KEYS[kind]]))  # none, or exactly one stride off
+    if key is not None:
+        pads[key] = draw(st.integers(1, 3))
+    return pads
+
+
+@st.composite
+def padded_case(draw):
+    kind_s = draw(st.sampled_from(["cpu", "hnd", "nhd", "ilv"]))
+    parts = 2 if kind_s == "cpu" else draw(st.sampled_from([1, 2, 3]))  # 3: part spacing checked pairwise
+    kinds = ["cpu", "hnd", "nhd", "ilv"] if parts == 2 else ["hnd", "nhd", "ilv"]
+    kind_d = kind_s if draw(st.integers(0, 3)) else draw(st.sampled_from(kinds))  # mostly alike: merges
+    pads_s = draw(pads_for(kind_s))
+    pads_d = dict(pads_s) if kind_d == kind_s and draw(st.booleans()) else draw(pads_for(kind_d))
+    bs = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    bd = bs if draw(st.booleans()) else draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    hs = draw(st.integers(1, 4))
+    hd = hs if draw(st.booleans()) else draw(st.integers(1, 4))
+    d = draw(st.integers(1, 8))
+    nbs, nbd = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    used = np.zeros((nbd, bd, hd), dtype=bool)
+    runs = []
+    for _ in range(draw(st.integers(0, 8))):
+        sb, db = draw(st.integers(0, nbs - 1)), draw(st.integers(0, nbd - 1))
+        mode = draw(st.sampled_from(["whole", "tokens", "heads", "any"]))
+        top = min(bs, bd)
+        if mode in ("whole", "heads"):  # every token of both blocks when the sizes agree
+            n, stok, dtok = top, 0, 0
+        else:
+            n = draw(st.integers(0, top))
+            stok, dtok = draw(st.integers(0, bs - n)), draw(st.integers(0, bd - n))
+        if mode in ("whole", "tokens"):  # every head of both blocks when the counts agree
+            nh, sh, dh = min(hs, hd), 0, 0
+        else:
+            nh = draw(st.integers(0, min(hs, hd)))
+            sh, dh = draw(st.integers(0, hs - nh)), draw(st.integers(0, hd - nh))
+        if used[db, dtok:dtok + n, dh:dh + nh].any():
+            continue
+        used[db, dtok:dtok + n, dh:dh + nh] = True
+        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
+    return {"kinds": (kind_s, kind_d), "pads": (pads_s, pads_d), "parts": parts, "bs": bs, "bd": bd, "hs": hs,
+            "hd": hd, "d": d, "nbs": nbs, "nbd": nbd, "runs": runs, "dtype": draw(st.sampled_from(PADDED_DTYPES)),
+            "threads": draw(st.integers(1, 4)), "seed": draw(st.integers(0, 99))}
+
+
+def run_padded_case(c):
+    (ks, kd), (ps, pd) = c["kinds"], c["pads"]
+    src_l = random_logical(c["nbs"], c["parts"], c["bs"], c["hs"], c["d"], c["dtype"], c["seed"])
+    dst_l = random_logical(c["nbd"], c["parts"], c["bd"], c["hd"], c["d"], c["dtype"], c["seed"] + 1)
+    src, dst = encode_padded(ks, src_l, ps, fill=77), encode_padded(kd, dst_l, pd, fill=33)
+    sg, s_stride = padded_geometry(ks, c["parts"], c["bs"], c["hs"], c["d"], ps)
+    dg, d_stride = padded_geometry(kd, c["parts"], c["bd"], c["hd"], c["d"], pd)
+    assert src.numel() == c["nbs"] * s_stride and dst.numel() == c["nbd"] * d_stride
+    es = src.element_size()
+    rows = [(sb * s_stride * es, db * d_stride * es, *rest) for sb, db, *rest in c["runs"]]
+    native.scatter_tokens(src, dst, np.array(rows, dtype=np.int64).reshape(-1, 8), sg, dg, threads=c["threads"])
+    apply_runs(src_l, dst_l, c["runs"])
+    assert torch.equal(dst.view(torch.uint8), encode_padded(kd, dst_l, pd, fill=33).view(torch.uint8))
+
+
+@SETTINGS
+@given(case=padded_case())
+def test_scatter_padded_layouts_equal_reference(backend, case):
+    run_padded_case(case)
+
+
+def _pads(kind, **kw):
+    return {**dict.fromkeys(PAD_KEYS[kind], 0), **kw}
+
+
+# Each fold, and the same layouts one stride off it, on purpose rather than by chance:
+# (src kind, src pads, dst kind, dst pads, parts). The runs below include whole blocks, so every
+# fold the two layouts allow happens.
+EXPLICIT_LAYOUTS = {
+    "cpu whole blocks: parts and heads fold to one row": ("cpu", {}, "cpu", {}, 2),
+    "cpu K^T row padded on one side": ("cpu", {"kdim": 1}, "cpu", {}, 2),
+    "cpu V row padded on one side": ("cpu", {}, "cpu", {"vtok": 1}, 2),
+    "cpu gap between K and V on one side": ("cpu", {"gap": 1}, "cpu", {}, 2),
+    "cpu gap between K and V on both sides": ("cpu", {"gap": 2}, "cpu", {"gap": 2}, 2),
+    "cpu head padded on one side": ("cpu", {}, "cpu", {"head": 1}, 2),
+    "hnd three parts evenly spaced": ("hnd", {}, "hnd", {}, 3),
+    "hnd three parts, src unevenly spaced": ("hnd", {"gap0": 1}, "hnd", {}, 3),
+    "hnd three parts, dst unevenly spaced": ("hnd", {}, "hnd", {"gap0": 1}, 3),
+    "nhd three parts, both unevenly spaced": ("nhd", {"gap0": 2}, "nhd", {"gap0": 2}, 3),
+    "nhd head padded on one side": ("nhd", {"head": 1}, "nhd", {}, 2),
+    "nhd token padded on one side": ("nhd", {}, "nhd", {"tok": 1}, 2),
+    "hnd token padded on one side": ("hnd", {"tok": 1}, "hnd", {}, 2),
+    "interleaved parts into hnd: 4-dim transpose": ("ilv", {}, "hnd", {}, 2),
+    "interleaved parts, no unit stride, into hnd: 4-dim element loop": ("ilv", {"inner": 1}, "hnd", {}, 2),
+    "interleaved into interleaved, slot padded on one side": ("ilv", {}, "ilv", {"slot": 1}, 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPLICIT_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.int16, torch.float32])
+def test_scatter_folds_and_near_misses(backend, name, dtype):
+    ks, ps, kd, pd, parts = EXPLICIT_LAYOUTS[name]
+    b, h, d, nb = 4, 3, 5, 4
+    runs = [(0, 1, 0, 0, b, 0, 0, h),  # whole block
+            (1, 0, 0, 0, b, 1, 0, 2),  # whole tokens, a head slice
+            (2, 2, 1, 0, 2, 0, 0, h),  # a token range, every head
+            (3, 3, 1, 2, 2, 2, 1, 1)]  # a bit of everything
+    case = {"kinds": (ks, kd), "pads": (_pads(ks, **ps), _pads(kd, **pd)), "parts": parts, "bs": b, "bd": b,
+            "hs": h, "hd": h, "d": d, "nbs": nb, "nbd": nb, "runs": runs, "dtype": dtype, "threads": 2, "seed": 5}
+    run_padded_case(case)
+
+
+def test_padded_layouts_describe_the_plain_ones():
+    """With no pads the padded encoder is the plain one (so the reference is the same reference)."""
+    zero = {k: dict.fromkeys(v, 0) for k, v in PAD_KEYS.items()}
+    x = random_logical(3, 2, 4, 3, 5, torch.float32, 0)
+    assert torch.equal(encode_padded("ilv", x, zero["ilv"], 0), x.permute(0, 2, 3, 4, 1).contiguous().reshape(-1))
+    for kind, fmt in (("cpu", "cpu"), ("hnd", "blocks_first_hnd"), ("nhd", "blocks_first")):
+        g, stride = padded_geometry(kind, 2, 4, 3, 5, zero[kind])
+        if fmt == "blocks_first_hnd":  # not a native_ref format: K then V, each HND
+            assert torch.equal(encode_padded(kind, x, zero[kind], 0),
+                               x.permute(0, 1, 3, 2, 4).contiguous().reshape(-1))
+        else:
+            assert torch.equal(encode_padded(kind, x, zero[kind], 0), encode(fmt, x))
+            assert (g, stride) == geometry(fmt, 3, 4, 3, 5)
+
+
+@st.composite
+def long_rows_case(draw):
+    """Blocks of realistic size, so merged rows run from ~1 KiB to 64 KiB and there are more of
+    them than the row queue holds: sources in order (each row continues the last) or shuffled
+    (each row jumps), head slices, sequences starting and ending inside blocks."""
+    fs = draw(st.sampled_from(["cpu", "flash_hnd", "blocks_first", "flash_nhd"]))
+    fd = fs if draw(st.integers(0, 2)) else draw(st.sampled_from(["cpu", "flash_hnd", "blocks_first"]))
+    b = draw(st.sampled_from([16, 32, 64]))
+    bd = b if draw(st.integers(0, 2)) else draw(st.sampled_from([16, 32, 64]))
+    hs = draw(st.sampled_from([1, 2, 4]))
+    nh = draw(st.sampled_from(sorted({1, hs // 2 or 1, hs})))
+    sh = draw(st.integers(0, hs - nh))
+    d = draw(st.sampled_from([33, 64]))  # 33: rows start off cache-line and 16-byte boundaries
+    ntok = draw(st.integers(65 * b, 90 * b))
+    s0, d0 = draw(st.sampled_from([0, 0, 5])), draw(st.sampled_from([0, 0, 3]))
+    return {"fs": fs, "fd": fd, "bs": b, "bd": bd, "hs": hs, "nh": nh, "sh": sh, "d": d, "ntok": ntok,
+            "s0": s0, "d0": d0, "dtype": draw(st.sampled_from([torch.bfloat16, torch.float32])),
+            "shuffle_src": draw(st.booleans()), "threads": draw(st.integers(1, 4)), "seed": draw(st.integers(0, 9))}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=long_rows_case())
+def test_long_rows_jumping_and_continuing_sources(backend, case):
+    c = case
+    bs, bd, hs, nh, d, ntok, s0, d0 = c["bs"], c["bd"], c["hs"], c["nh"], c["d"], c["ntok"], c["s0"], c["d0"]
+    nbs, nbd = (s0 + ntok) // bs + 1, (d0 + ntok) // bd + 2
+    src_l = random_logical(nbs, 2, bs, hs, d, c["dtype"], c["seed"])
+    dst_l = random_logical(nbd, 2, bd, nh, d, c["dtype"], c["seed"] + 1)
+    sg, s_stride = geometry(c["fs"], nbs, bs, hs, d)
+    dg, d_stride = geometry(c["fd"], nbd, bd, nh, d)
+    rng = np.random.default_rng(c["seed"])
+    s_table = rng.permutation(nbs) if c["shuffle_src"] else np.arange(nbs)
+    d_table = rng.permutation(nbd)
+    es = torch.empty(0, dtype=c["dtype"]).element_size()
+    runs = bg.token_runs(s_table * s_stride * es, bs, d_table * d_stride * es, bd, ntok, src_start=s0,
+                         dst_start=d0, src_head=c["sh"], dst_head=0, nheads=nh)
+    dst = encode(c["fd"], dst_l)
+    native.scatter_tokens(encode(c["fs"], src_l), dst, runs, sg, dg, threads=c["threads"])
+    s_seq = src_l[torch.from_numpy(s_table)].permute(1, 0, 2, 3, 4).reshape(2, -1, hs, d)
+    d_seq = dst_l[torch.from_numpy(d_table)].permute(1, 0, 2, 3, 4).reshape(2, -1, nh, d).clone()
+    d_seq[:, d0:d0 + ntok] = s_seq[:, s0:s0 + ntok, c["sh"]:c["sh"] + nh]
+    want_l = dst_l.clone()
+    want_l[torch.from_numpy(d_table)] = d_seq.reshape(2, nbd, bd, nh, d).permute(1, 0, 2, 3, 4)
+    assert torch.equal(dst.view(torch.uint8), encode(c["fd"], want_l).view(torch.uint8))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), threads=st.integers(1, 4), shuffle_src=st.booleans())
+def test_copy_runs_long_rows_at_odd_offsets(backend, seed, threads, shuffle_src):
+    # 100 runs of 100 B - 20 KiB (most above the queueing threshold), odd offsets and lengths.
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(100, 20 * 1024, 100)
+    slot = int(lens.max()) + 7
+    src = torch.randint(0, 256, (100 * slot,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    dst = torch.zeros(100 * slot + 3, dtype=torch.uint8)
+    s_order = rng.permutation(100) if shuffle_src else np.arange(100)
+    runs = np.stack([s_order * slot + rng.integers(0, 7, 100), rng.permutation(100) * slot + 3, lens], axis=1)
+    want = dst.clone()
+    for so, do, n in runs.tolist():
+        want[do:do + n] = src[so:so + n]
+    native.copy_runs(src, dst, runs, threads=threads)
+    assert torch.equal(dst, want)
 
 
 # --------------------------------------------------------------------------- bad input
