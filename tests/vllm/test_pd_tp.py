@@ -26,7 +26,7 @@ TP2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
 # (A later run on the merged code saw a 1.1 MiB read by the rank sharing the prefill's core pending
 # 3.2 s at load ~10: the floor is 10 s.)
 CFG = {"read_timeout_floor_s": 10.0, "load_timeout_s": 20.0, "lease_ttl_s": 20.0, "lock_ttl_s": 30.0,
-       "lookup_timeout_s": 2.0, "connect_timeout_s": 3.0}
+       "lookup_timeout_s": 2.0, "connect_timeout_s": 10.0}
 
 
 @pytest.fixture(scope="module", params=["P1-D2", "P2-D1"])
