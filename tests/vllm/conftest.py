@@ -80,6 +80,29 @@ def wait_metric(port: int, name: str, at_least: float, timeout: float = 10.0) ->
         time.sleep(0.2)
 
 
+@pytest.fixture(scope="module")
+def master():
+    """An in-memory master of the module's own (connector tests without vLLM)."""
+    m = start_local_master()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def decode_loads_all_but_last(pair: "PDPair", prompts: list[tuple[int, int]], max_tokens: int) -> None:
+    """Each (length, seed) prompt through the pair as a proxy sends it: the decode's greedy answer
+    equals the producer's own, and it loaded every prompt token but the last."""
+    for n_tokens, seed in prompts:
+        prompt = prompt_of(n_tokens, seed=seed)
+        ref = complete(pair.prefill_port, prompt, max_tokens)  # the producer alone
+        complete(pair.prefill_port, prompt, 1)  # the proxy's prefill step: publishes the prompt's tail
+        before = pair.loaded_tokens()
+        assert complete(pair.decode_port, prompt, max_tokens) == ref
+        got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + n_tokens - 1) - before
+        assert got == n_tokens - 1
+
+
 def prompt_of(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(5, 4000) for _ in range(n)]

@@ -40,13 +40,6 @@ def _kv(seed: int | None, block_size: int = BS) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(LAYERS)}
 
 
-@pytest.fixture(scope="module")
-def master():
-    m = start_local_master()
-    try:
-        yield m
-    finally:
-        m.stop()
 
 
 class Node:

@@ -20,12 +20,12 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 from pdxfer.heads import rank_heads  # noqa: E402
 from pdxfer.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD, LayoutError  # noqa: E402
-from pdxfer.master import MasterClient, NodeInfo, start_local_master  # noqa: E402
+from pdxfer.master import MasterClient, NodeInfo  # noqa: E402
 from pdxfer.vllm.config import parse_extra_config  # noqa: E402
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata  # noqa: E402
 from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
-from tests.kv_pattern import as_cache, decode, describe, encode, layer_names  # noqa: E402
+from tests.kv_pattern import as_cache, decode, describe, encode  # noqa: E402
 
 C = 256
 NB = 24  # blocks per engine
@@ -124,13 +124,6 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 4000, (n,), generator=g).tolist()
 
 
-@pytest.fixture(scope="module")
-def master():
-    m = start_local_master()
-    try:
-        yield m
-    finally:
-        m.stop()
 
 
 @pytest.fixture

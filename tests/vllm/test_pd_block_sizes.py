@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import complete, make_pair, prompt_of, wait_metric
+from tests.vllm.conftest import decode_loads_all_but_last, make_pair
 
 pytestmark = pytest.mark.vllm
 
@@ -24,12 +24,5 @@ def pair(request, tmp_path_factory, tiny_model):
 
 
 def test_decode_with_another_block_size_answers_like_plain(pair):
-    for n_tokens, seed in ((700, 31), (1500, 32)):
-        prompt = prompt_of(n_tokens, seed=seed)
-        ref = complete(pair.prefill_port, prompt, MAX_TOKENS)  # the producer alone
-        complete(pair.prefill_port, prompt, 1)  # the proxy's prefill step: publishes the prompt's tail
-        before = pair.loaded_tokens()
-        assert complete(pair.decode_port, prompt, MAX_TOKENS) == ref
-        got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + n_tokens - 1) - before
-        assert got == n_tokens - 1
+    decode_loads_all_but_last(pair, [(700, 31), (1500, 32)], MAX_TOKENS)
     assert pair.failed_loads() == 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import complete, make_pair, prompt_of, wait_metric
+from tests.vllm.conftest import complete, decode_loads_all_but_last, make_pair, prompt_of
 
 pytestmark = pytest.mark.vllm
 
@@ -48,12 +48,5 @@ def test_decode_of_another_tp_size_answers_like_the_prefill(pair):
     complete(pair.prefill_port, warm, 1)
     assert complete(pair.decode_port, warm, MAX_TOKENS) == complete(pair.prefill_port, warm, MAX_TOKENS)
     failed_before = pair.failed_loads()
-    for n_tokens, seed in ((300, 41), (1100, 42)):
-        prompt = prompt_of(n_tokens, seed=seed)
-        ref = complete(pair.prefill_port, prompt, MAX_TOKENS)  # the producer alone
-        complete(pair.prefill_port, prompt, 1)  # the proxy's prefill step: publishes the prompt's tail
-        before = pair.loaded_tokens()
-        assert complete(pair.decode_port, prompt, MAX_TOKENS) == ref
-        got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + n_tokens - 1) - before
-        assert got == n_tokens - 1
+    decode_loads_all_but_last(pair, [(300, 41), (1100, 42)], MAX_TOKENS)
     assert pair.failed_loads() == failed_before
