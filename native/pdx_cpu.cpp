@@ -154,6 +154,10 @@ public:
 
     bool streaming() const { return stream_; }
 
+    // The source up to `end` was just read outside the sink (a transpose): a row starting there
+    // continues that stream (the V row after its head's K^T in cpu -> flash HND) and is not prefetched.
+    void read_until(const char *end) { last_end_ = end; }
+
 private:
     __attribute__((noinline)) void push_long(const char *src, char *dst, int64_t len) {
         // Only rows that do not continue where the previous one's source ended get prefetched:
@@ -416,7 +420,19 @@ void transpose_scalar(const T *src, T *dst, Dim x, Dim y, int64_t x0, int64_t x1
 }
 
 template <class T>
-void transpose_tiles(const T *src, T *dst, Dim x, Dim y, bool stream) {
+void prefetch_rows(const T *p, int64_t row_elems, int64_t stride, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+        const char *a = (const char *)(p + j * stride), *e = a + row_elems * (int64_t)sizeof(T);
+        for (a = (const char *)((uintptr_t)a & ~(uintptr_t)63); a < e; a += 64) __builtin_prefetch(a, 0, 3);
+    }
+}
+
+// `next`: the source of the transpose to come after this one (same x and y), or null. Its lines are
+// prefetched a band's share at a time: a flash source's K block read head by head is 16-64 rows of
+// one head's D-vector, a jump each, and without this every head started with a round trip to memory
+// per band (flash NHD -> cpu measured ~0.5x of memcpy).
+template <class T>
+void transpose_tiles(const T *src, T *dst, Dim x, Dim y, bool stream, const T *next) {
     // x is contiguous in src (x.s == 1), y in dst (y.d == 1).
     int64_t xv = 0, yv = 0;  // extents covered by full SIMD tiles
 #if defined(__SSE2__)
@@ -429,7 +445,9 @@ void transpose_tiles(const T *src, T *dst, Dim x, Dim y, bool stream) {
         // A band of V destination rows at a time, walked along y: each row's bytes are written in
         // order, so write-combining fills whole lines; the band's source (V elements of every y)
         // stays in L1 between tiles of consecutive bands.
-        for (int64_t x0 = 0; x0 < xv; x0 += V) {
+        int64_t bands = xv / V;
+        for (int64_t x0 = 0, b = 0; x0 < xv; x0 += V, ++b) {
+            if (next) prefetch_rows(next, x.n, y.s, y.n * b / bands, y.n * (b + 1) / bands);
             for (int64_t y0 = 0; y0 < yv; y0 += V) Tile<T>::run(src + x0 + y0 * y.s, y.s, dst + x0 * x.d + y0, x.d, nt);
             transpose_scalar(src, dst, x, y, x0, x0 + V, yv, y.n);
         }
@@ -456,9 +474,12 @@ void copy_elements(const T *src, T *dst, const Strided &c, bool stream) {
         for (int i = 0, k = 0; i < kMaxDims; ++i)
             if (i != xs && i != yd) o[k++] = dims[i];
         for (int64_t i = 0; i < o[0].n; ++i)
-            for (int64_t j = 0; j < o[1].n; ++j)
+            for (int64_t j = 0; j < o[1].n; ++j) {
+                const T *next = j + 1 < o[1].n ? src + i * o[0].s + (j + 1) * o[1].s
+                                : i + 1 < o[0].n ? src + (i + 1) * o[0].s : nullptr;
                 transpose_tiles(src + i * o[0].s + j * o[1].s, dst + i * o[0].d + j * o[1].d, dims[xs], dims[yd],
-                                stream);
+                                stream, next);
+            }
         return;
     }
     const Dim &a = dims[0], &b = dims[1], &m = dims[2], &in = dims[3];
@@ -498,6 +519,9 @@ void emit(const Strided &c, int esize, RowSink &sink) {
         case 4: copy_elements((const uint32_t *)c.src, (uint32_t *)c.dst, c, sink.streaming()); break;
         default: copy_elements((const uint64_t *)c.src, (uint64_t *)c.dst, c, sink.streaming()); break;
     }
+    int64_t last = 0;  // strides are non-negative: the last element read is the one at every dim's end
+    for (int i = 0; i < c.nd; ++i) last += (c.dims[i].n - 1) * c.dims[i].s;
+    sink.read_until(c.src + (last + 1) * esize);
 }
 
 // ------------------------------------------------------------------ scatter_tokens
