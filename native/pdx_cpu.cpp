@@ -446,8 +446,13 @@ void transpose_tiles(const T *src, T *dst, Dim x, Dim y, bool stream, const T *n
         // order, so write-combining fills whole lines; the band's source (V elements of every y)
         // stays in L1 between tiles of consecutive bands.
         int64_t bands = xv / V;
+        const T *seq = src + (y.n - 1) * y.s + x.n;  // one past the last source element
+        int64_t span = seq - src;  // elements
         for (int64_t x0 = 0, b = 0; x0 < xv; x0 += V, ++b) {
-            if (next) prefetch_rows(next, x.n, y.s, y.n * b / bands, y.n * (b + 1) / bands);
+            if (next)
+                prefetch_rows(next, x.n, y.s, y.n * b / bands, y.n * (b + 1) / bands);
+            else  // the last (or only) head of a copy: the source most likely goes on where this one ends
+                prefetch_rows(seq + span * b / bands, span / bands + 1, 0, 0, 1);
             for (int64_t y0 = 0; y0 < yv; y0 += V) Tile<T>::run(src + x0 + y0 * y.s, y.s, dst + x0 * x.d + y0, x.d, nt);
             transpose_scalar(src, dst, x, y, x0, x0 + V, yv, y.n);
         }
