@@ -448,6 +448,33 @@ void transpose_tiles(const T *src, T *dst, Dim x, Dim y, bool stream, const T *n
         int64_t bands = xv / V;
         const T *seq = src + (y.n - 1) * y.s + x.n;  // one past the last source element
         int64_t span = seq - src;  // elements
+        // Destination rows back to back (a K^T head: x.d == y.n) and source rows far apart (a flash
+        // NHD head: y.s = heads x head_dim): a band of V x reads one 16 B piece of each of y.n source
+        // rows, and y.n rows 2 KiB apart fall into two L1 sets, so at block 64 every band re-read its
+        // lines from L2. Instead G bands (one 64 B source line across) go through an L1 buffer tile
+        // by tile, y outer, and leave it as one contiguous range.
+        constexpr int64_t G = 64 / (V * (int64_t)sizeof(T)) > 0 ? 64 / (V * (int64_t)sizeof(T)) : 1;
+        constexpr int64_t kStage = 4096;  // bytes
+        if (sizeof(T) > 1 && x.d == y.n && yv == y.n && G * V * y.n * (int64_t)sizeof(T) <= kStage &&
+            y.s * (int64_t)sizeof(T) >= 1024) {
+            alignas(64) T buf[kStage / sizeof(T)];
+            int64_t groups = xv / (G * V), xg = groups * G * V;
+            for (int64_t x0 = 0, b = 0; x0 < xg; x0 += G * V) {
+                for (int64_t k = 0; k < G; ++k, ++b)
+                    if (next)
+                        prefetch_rows(next, x.n, y.s, y.n * b / bands, y.n * (b + 1) / bands);
+                    else
+                        prefetch_rows(seq + span * b / bands, span / bands + 1, 0, 0, 1);
+                for (int64_t y0 = 0; y0 < yv; y0 += V)
+                    for (int64_t k = 0; k < G; ++k)
+                        Tile<T>::run(src + x0 + k * V + y0 * y.s, y.s, buf + k * V * y.n + y0, y.n, false);
+                copy_bytes((char *)(dst + x0 * x.d), (const char *)buf, (size_t)(G * V * y.n) * sizeof(T), stream);
+            }
+            for (int64_t x0 = xg; x0 < xv; x0 += V)
+                for (int64_t y0 = 0; y0 < yv; y0 += V) Tile<T>::run(src + x0 + y0 * y.s, y.s, dst + x0 * x.d + y0, x.d, nt);
+            transpose_scalar(src, dst, x, y, xv, x.n, 0, y.n);
+            return;
+        }
         for (int64_t x0 = 0, b = 0; x0 < xv; x0 += V, ++b) {
             if (next)
                 prefetch_rows(next, x.n, y.s, y.n * b / bands, y.n * (b + 1) / bands);

@@ -597,10 +597,13 @@ def test_cpu_flash_transpose_shapes(backend, name, dtype):
 
 @pytest.mark.parametrize("src_kind,dst_kind", [("cpu", "nhd"), ("nhd", "cpu"), ("cpu", "hnd"), ("hnd", "cpu")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_flash_bench_shapes(backend, src_kind, dst_kind, dtype):
-    """The benchmark's geometry (head_dim 128, 8 heads, block 64) through the library's public entry."""
-    b, h, d = 64, 8, 128
+@pytest.mark.parametrize("b,d", [(64, 128), (16, 136), (8, 100)])
+def test_cpu_flash_bench_shapes(backend, src_kind, dst_kind, dtype, b, d):
+    """The benchmark's geometry (head_dim 128, 8 heads, block 64) through the library's public entry, and
+    head dims that leave bands over after the 64-byte groups a flash NHD -> cpu transpose stages
+    (source rows >= 1 KiB apart: only with many heads x dims)."""
+    h = 8
     run_padded_case({"kinds": (src_kind, dst_kind), "pads": (_pads(src_kind), _pads(dst_kind)), "parts": 2,
                      "bs": b, "bd": b, "hs": h, "hd": h, "d": d, "nbs": 2, "nbd": 2,
-                     "runs": [(0, 1, 0, 0, b, 0, 0, h), (1, 0, 5, 0, 40, 2, 0, 5)], "dtype": dtype,
+                     "runs": [(0, 1, 0, 0, b, 0, 0, h), (1, 0, b // 8, 0, b - b // 4, 2, 0, 5)], "dtype": dtype,
                      "threads": 2, "seed": 3})
