@@ -597,7 +597,7 @@ def test_cpu_flash_transpose_shapes(backend, name, dtype):
 
 @pytest.mark.parametrize("src_kind,dst_kind", [("cpu", "nhd"), ("nhd", "cpu"), ("cpu", "hnd"), ("hnd", "cpu")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("b,d", [(64, 128), (16, 136), (8, 100)])
+@pytest.mark.parametrize("b,d", [(64, 128), (32, 136), (24, 100), (16, 128)])
 def test_cpu_flash_bench_shapes(backend, src_kind, dst_kind, dtype, b, d):
     """The benchmark's geometry (head_dim 128, 8 heads, block 64) through the library's public entry, and
     head dims that leave bands over after the 64-byte groups a flash NHD -> cpu transpose stages
