@@ -1,7 +1,8 @@
 """Native scatter/repack throughput vs a plain memcpy of the same bytes and vs the torch path.
 
-Each case moves ~128 MiB (default) of bf16 KV blocks from a staging buffer into shuffled blocks
-of a destination cache through ``pdxfer.native``; in the same run, interleaved per repeat:
+Each case moves ~128 MiB (default) of KV blocks (bf16; two cpu <-> flash cases fp32) from a staging
+buffer into shuffled blocks of a destination cache through ``pdxfer.native``; in the same run,
+interleaved per repeat:
 
 * memcpy: one ``ctypes.memmove`` of the same number of bytes between two contiguous buffers
   (also one torch ``copy_`` of the same size, reported alongside);
@@ -12,7 +13,7 @@ Medians of ``--repeats`` timed runs after one untimed warm-up per method. The na
 checked byte-for-byte against the torch path's. Target (issue 11): native >= 0.7x memcpy and
 >= 2x torch.
 
-    python bench/native.py --cpus 1 [--threads 1,2] [--repeats 9] [--mib 128] [--json PATH]
+    python bench/native.py --cpus 1 [--threads 1,2] [--repeats 9] [--mib 128] [--only TEXT] [--json PATH]
 
 ``--cpus`` pins the process (as ``taskset -c`` would). The kernel runs at most as many OS threads as
 CPUs it may use, so with one CPU ``--threads 2`` cuts the work in two shards run by one thread.
