@@ -152,6 +152,12 @@ public:
         while (count_) pop();
     }
 
+    bool streaming() const { return stream_; }
+
+    // The source up to `end` was just read outside the sink (a transpose): a row starting there
+    // continues that stream (the V row after its head's K^T in cpu -> flash HND) and is not prefetched.
+    void read_until(const char *end) { last_end_ = end; }
+
 private:
     __attribute__((noinline)) void push_long(const char *src, char *dst, int64_t len) {
         // Only rows that do not continue where the previous one's source ended get prefetched:
@@ -329,28 +335,165 @@ bool merge_parts(const Strided *c, int np, int esize, Strided &out) {
     return canonicalize(out);
 }
 
+// ------------------------------------------------------------------ transposes
+
+// K^T <-> row-major (vLLM CPU's K [D, B] against flash's [B, .., D]) swaps which dim is contiguous:
+// no row exists to copy, and element by element ran at 1.6-2.1 GB/s (0.26-0.39x of memcpy for
+// bf16). Full tiles are transposed in SSE registers instead: x is the dim contiguous in the source
+// (x.s == 1), y the one contiguous in the destination (y.d == 1); one vector load brings V
+// consecutive x of one y, and after the shuffles one vector holds V consecutive y of one x, ready to
+// store as part of a destination row. SSE2 only (the x86-64 baseline), so the library needs no
+// CPU dispatch. Partial tiles at the edges, and 8-byte elements, go element by element.
+#if defined(__SSE2__)
+// r[j] = x0..x7 at y0+j (16-bit) -> r[i] = y0..y7 at x0+i.
+inline void tr_8x8_16(__m128i r[8]) {
+    __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
+    __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
+    __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
+    __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
+    // a0: (x0: y0 y1) (x1: y0 y1) (x2..) (x3..); a1 the same for x4..x7; a2/a3 for y2, y3; ...
+    __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    // b0: (x0: y0..y3) (x1: y0..y3); b4: the same for y4..y7.
+    r[0] = _mm_unpacklo_epi64(b0, b4), r[1] = _mm_unpackhi_epi64(b0, b4);
+    r[2] = _mm_unpacklo_epi64(b1, b5), r[3] = _mm_unpackhi_epi64(b1, b5);
+    r[4] = _mm_unpacklo_epi64(b2, b6), r[5] = _mm_unpackhi_epi64(b2, b6);
+    r[6] = _mm_unpacklo_epi64(b3, b7), r[7] = _mm_unpackhi_epi64(b3, b7);
+}
+
+// r[j] = x0..x3 at y0+j (32-bit) -> r[i] = y0..y3 at x0+i.
+inline void tr_4x4_32(__m128i r[4]) {
+    __m128i a0 = _mm_unpacklo_epi32(r[0], r[1]), a1 = _mm_unpackhi_epi32(r[0], r[1]);
+    __m128i a2 = _mm_unpacklo_epi32(r[2], r[3]), a3 = _mm_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm_unpacklo_epi64(a0, a2), r[1] = _mm_unpackhi_epi64(a0, a2);
+    r[2] = _mm_unpacklo_epi64(a1, a3), r[3] = _mm_unpackhi_epi64(a1, a3);
+}
+
+// Low 8 bytes of r[j] = x0..x7 at y0+j (8-bit) -> low 8 bytes of r[i] = y0..y7 at x0+i.
+inline void tr_8x8_8(__m128i r[8]) {
+    __m128i a0 = _mm_unpacklo_epi8(r[0], r[1]), a1 = _mm_unpacklo_epi8(r[2], r[3]);
+    __m128i a2 = _mm_unpacklo_epi8(r[4], r[5]), a3 = _mm_unpacklo_epi8(r[6], r[7]);
+    __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);  // x0..3, x4..7: y0..y3
+    __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);  // the same for y4..y7
+    __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);  // (x0: y0..y7) (x1: ..)
+    __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
+    r[0] = c0, r[1] = _mm_unpackhi_epi64(c0, c0), r[2] = c1, r[3] = _mm_unpackhi_epi64(c1, c1);
+    r[4] = c2, r[5] = _mm_unpackhi_epi64(c2, c2), r[6] = c3, r[7] = _mm_unpackhi_epi64(c3, c3);
+}
+
+// One full tile: V x V elements, V = 16 / sizeof(T) (8 for 1-byte: 8-byte halves of a vector).
 template <class T>
-void transpose_tiles(const T *src, T *dst, Dim x, Dim y) {
-    // x is contiguous in src (x.s == 1), y in dst (y.d == 1). Square tiles keep the lines of both
-    // sides resident in L1 while each is walked across its stride.
-    constexpr int64_t kTile = 16;
-    for (int64_t x0 = 0; x0 < x.n; x0 += kTile) {
-        int64_t x1 = std::min(x.n, x0 + kTile);
-        for (int64_t y0 = 0; y0 < y.n; y0 += kTile) {
-            int64_t y1 = std::min(y.n, y0 + kTile);
-            for (int64_t i = x0; i < x1; ++i) {
-                const T *s = src + i;
-                T *d = dst + i * x.d;
-                for (int64_t j = y0; j < y1; ++j) d[j] = s[j * y.s];
-            }
+struct Tile {
+    static constexpr int64_t V = sizeof(T) == 1 ? 8 : (int64_t)(16 / sizeof(T));
+    static constexpr bool kSimd = sizeof(T) <= 4;
+
+    static void run(const T *s, int64_t ys, T *d, int64_t xd, bool nt) {
+        __m128i r[V];
+        for (int64_t j = 0; j < V; ++j)
+            r[j] = sizeof(T) == 1 ? _mm_loadl_epi64((const __m128i *)(s + j * ys))
+                                  : _mm_loadu_si128((const __m128i *)(s + j * ys));
+        if constexpr (sizeof(T) == 1) tr_8x8_8(r);
+        if constexpr (sizeof(T) == 2) tr_8x8_16(r);
+        if constexpr (sizeof(T) == 4) tr_4x4_32(r);
+        for (int64_t i = 0; i < V; ++i) {
+            T *p = d + i * xd;
+            if constexpr (sizeof(T) == 1)
+                _mm_storel_epi64((__m128i *)p, r[i]);
+            else if (nt)
+                _mm_stream_si128((__m128i *)p, r[i]);
+            else
+                _mm_storeu_si128((__m128i *)p, r[i]);
         }
     }
+};
+#endif
+
+template <class T>
+void transpose_scalar(const T *src, T *dst, Dim x, Dim y, int64_t x0, int64_t x1, int64_t y0, int64_t y1) {
+    for (int64_t i = x0; i < x1; ++i) {
+        const T *s = src + i;
+        T *d = dst + i * x.d;
+        for (int64_t j = y0; j < y1; ++j) d[j] = s[j * y.s];
+    }
+}
+
+template <class T>
+void prefetch_rows(const T *p, int64_t row_elems, int64_t stride, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+        const char *a = (const char *)(p + j * stride), *e = a + row_elems * (int64_t)sizeof(T);
+        for (a = (const char *)((uintptr_t)a & ~(uintptr_t)63); a < e; a += 64) __builtin_prefetch(a, 0, 3);
+    }
+}
+
+// `next`: the source of the transpose to come after this one (same x and y), or null. Its lines are
+// prefetched a band's share at a time: a flash source's K block read head by head is 16-64 rows of
+// one head's D-vector, a jump each, and without this every head started with a round trip to memory
+// per band (flash NHD -> cpu measured ~0.5x of memcpy).
+template <class T>
+void transpose_tiles(const T *src, T *dst, Dim x, Dim y, bool stream, const T *next) {
+    // x is contiguous in src (x.s == 1), y in dst (y.d == 1).
+    int64_t xv = 0, yv = 0;  // extents covered by full SIMD tiles
+#if defined(__SSE2__)
+    if constexpr (Tile<T>::kSimd) {
+        constexpr int64_t V = Tile<T>::V;
+        xv = x.n - x.n % V, yv = y.n - y.n % V;
+        // Non-temporal 16-byte stores need 16-byte aligned destinations: every tile row starts at
+        // dst + x * x.d + y0 with y0 a multiple of V, so the base and the row pitch decide.
+        bool nt = stream && sizeof(T) > 1 && ((uintptr_t)dst & 15) == 0 && (x.d * (int64_t)sizeof(T)) % 16 == 0;
+        // A band of V destination rows at a time, walked along y: each row's bytes are written in
+        // order, so write-combining fills whole lines; the band's source (V elements of every y)
+        // stays in L1 between tiles of consecutive bands.
+        int64_t bands = xv / V;
+        const T *seq = src + (y.n - 1) * y.s + x.n;  // one past the last source element
+        int64_t span = seq - src;  // elements
+        // Destination rows back to back (a K^T head: x.d == y.n) and source rows far apart (a flash
+        // NHD head: y.s = heads x head_dim): a band of V x reads one 16 B piece of each of y.n source
+        // rows, and y.n rows 2 KiB apart fall into two L1 sets, so at block 64 every band re-read its
+        // lines from L2. Instead G bands (one 64 B source line across) go through an L1 buffer tile
+        // by tile, y outer, and leave it as one contiguous range. Up to 16 rows fit the two sets'
+        // 16 ways, and there the staging cost more than it saved (block 16: 0.81x -> 0.71x memcpy).
+        constexpr int64_t G = 64 / (V * (int64_t)sizeof(T)) > 0 ? 64 / (V * (int64_t)sizeof(T)) : 1;
+        constexpr int64_t kStage = 4096;  // bytes
+        if (sizeof(T) > 1 && x.d == y.n && yv == y.n && G * V * y.n * (int64_t)sizeof(T) <= kStage &&
+            y.s * (int64_t)sizeof(T) >= 1024 && y.n > 16) {
+            alignas(64) T buf[kStage / sizeof(T)];
+            int64_t groups = xv / (G * V), xg = groups * G * V;
+            for (int64_t x0 = 0, b = 0; x0 < xg; x0 += G * V) {
+                for (int64_t k = 0; k < G; ++k, ++b)
+                    if (next)
+                        prefetch_rows(next, x.n, y.s, y.n * b / bands, y.n * (b + 1) / bands);
+                    else
+                        prefetch_rows(seq + span * b / bands, span / bands + 1, 0, 0, 1);
+                for (int64_t y0 = 0; y0 < yv; y0 += V)
+                    for (int64_t k = 0; k < G; ++k)
+                        Tile<T>::run(src + x0 + k * V + y0 * y.s, y.s, buf + k * V * y.n + y0, y.n, false);
+                copy_bytes((char *)(dst + x0 * x.d), (const char *)buf, (size_t)(G * V * y.n) * sizeof(T), stream);
+            }
+            for (int64_t x0 = xg; x0 < xv; x0 += V)
+                for (int64_t y0 = 0; y0 < yv; y0 += V) Tile<T>::run(src + x0 + y0 * y.s, y.s, dst + x0 * x.d + y0, x.d, nt);
+            transpose_scalar(src, dst, x, y, xv, x.n, 0, y.n);
+            return;
+        }
+        for (int64_t x0 = 0, b = 0; x0 < xv; x0 += V, ++b) {
+            if (next)
+                prefetch_rows(next, x.n, y.s, y.n * b / bands, y.n * (b + 1) / bands);
+            else  // the last (or only) head of a copy: the source most likely goes on where this one ends
+                prefetch_rows(seq + span * b / bands, span / bands + 1, 0, 0, 1);
+            for (int64_t y0 = 0; y0 < yv; y0 += V) Tile<T>::run(src + x0 + y0 * y.s, y.s, dst + x0 * x.d + y0, x.d, nt);
+            transpose_scalar(src, dst, x, y, x0, x0 + V, yv, y.n);
+        }
+    }
+#endif
+    (void)stream;
+    transpose_scalar(src, dst, x, y, xv, x.n, 0, y.n);
 }
 
 // Copies with no dim contiguous on both sides: a transpose (K^T <-> row-major: one dim contiguous
 // in src, another in dst) through tiles, anything else element by element.
 template <class T>
-void copy_elements(const T *src, T *dst, const Strided &c) {
+void copy_elements(const T *src, T *dst, const Strided &c, bool stream) {
     Dim dims[kMaxDims];
     for (int i = 0; i < kMaxDims; ++i) dims[i] = {1, 0, 0};
     std::copy(c.dims, c.dims + c.nd, dims + (kMaxDims - c.nd));
@@ -364,8 +507,12 @@ void copy_elements(const T *src, T *dst, const Strided &c) {
         for (int i = 0, k = 0; i < kMaxDims; ++i)
             if (i != xs && i != yd) o[k++] = dims[i];
         for (int64_t i = 0; i < o[0].n; ++i)
-            for (int64_t j = 0; j < o[1].n; ++j)
-                transpose_tiles(src + i * o[0].s + j * o[1].s, dst + i * o[0].d + j * o[1].d, dims[xs], dims[yd]);
+            for (int64_t j = 0; j < o[1].n; ++j) {
+                const T *next = j + 1 < o[1].n ? src + i * o[0].s + (j + 1) * o[1].s
+                                : i + 1 < o[0].n ? src + (i + 1) * o[0].s : nullptr;
+                transpose_tiles(src + i * o[0].s + j * o[1].s, dst + i * o[0].d + j * o[1].d, dims[xs], dims[yd],
+                                stream, next);
+            }
         return;
     }
     const Dim &a = dims[0], &b = dims[1], &m = dims[2], &in = dims[3];
@@ -400,11 +547,14 @@ void emit(const Strided &c, int esize, RowSink &sink) {
     }
     sink.flush();
     switch (esize) {
-        case 1: copy_elements((const uint8_t *)c.src, (uint8_t *)c.dst, c); break;
-        case 2: copy_elements((const uint16_t *)c.src, (uint16_t *)c.dst, c); break;
-        case 4: copy_elements((const uint32_t *)c.src, (uint32_t *)c.dst, c); break;
-        default: copy_elements((const uint64_t *)c.src, (uint64_t *)c.dst, c); break;
+        case 1: copy_elements((const uint8_t *)c.src, (uint8_t *)c.dst, c, sink.streaming()); break;
+        case 2: copy_elements((const uint16_t *)c.src, (uint16_t *)c.dst, c, sink.streaming()); break;
+        case 4: copy_elements((const uint32_t *)c.src, (uint32_t *)c.dst, c, sink.streaming()); break;
+        default: copy_elements((const uint64_t *)c.src, (uint64_t *)c.dst, c, sink.streaming()); break;
     }
+    int64_t last = 0;  // strides are non-negative: the last element read is the one at every dim's end
+    for (int i = 0; i < c.nd; ++i) last += (c.dims[i].n - 1) * c.dims[i].s;
+    sink.read_until(c.src + (last + 1) * esize);
 }
 
 // ------------------------------------------------------------------ scatter_tokens

@@ -515,3 +515,95 @@ def test_segment_geometry_reads_vllm_shaped_tensors(backend, fmt):
         dst_g = bg.kv_pair(bg.nhd(b, h, d), b * h * d) if len(g.parts) == 2 else bg.nhd(b, h, d, base=i * b * h * d)
         native.scatter_tokens(t.view(-1), out.view(-1), [[seg.block_offset(1), 0, 0, 0, b, 0, 0, h]], g, dst_g)
     assert torch.equal(out[0], k) and torch.equal(out[1], v)
+
+
+# --------------------------------------------------------------------------- K^T <-> row-major tiles
+# vLLM CPU's K is [D, B] per head (token fastest) and the flash layouts' K is dim fastest, so
+# cpu <-> nhd/hnd swaps which dim is contiguous: the kernel transposes full V x V tiles in SSE
+# registers (V = 8 for 1- and 2-byte elements, 4 for 4-byte; 8-byte elements go element by element)
+# and the ragged edges element by element. Block sizes and head dims straddle the tile sizes (partial
+# tiles on either edge), runs start inside blocks and take head slices, a stride can be one element
+# off (tile rows then not 16-byte aligned: no non-temporal stores), and interleaved layouts (no
+# unit stride on one side, or none at all) are near misses that must not take the tile path.
+
+TILE_SIZES = [1, 3, 4, 7, 8, 9, 12, 16, 17, 24, 32, 33]
+
+
+@st.composite
+def transpose_case(draw):
+    flash = draw(st.sampled_from(["nhd", "hnd", "ilv"]))
+    kind_s, kind_d = ("cpu", flash) if draw(st.booleans()) else (flash, "cpu")
+    pads_s, pads_d = draw(pads_for(kind_s)), draw(pads_for(kind_d))
+    bs = draw(st.sampled_from(TILE_SIZES))
+    bd = bs if draw(st.booleans()) else draw(st.sampled_from(TILE_SIZES))
+    hs = draw(st.integers(1, 3))
+    hd = hs if draw(st.booleans()) else draw(st.integers(1, 3))
+    d = draw(st.sampled_from(TILE_SIZES))
+    nbs, nbd = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    used = np.zeros((nbd, bd, hd), dtype=bool)
+    runs = []
+    for _ in range(draw(st.integers(1, 6))):
+        sb, db = draw(st.integers(0, nbs - 1)), draw(st.integers(0, nbd - 1))
+        top = min(bs, bd)
+        n = top if draw(st.booleans()) else draw(st.integers(0, top))
+        stok, dtok = draw(st.integers(0, bs - n)), draw(st.integers(0, bd - n))
+        nh = draw(st.integers(0, min(hs, hd)))
+        sh, dh = draw(st.integers(0, hs - nh)), draw(st.integers(0, hd - nh))
+        if used[db, dtok:dtok + n, dh:dh + nh].any():
+            continue
+        used[db, dtok:dtok + n, dh:dh + nh] = True
+        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
+    return {"kinds": (kind_s, kind_d), "pads": (pads_s, pads_d), "parts": 2, "bs": bs, "bd": bd, "hs": hs,
+            "hd": hd, "d": d, "nbs": nbs, "nbd": nbd, "runs": runs, "dtype": draw(st.sampled_from(PADDED_DTYPES)),
+            "threads": draw(st.integers(1, 3)), "seed": draw(st.integers(0, 99))}
+
+
+@SETTINGS
+@given(case=transpose_case())
+def test_cpu_flash_transposes_equal_reference(backend, case):
+    run_padded_case(case)
+
+
+# Named shapes: the bench's (block 16 and 64, head_dim 128), tiles exactly filling the block, one
+# element short or over on each edge, and near misses.
+TRANSPOSE_LAYOUTS = {
+    "cpu -> nhd, whole tiles": ("cpu", {}, "nhd", {}, 16, 16),
+    "nhd -> cpu, whole tiles": ("nhd", {}, "cpu", {}, 16, 16),
+    "cpu -> hnd, whole tiles": ("cpu", {}, "hnd", {}, 16, 16),
+    "hnd -> cpu, whole tiles": ("hnd", {}, "cpu", {}, 16, 16),
+    "cpu -> nhd, block and dim one over a tile": ("cpu", {}, "nhd", {}, 17, 9),
+    "hnd -> cpu, block and dim one short of a tile": ("hnd", {}, "cpu", {}, 15, 7),
+    "cpu K^T rows padded -> nhd": ("cpu", {"kdim": 1}, "nhd", {}, 16, 16),
+    "nhd -> cpu K^T rows padded (unaligned tile rows)": ("nhd", {}, "cpu", {"kdim": 1}, 16, 16),
+    "cpu -> hnd token padded (unaligned tile rows)": ("cpu", {}, "hnd", {"tok": 1}, 8, 24),
+    "cpu -> interleaved: no unit stride in dst": ("cpu", {}, "ilv", {}, 16, 16),
+    "interleaved, no unit stride -> cpu": ("ilv", {"inner": 1}, "cpu", {}, 16, 16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSE_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.int64])
+def test_cpu_flash_transpose_shapes(backend, name, dtype):
+    ks, ps, kd, pd, b, d = TRANSPOSE_LAYOUTS[name]
+    h, nb = 3, 3
+    runs = [(0, 1, 0, 0, b, 0, 0, h),  # whole block
+            (1, 0, 0, 0, b, 1, 0, 2),  # whole tokens, a head slice
+            (2, 2, 1, 0, b - 1, 0, 0, 1),  # a token range starting inside the block
+            (2, 2, 0, b - 1, 1, 2, 2, 1)]  # one token
+    case = {"kinds": (ks, kd), "pads": (_pads(ks, **ps), _pads(kd, **pd)), "parts": 2, "bs": b, "bd": b,
+            "hs": h, "hd": h, "d": d, "nbs": nb, "nbd": nb, "runs": runs, "dtype": dtype, "threads": 2, "seed": 7}
+    run_padded_case(case)
+
+
+@pytest.mark.parametrize("src_kind,dst_kind", [("cpu", "nhd"), ("nhd", "cpu"), ("cpu", "hnd"), ("hnd", "cpu")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,d", [(64, 128), (32, 136), (24, 100), (16, 128)])
+def test_cpu_flash_bench_shapes(backend, src_kind, dst_kind, dtype, b, d):
+    """The benchmark's geometry (head_dim 128, 8 heads, block 64) through the library's public entry, and
+    head dims that leave bands over after the 64-byte groups a flash NHD -> cpu transpose stages
+    (source rows >= 1 KiB apart: only with many heads x dims)."""
+    h = 8
+    run_padded_case({"kinds": (src_kind, dst_kind), "pads": (_pads(src_kind), _pads(dst_kind)), "parts": 2,
+                     "bs": b, "bd": b, "hs": h, "hd": h, "d": d, "nbs": 2, "nbd": 2,
+                     "runs": [(0, 1, 0, 0, b, 0, 0, h), (1, 0, b // 8, 0, b - b // 4, 2, 0, 5)], "dtype": dtype,
+                     "threads": 2, "seed": 3})
