@@ -56,6 +56,9 @@ class PdxferConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         self.cfg = parse_extra_config(ktc.kv_connector_extra_config)
         _setup_logging(self.cfg.log_level)
+        from pdxfer.vllm.spin import apply_from_env
+
+        apply_from_env()  # opt-in (PDXFER_VLLM_SPIN_SLEEP_US): see pdxfer/vllm/spin.py
         self.engine_id = str(ktc.engine_id)
         self.block_size = kv_block_size(vllm_config, kv_cache_config)
         self.fingerprint = derive_layout_fingerprint(vllm_config, kv_cache_config)

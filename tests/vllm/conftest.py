@@ -126,6 +126,7 @@ class PDPair:
     prefill_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: cores per TP rank, ranks split by "|"
     decode_bind: str = "1"
     extra_cfg: dict = field(default_factory=dict)  # more kv_connector_extra_config for both sides
+    extra_env: dict = field(default_factory=dict)  # more environment for both `vllm serve`s
 
     def start_master(self) -> None:
         # A fixed port (chosen free once) lets a restarted master be found at the same address.
@@ -147,12 +148,12 @@ class PDPair:
         self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
                                   cpu_bind=self.prefill_bind, log_dir=self.run_dir, name=f"prefill-{self.transport}",
                                   extra_args=PAIR_VLLM_ARGS + self.prefill_args,
-                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks)})
+                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks), **self.extra_env})
         self.decode = start_vllm(self.model, self.decode_port, d_cfg,
                                  cpu_bind=self.decode_bind, log_dir=self.run_dir, name=f"decode-{self.transport}",
                                  extra_args=PAIR_VLLM_ARGS + self.decode_args,
                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks),
-                                            "VLLM_SERVER_DEV_MODE": "1"})
+                                            "VLLM_SERVER_DEV_MODE": "1", **self.extra_env})
         wait_http_ready(f"http://127.0.0.1:{self.prefill_port}/health", READY_TIMEOUT_S, self.prefill)
         wait_http_ready(f"http://127.0.0.1:{self.decode_port}/health", READY_TIMEOUT_S, self.decode)
 
@@ -193,10 +194,11 @@ class PDPair:
 
 def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: str,
               prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
-              prefill_bind: str = "0", decode_bind: str = "1", extra_cfg: dict | None = None):
+              prefill_bind: str = "0", decode_bind: str = "1", extra_cfg: dict | None = None,
+              extra_env: dict | None = None):
     pair = PDPair(tmp_path_factory.mktemp(f"pd-{transport}"), model, transport,
                   prefill_args=prefill_args, decode_args=decode_args, prefill_bind=prefill_bind,
-                  decode_bind=decode_bind, extra_cfg=dict(extra_cfg or {}))
+                  decode_bind=decode_bind, extra_cfg=dict(extra_cfg or {}), extra_env=dict(extra_env or {}))
     try:
         pair.start()
         yield pair

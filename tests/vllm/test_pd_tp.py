@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import complete, decode_loads_all_but_last, make_pair, prompt_of
+from tests.vllm.conftest import complete, decode_loads_all_but_last, make_pair, prompt_of, wait_metric
 
 pytestmark = pytest.mark.vllm
 
@@ -26,7 +26,12 @@ TP2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
 # (A later run on the merged code saw a 1.1 MiB read by the rank sharing the prefill's core pending
 # 3.2 s at load ~10: the floor is 10 s.)
 CFG = {"read_timeout_floor_s": 10.0, "load_timeout_s": 20.0, "lease_ttl_s": 20.0, "lock_ttl_s": 30.0,
-       "lookup_timeout_s": 2.0, "connect_timeout_s": 10.0}
+       "lookup_timeout_s": 2.0, "connect_timeout_s": 3.0}
+# vLLM's mp executor busy-waits with sched_yield; while the decode's first load waited for its
+# connection, a TP2 decode spinning on both cores kept every other process (the prefill's TCP
+# holder included: it could not accept() for ~10 s) runnable-but-not-run on this box's kernel, so
+# each rank's first load failed at connect_timeout_s. A 0.2 ms sleep instead: see pdxfer/vllm/spin.py.
+ENV = {"PDXFER_VLLM_SPIN_SLEEP_US": "200"}
 
 
 @pytest.fixture(scope="module", params=["P1-D2", "P2-D1"])
@@ -34,19 +39,21 @@ def pair(request, tmp_path_factory, tiny_model):
     # Two cores: the TP2 side puts one rank on each; the TP1 side shares core 0 with one of them.
     if request.param == "P1-D2":
         yield from make_pair(tmp_path_factory, tiny_model, "tcp", decode_args=TP2, prefill_bind="0",
-                             decode_bind="1|0", extra_cfg=CFG)
+                             decode_bind="1|0", extra_cfg=CFG, extra_env=ENV)
     else:
         yield from make_pair(tmp_path_factory, tiny_model, "tcp", prefill_args=TP2, prefill_bind="0|1",
-                             decode_bind="1", extra_cfg=CFG)
+                             decode_bind="1", extra_cfg=CFG, extra_env=ENV)
 
 
 def test_decode_of_another_tp_size_answers_like_the_prefill(pair):
-    # Warm-up: the first load connects to every holder rank. On two cores shared with other
-    # vLLM pairs a TCP handshake once took longer than 2 s; that load was recomputed
-    # (correct answer, 0 tokens loaded), so the counted prompts come after the connections exist.
+    # Warm-up: the first load connects to every holder rank; it must load too (it failed at
+    # connect_timeout_s on every rank while vLLM's sched_yield spin starved the holder, see ENV).
     warm = prompt_of(100, seed=40)
     complete(pair.prefill_port, warm, 1)
+    before = pair.loaded_tokens()
     assert complete(pair.decode_port, warm, MAX_TOKENS) == complete(pair.prefill_port, warm, MAX_TOKENS)
+    assert wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + 99) - before == 99
     failed_before = pair.failed_loads()
+    assert failed_before == 0
     decode_loads_all_but_last(pair, [(300, 41), (1100, 42)], MAX_TOKENS)
     assert pair.failed_loads() == failed_before
