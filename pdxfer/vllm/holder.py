@@ -42,7 +42,10 @@ class _Held:
     retention_end: float = 0.0  # when retention first ran out (the master stops serving then)
 
 
-@dataclass
+# How fast the room kept for the largest recent request shrinks (per request) when requests get
+# smaller: a burst of long prompts is remembered for a few dozen requests.
+_ROOM_DECAY = 0.95
+
 
 class HolderPath:
     def __init__(self, cfg: ConnectorConfig, *, block_size: int, hot: Any, bg: Any,
@@ -68,6 +71,7 @@ class HolderPath:
         self._master_unreachable_since: float | None = None
         self._superseded = False
         self._reclaiming = False
+        self._room_wanted = 0  # blocks the largest recent request took (decaying): kept free
         self.stale_after_s_override: float | None = None  # tests shorten the last-resort bound
 
     def bind_block_pool(self, pool: Any) -> None:
@@ -271,17 +275,16 @@ class HolderPath:
             self._wake.notify()
 
     def _fit_under_cap(self, new: list[tuple[bytes, tuple[int, ...]]]) -> list[tuple[bytes, tuple[int, ...]]]:
-        """Keep held blocks under ``max_held_fraction`` of the pool: reclaim the oldest unlocked
-        chunks first, then publish only the leading chunks that fit (a prefix is what readers use)."""
+        """Keep held blocks under ``max_held_fraction`` of the pool: publish only the leading
+        chunks that fit (a prefix is what readers use), and reclaim the oldest unlocked chunks in
+        the background early enough that the next request fits whole (a P/D decode wants the
+        whole prompt its prefill just computed): room for the largest recent request is kept."""
         assert self._pool is not None
         cap = int(self.cfg.max_held_fraction * self._pool.num_blocks)
         with self._lock:  # the reaper thread mutates the held set: work on a snapshot
             held_now = set(self._held_block_refs)
-        extra = len({x for _, b in new for x in b} - held_now)
-        if len(held_now) + extra > cap:
-            # Room comes from the master's compare-and-unpublish: ask in the background and
-            # publish what fits now; later requests find the room (never block the step).
-            self._reclaim_async(len(held_now) + extra - cap)
+        want = {x for _, b in new for x in b} - held_now
+        self._room_wanted = max(len(want), int(self._room_wanted * _ROOM_DECAY))
         out: list[tuple[bytes, tuple[int, ...]]] = []
         seen: set[int] = set()
         for k, b in new:
@@ -290,16 +293,30 @@ class HolderPath:
                 break
             seen |= add
             out.append((k, b))
+        # Room comes from the master's compare-and-unpublish: ask in the background (never block
+        # the step); the blocks return at a later scheduler hook, before the next request.
+        over = len(held_now) + len(want) - (cap - min(self._room_wanted, cap))
+        if over > 0:
+            self._reclaim_async(over, keep={k for k, _ in out})
         return out
 
-    def _reclaim_async(self, want_blocks: int) -> None:
-        """Unpublish the oldest held chunks in the background until enough blocks free; their
-        blocks return to vLLM at the scheduler's next hook (one reclaim at a time)."""
+    def _reclaim_async(self, want_blocks: int, keep: set[bytes] | frozenset[bytes] = frozenset()) -> None:
+        """Unpublish the oldest held chunks in the background until about ``want_blocks`` blocks
+        free (never those in ``keep``: being published now); their blocks return to vLLM at the
+        scheduler's next hook (one reclaim at a time)."""
         assert self._pool is not None and self.node_id is not None
         with self._lock:
             if self._reclaiming:
                 return
-            candidates = list(self._held)[: max(8, want_blocks)]
+            candidates: list[bytes] = []
+            freed: set[int] = set()
+            for k, h in self._held.items():  # oldest first
+                if len(freed) >= want_blocks:
+                    break
+                if k in keep:
+                    continue
+                candidates.append(k)
+                freed.update(x for x in h.blocks if self._held_block_refs.get(x, 0) <= 1)
             if not candidates:
                 return
             self._reclaiming = True
