@@ -50,6 +50,7 @@ from bench.pd_configs import (
     start_config,
 )
 from bench.pd_report import (
+    PLAIN_AFTER,
     concurrency_rows,
     idle_summary,
     length_rows,
@@ -141,11 +142,11 @@ def measure_concurrency(run: Running, c: int, args: argparse.Namespace, prompts:
 
 
 def run_config(name: str, args: argparse.Namespace, model_dir: Path, model: str, log_dir: Path,
-               prompts: Prompts) -> dict[str, Any]:
+               prompts: Prompts, label: str | None = None) -> dict[str, Any]:
     """Start one configuration, warm it up, measure it, take its idle CPU, stop it."""
     cores = (args.prefill_cpus if name == "plain"
              else f"prefill {args.prefill_cpus}, decode {args.decode_cpus}")
-    print(f"\n== {name} (cores: {cores}; load avg {os.getloadavg()[0]:.2f}): starting", flush=True)
+    print(f"\n== {label or name} (cores: {cores}; load avg {os.getloadavg()[0]:.2f}): starting", flush=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
     vargs = ["--dtype", args.dtype, *args.vllm_arg]
     run = start_config(name, model_dir, model, log_dir, args.prefill_cpus, args.decode_cpus, vargs,
@@ -203,6 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=8, help="fresh prompts per length and config")
     ap.add_argument("--warmup", type=int, default=2, help="uncounted rounds over every length")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="run these, in this order")
+    ap.add_argument("--no-bracket", dest="bracket", action="store_false",
+                    help="measure the plain baseline only first (default: also after the pairs, "
+                         "samples pooled, so drift of the machine's speed over a run cancels)")
     ap.add_argument("--concurrency", default="1,4,16", help="concurrency levels ('' for none)")
     ap.add_argument("--conc-configs", default="pdxfer,nixl", help="pairs measured at concurrency")
     ap.add_argument("--conc-tokens", type=int, default=1000, help="prompt length under concurrency")
@@ -259,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     phases: dict[str, dict[str, Any]] = {}
     for name in args.configs:
         phases[name] = run_config(name, args, model_dir, model, log_dir, prompts)
+    if args.bracket and "plain" in args.configs and len(args.configs) > 1:
+        phases[PLAIN_AFTER] = run_config("plain", args, model_dir, model, log_dir, prompts, label=PLAIN_AFTER)
 
     rows = length_rows(phases, args.lengths)
     crows = concurrency_rows(phases, args.concurrency) if args.conc_configs else []

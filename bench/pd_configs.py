@@ -7,7 +7,10 @@
 
 Every instance gets the same model, dtype and extra `vllm serve` flags, so the pairs differ from
 the baseline only by their connector. TTFT is the latency of a `max_tokens: 1` request, the same
-measure everywhere.
+measure everywhere. Every process of an instance (API server, engine core, workers) is confined to
+its cores (`taskset`), not just its OpenMP threads: vLLM's engine and workers busy-wait for a
+second after each step, and a decode's spin on the prefill's core slowed the next prefill by up
+to 14% (3000 tokens) in the first bench-model run.
 """
 
 from __future__ import annotations
@@ -100,14 +103,14 @@ def start_config(name: str, model_dir: Path, model: str, log_dir: Path, prefill_
         if name == "plain":
             # The baseline runs on the prefill core, alone: nothing else is measured meanwhile.
             urls["plain"] = stack.add_vllm("plain", model_dir, log_dir, None, prefill_cpus,
-                                           vllm_args, env, die_with_parent=True)
+                                           vllm_args, env, die_with_parent=True, pin_process=True)
         elif name == "pdxfer":
             master = stack.add_master(log_dir, die_with_parent=True)
             for role, kv_role, cpus in (("prefill", "kv_producer", prefill_cpus),
                                         ("decode", "kv_consumer", decode_cpus)):
                 urls[role] = stack.add_vllm(f"pdxfer-{role}", model_dir, log_dir,
                                             pdxfer_kv_config(kv_role, master, transport), cpus,
-                                            vllm_args, env, die_with_parent=True)
+                                            vllm_args, env, die_with_parent=True, pin_process=True)
         elif name == "nixl":
             cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                    "kv_buffer_device": "cpu", "kv_connector_extra_config": {"num_threads": 1}}
@@ -116,7 +119,7 @@ def start_config(name: str, model_dir: Path, model: str, log_dir: Path, prefill_
                 role_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
                 urls[role] = stack.add_vllm(f"nixl-{role}", model_dir, log_dir, cfg, cpus,
-                                            vllm_args, role_env, die_with_parent=True)
+                                            vllm_args, role_env, die_with_parent=True, pin_process=True)
         else:
             raise ValueError(f"unknown configuration {name!r} (one of {', '.join(CONFIGS)})")
     except BaseException:

@@ -17,8 +17,16 @@ def _cell(phases: Phases, cfg: str, n: int) -> dict[str, Any]:
     return phases.get(cfg, {}).get("per_len", {}).get(str(n), {})
 
 
+# The plain baseline is measured before and after the pairs (--bracket): its samples pool, so a
+# machine whose speed drifts over the run shifts the baseline with the pairs, not the ratios.
+PLAIN_AFTER = "plain_after"
+
+
 def _samples(phases: Phases, cfg: str, n: int, key: str) -> list[float]:
-    return _cell(phases, cfg, n).get("samples", {}).get(key, [])
+    xs = _cell(phases, cfg, n).get("samples", {}).get(key, [])
+    if cfg == "plain":
+        xs = xs + _cell(phases, PLAIN_AFTER, n).get("samples", {}).get(key, [])
+    return xs
 
 
 def length_rows(phases: Phases, lengths: list[int]) -> list[dict[str, Any]]:
@@ -46,6 +54,9 @@ def length_rows(phases: Phases, lengths: list[int]) -> list[dict[str, Any]]:
             r["pdxfer_decode_phases_ms"] = dict(phases_ms)
             if r["pdxfer_decode_ms"] is not None:
                 r["pdxfer_decode_phases_ms"]["rest"] = round(r["pdxfer_decode_ms"] - sum(phases_ms.values()), 3)
+        # The two halves of the pooled baseline, to see the drift they cancel.
+        for key, cfg in (("plain_first_ms", "plain"), ("plain_after_ms", PLAIN_AFTER)):
+            r[key] = med(_cell(phases, cfg, n).get("samples", {}).get("ttft", []))
         r["plain_foreign_cpu_pct"] = (_cell(phases, "plain", n).get("cpu") or {}).get("foreign_pct")
         for a, b, out in (("pdxfer_decode", "nixl_decode", "pdxfer_vs_nixl_decode"),
                           ("pdxfer_prefill", "plain_ttft", "pdxfer_prefill_vs_plain"),

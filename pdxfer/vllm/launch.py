@@ -84,12 +84,12 @@ class Stack:
     def add_vllm(self, name: str, model_dir: Path, log_dir: Path,
                  kv_transfer_config: dict | None, cpus: str | None,
                  vllm_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 die_with_parent: bool = False) -> str:
+                 die_with_parent: bool = False, pin_process: bool = False) -> str:
         """Start `vllm serve` on a free port (log `<name>.log` in log_dir), ready when /health
         answers; its base URL."""
         port = free_port()
         proc = start_vllm(model_dir, port, kv_transfer_config, cpus, log_dir, vllm_args, env,
-                          name=name, die_with_parent=die_with_parent)
+                          name=name, die_with_parent=die_with_parent, pin_process=pin_process)
         url = f"http://127.0.0.1:{port}"
         self.add(Component(name, proc, url + "/health", url=url))
         return url

@@ -83,8 +83,14 @@ def vllm_serve_argv(model_dir: str | Path, port: int, kv_transfer_config: dict |
 def start_vllm(model_dir: str | Path, port: int, kv_transfer_config: dict | None = None,
                cpu_bind: str | None = None, log_dir: str | Path | None = None,
                extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,
-               name: str | None = None, die_with_parent: bool = False) -> ManagedProcess:
-    """Start `vllm serve` as a child process group; does not wait for readiness."""
+               name: str | None = None, die_with_parent: bool = False,
+               pin_process: bool = False) -> ManagedProcess:
+    """Start `vllm serve` as a child process group; does not wait for readiness.
+
+    ``pin_process``: confine every process of the instance (API server, engine core, workers),
+    not just its OpenMP threads, to ``cpu_bind``'s cores. vLLM's engine core and multiproc
+    workers busy-wait (sched_yield) for a second after each step; unpinned, that spin lands on
+    another instance's core (how bench/pd.py keeps measured instances off each other's cores)."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"model directory {model_dir} has no config.json")
@@ -92,6 +98,10 @@ def start_vllm(model_dir: str | Path, port: int, kv_transfer_config: dict | None
     name = name or f"vllm-{port}"
     env = vllm_serve_env(cpu_bind, default_run_dir() / "cache", extra_env)
     argv = vllm_serve_argv(model_dir, port, kv_transfer_config, extra_args)
+    if pin_process:
+        if cpu_bind is None:
+            raise ValueError("pin_process needs cpu_bind (the cores to confine the instance to)")
+        argv = ["taskset", "-c", cpu_bind.replace("|", ",")] + list(argv)
     return ManagedProcess(argv, log_dir / f"{name}.log", env=env, name=name,
                           die_with_parent=die_with_parent)
 
