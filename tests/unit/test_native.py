@@ -94,6 +94,19 @@ def test_empty_run_lists_are_noops(backend):
 
 # --------------------------------------------------------------------------- scatter_tokens
 
+def _keep_disjoint(nbd: int, bd: int, hd: int, candidates: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The candidate runs whose destination (block, tokens, heads) ranges do not overlap an
+    earlier one: a scatter writes each element once, so the reference is order-independent."""
+    used = np.zeros((nbd, bd, hd), dtype=bool)
+    runs = []
+    for sb, db, stok, dtok, n, sh, dh, nh in candidates:
+        if used[db, dtok:dtok + n, dh:dh + nh].any():
+            continue
+        used[db, dtok:dtok + n, dh:dh + nh] = True
+        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
+    return runs
+
+
 @st.composite
 def scatter_case(draw):
     parts = draw(st.sampled_from([1, 2]))
@@ -103,19 +116,16 @@ def scatter_case(draw):
     hs, hd = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     d = draw(st.integers(1, 6))
     nbs, nbd = draw(st.integers(1, 5)), draw(st.integers(1, 5))
-    used = np.zeros((nbd, bd, hd), dtype=bool)
-    runs = []
+    candidates: list[tuple[int, ...]] = []
     for _ in range(draw(st.integers(0, 10))):
         sb, db = draw(st.integers(0, nbs - 1)), draw(st.integers(0, nbd - 1))
         n = draw(st.integers(0, min(bs, bd)))
         stok, dtok = draw(st.integers(0, bs - n)), draw(st.integers(0, bd - n))
         nh = draw(st.integers(0, min(hs, hd)))
         sh, dh = draw(st.integers(0, hs - nh)), draw(st.integers(0, hd - nh))
-        if used[db, dtok:dtok + n, dh:dh + nh].any():
-            continue
-        used[db, dtok:dtok + n, dh:dh + nh] = True
-        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
+        candidates.append((sb, db, stok, dtok, n, sh, dh, nh))
     dtype = draw(st.sampled_from(DTYPES))
+    runs = _keep_disjoint(nbd, bd, hd, candidates)
     return {"parts": parts, "fs": fs, "fd": fd, "bs": bs, "bd": bd, "hs": hs, "hd": hd, "d": d, "nbs": nbs,
             "nbd": nbd, "runs": runs, "dtype": dtype, "threads": draw(st.integers(1, 4)),
             "seed": draw(st.integers(0, 99))}
@@ -233,8 +243,7 @@ def padded_case(draw):
     hd = hs if draw(st.booleans()) else draw(st.integers(1, 4))
     d = draw(st.integers(1, 8))
     nbs, nbd = draw(st.integers(1, 4)), draw(st.integers(1, 4))
-    used = np.zeros((nbd, bd, hd), dtype=bool)
-    runs = []
+    candidates: list[tuple[int, ...]] = []
     for _ in range(draw(st.integers(0, 8))):
         sb, db = draw(st.integers(0, nbs - 1)), draw(st.integers(0, nbd - 1))
         mode = draw(st.sampled_from(["whole", "tokens", "heads", "any"]))
@@ -249,10 +258,8 @@ def padded_case(draw):
         else:
             nh = draw(st.integers(0, min(hs, hd)))
             sh, dh = draw(st.integers(0, hs - nh)), draw(st.integers(0, hd - nh))
-        if used[db, dtok:dtok + n, dh:dh + nh].any():
-            continue
-        used[db, dtok:dtok + n, dh:dh + nh] = True
-        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
+        candidates.append((sb, db, stok, dtok, n, sh, dh, nh))
+    runs = _keep_disjoint(nbd, bd, hd, candidates)
     return {"kinds": (kind_s, kind_d), "pads": (pads_s, pads_d), "parts": parts, "bs": bs, "bd": bd, "hs": hs,
             "hd": hd, "d": d, "nbs": nbs, "nbd": nbd, "runs": runs, "dtype": draw(st.sampled_from(PADDED_DTYPES)),
             "threads": draw(st.integers(1, 4)), "seed": draw(st.integers(0, 99))}
@@ -540,8 +547,7 @@ def transpose_case(draw):
     hd = hs if draw(st.booleans()) else draw(st.integers(1, 3))
     d = draw(st.sampled_from(TILE_SIZES))
     nbs, nbd = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    used = np.zeros((nbd, bd, hd), dtype=bool)
-    runs = []
+    candidates: list[tuple[int, ...]] = []
     for _ in range(draw(st.integers(1, 6))):
         sb, db = draw(st.integers(0, nbs - 1)), draw(st.integers(0, nbd - 1))
         top = min(bs, bd)
@@ -549,10 +555,8 @@ def transpose_case(draw):
         stok, dtok = draw(st.integers(0, bs - n)), draw(st.integers(0, bd - n))
         nh = draw(st.integers(0, min(hs, hd)))
         sh, dh = draw(st.integers(0, hs - nh)), draw(st.integers(0, hd - nh))
-        if used[db, dtok:dtok + n, dh:dh + nh].any():
-            continue
-        used[db, dtok:dtok + n, dh:dh + nh] = True
-        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
+        candidates.append((sb, db, stok, dtok, n, sh, dh, nh))
+    runs = _keep_disjoint(nbd, bd, hd, candidates)
     return {"kinds": (kind_s, kind_d), "pads": (pads_s, pads_d), "parts": 2, "bs": bs, "bd": bd, "hs": hs,
             "hd": hd, "d": d, "nbs": nbs, "nbd": nbd, "runs": runs, "dtype": draw(st.sampled_from(PADDED_DTYPES)),
             "threads": draw(st.integers(1, 3)), "seed": draw(st.integers(0, 99))}
