@@ -11,7 +11,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -88,6 +88,24 @@ def master():
         yield m
     finally:
         m.stop()
+
+
+def finish_request(sched: Any, pool: Any, block_size: int, rid: str, tokens: list[int]) -> tuple[list[int], int]:
+    """A request that computed ``tokens`` locally, then finished (its own block refs dropped), on
+    a connector's scheduler half without an engine: its block ids and the tokens its publish covers."""
+    blocks = pool.get_new_blocks(-(-len(tokens) // block_size))
+    ids = [b.block_id for b in blocks]
+    published = sched.request_finished(rid, tokens, ids, None)
+    pool.free_blocks(blocks)
+    return ids, published
+
+
+def wait_until(done: Callable[[], Any], what: str, timeout: float = 10.0, poll: float = 0.02) -> None:
+    """Poll ``done`` until it is true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(poll)
 
 
 def decode_loads_all_but_last(pair: "PDPair", prompts: list[tuple[int, int]], max_tokens: int) -> None:

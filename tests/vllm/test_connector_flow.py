@@ -22,6 +22,7 @@ from pdxfer.layout import describe_kv_caches  # noqa: E402
 from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.vllm.config import TEST_HOOKS_ENV, parse_extra_config  # noqa: E402
 from pdxfer.vllm.publish_hint import hinted_tokens, publish_hint  # noqa: E402
+from tests.vllm.conftest import finish_request, wait_until  # noqa: E402
 from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
 
@@ -63,13 +64,12 @@ class Node:
                                  block_size=block_size)
         self.sched.on_handshake([self.worker.register_kv_caches(self.kv)])
 
+    def finish(self, rid: str, tokens: list[int]) -> tuple[list[int], int]:
+        """A request that computed ``tokens`` locally, then finished: (block ids, tokens published)."""
+        return finish_request(self.sched, self.pool, self.bs, rid, tokens)
+
     def run_request(self, rid: str, tokens: list[int]) -> list[int]:
-        """A request that computed ``tokens`` locally, then finished (its own refs dropped)."""
-        blocks = self.pool.get_new_blocks(-(-len(tokens) // self.bs))
-        ids = [b.block_id for b in blocks]
-        self.sched.request_finished(rid, tokens, ids, None)
-        self.pool.free_blocks(blocks)
-        return ids
+        return self.finish(rid, tokens)[0]
 
     def load(self, rid: str, tokens: list[int], local: int = 0, timeout: float = 10.0):
         """Scheduler + worker path of one reader request; returns (ext tokens, local ids, errors)."""
@@ -226,10 +226,7 @@ def test_retention_frees_blocks_but_not_while_locked(pair):
     assert holder.pool.get_num_free_blocks() == free_before and holder.sched.held_chunks == 2
     # Lock released (request aborted before allocation): the reaper unpublishes, blocks come back.
     reader.sched.request_finished("d", None, [], None)
-    deadline = time.monotonic() + 5
-    while holder.sched.held_chunks:
-        assert time.monotonic() < deadline, "held chunk never freed after its lock went away"
-        time.sleep(0.05)
+    wait_until(lambda: not holder.sched.held_chunks, "held chunk never freed after its lock went away", 5)
     holder.sched.drain_frees()
     assert holder.pool.get_num_free_blocks() == free_before + 3  # the chunk's 2 blocks + the tail's
     assert reader.sched.get_num_new_matched_tokens("d2", toks, len(toks), 0, None) == (0, False)
@@ -242,10 +239,7 @@ def test_held_share_is_capped(pair):
         holder.run_request(f"p{i}", _tokens(3 * C + 1, 10 + i))
         assert holder.sched.held_blocks <= cap
     # Room is made in the background (never on the step path): the reclaim lands shortly.
-    deadline = time.monotonic() + 5
-    while not holder.sched.stats.pressure_reclaims:
-        assert time.monotonic() < deadline, "no pressure reclaim happened"
-        time.sleep(0.02)
+    wait_until(lambda: holder.sched.stats.pressure_reclaims, "no pressure reclaim happened", 5)
     holder.sched.drain_frees()
     assert holder.pool.get_num_free_blocks() >= NUM_BLOCKS - 1 - cap
 
@@ -259,17 +253,12 @@ def test_at_the_cap_each_new_request_is_still_published_whole(pair):
     partial = []
     for i in range(8):
         toks = _tokens(3 * C + 1, 60 + i)
-        blocks = holder.pool.get_new_blocks(-(-len(toks) // BS))
-        published = holder.sched.request_finished(f"p{i}", toks, [b.block_id for b in blocks], None)
-        holder.pool.free_blocks(blocks)
+        _, published = holder.finish(f"p{i}", toks)
         assert holder.sched.held_blocks <= cap
         if published != len(toks):
             partial.append(i)
         # Between requests (an engine step or more) the background reclaim lands.
-        deadline = time.monotonic() + 5
-        while holder.sched.holder._reclaiming:
-            assert time.monotonic() < deadline, "reclaim never finished"
-            time.sleep(0.005)
+        wait_until(lambda: not holder.sched.holder._reclaiming, "reclaim never finished", 5, poll=0.005)
         holder.sched.drain_frees()
     assert not partial, f"requests {partial} were published only in part"
 
@@ -311,10 +300,7 @@ def test_chunks_the_master_lost_are_freed_after_the_stale_bound(pair, master):
     with MasterClient(master.address) as c:
         keys = holder.sched.namespace(None).chunk_hashes(toks)
         assert len(c.unpublish_if_unlocked(holder.worker.node_id, keys)) == 2
-    deadline = time.monotonic() + 10
-    while holder.sched.held_chunks:
-        assert time.monotonic() < deadline, "chunks unknown to the master were never freed"
-        time.sleep(0.1)
+    wait_until(lambda: not holder.sched.held_chunks, "chunks unknown to the master were never freed", poll=0.1)
     holder.sched.drain_frees()
     assert holder.pool.get_num_free_blocks() == free_before
 
@@ -406,10 +392,7 @@ def test_the_reaper_survives_an_unexpected_error(pair, monkeypatch):
 
     monkeypatch.setattr(holder.sched.holder, "_unpublish", flaky)
     holder.run_request("p", _tokens(C + 3, 60))
-    deadline = time.monotonic() + 10
-    while holder.sched.held_chunks:
-        assert time.monotonic() < deadline, "held chunk never freed after the reaper hit an error"
-        time.sleep(0.05)
+    wait_until(lambda: not holder.sched.held_chunks, "held chunk never freed after the reaper hit an error")
     assert len(calls) >= 2 and holder.sched.stats.background_errors == 1
 
 
@@ -466,10 +449,7 @@ def test_a_superseded_holder_stops_publishing_and_returns_its_blocks(pair, maste
     with MasterClient(master.address) as other:  # the other process, same node id
         other.register_node(NodeInfo(holder.worker.node_id, 0, "tcp", b"{}", {"block_size": BS}, holder.fp),
                             lease_ttl_s=30.0)
-        deadline = time.monotonic() + 10
-        while holder.sched.held_chunks:
-            assert time.monotonic() < deadline, "a superseded holder kept its blocks"
-            time.sleep(0.05)
+        wait_until(lambda: not holder.sched.held_chunks, "a superseded holder kept its blocks")
         holder.sched.drain_frees()
         assert holder.pool.get_num_free_blocks() == free_before
         holder.run_request("p2", _tokens(2 * C + 5, 81))
@@ -497,11 +477,9 @@ def test_a_decode_waits_for_the_publish_its_prefill_announced(pair, tmp_path, mo
     (tmp_path / "publish_delay_s").write_text("0.15")
     monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
     toks = _tokens(2 * C + 40, 31)
-    blocks = holder.pool.get_new_blocks(-(-len(toks) // BS))
     t0 = time.monotonic()
-    hint = holder.sched.request_finished("p", toks, [b.block_id for b in blocks], None)
+    _, hint = holder.finish("p", toks)
     assert time.monotonic() - t0 < 0.1  # the prefill did not wait for its (slow) publish
-    holder.pool.free_blocks(blocks)
     assert hint == len(toks)  # two full chunks and the 40-token tail
     assert publish_hint(hint, len(toks), C) == {"pdxfer": {"v": 1, "published_tokens": len(toks)}}
     assert hinted_tokens(publish_hint(hint, len(toks), C)) == hint
@@ -525,9 +503,7 @@ def test_a_decode_waits_for_the_publish_its_prefill_announced(pair, tmp_path, mo
     # hint announces only the full chunks, so the decode does not wait for that tail.
     monkeypatch.delenv(TEST_HOOKS_ENV)
     toks2 = _tokens(2 * C + 40, 35)
-    blocks = holder.pool.get_new_blocks(-(-(len(toks2) + 11) // BS))
-    published = holder.sched.request_finished("p2", toks2 + _tokens(11, 36), [b.block_id for b in blocks], None)
-    holder.pool.free_blocks(blocks)
+    _, published = holder.finish("p2", toks2 + _tokens(11, 36))
     hint2 = hinted_tokens(publish_hint(published, len(toks2), C))
     (ext2, _), _, _ = _ask_until_answered(reader, "d2", toks2, hint2, bound_s=1.0)
     assert ext2 == 2 * C and reader.sched.stats.publish_hint_timeouts == 0
@@ -538,9 +514,7 @@ def test_a_hinted_publish_that_never_lands_costs_only_the_bound(pair, tmp_path, 
     (tmp_path / "publish_delay_s").write_text("3")
     monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
     toks = _tokens(C + 7, 32)
-    blocks = holder.pool.get_new_blocks(-(-len(toks) // BS))
-    hint = holder.sched.request_finished("p", toks, [b.block_id for b in blocks], None)
-    holder.pool.free_blocks(blocks)
+    _, hint = holder.finish("p", toks)
     (ext, _), nones, took = _ask_until_answered(reader, "d", toks, hint, bound_s=1.0)
     assert ext == 0 and nones > 0 and 0.2 <= took < 0.4
     assert reader.sched.stats.publish_hint_timeouts == 1

@@ -26,6 +26,7 @@ from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorM
 from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
 from tests.kv_pattern import as_cache, decode, describe, encode  # noqa: E402
+from tests.vllm.conftest import finish_request  # noqa: E402
 
 C = 256
 NB = 24  # blocks per engine
@@ -79,11 +80,7 @@ class Engine:
         return lg.reshape(LAYERS, 2, len(ids) * self.bs, HEADS, HEAD_DIM)[:, :, :n]
 
     def run_request(self, rid: str, tokens: list[int]) -> list[int]:
-        blocks = self.pool.get_new_blocks(-(-len(tokens) // self.bs))
-        ids = [b.block_id for b in blocks]
-        self.sched.request_finished(rid, tokens, ids, None)
-        self.pool.free_blocks(blocks)
-        return ids
+        return finish_request(self.sched, self.pool, self.bs, rid, tokens)[0]
 
     def load(self, rid: str, tokens: list[int], timeout: float = 15.0):
         """Scheduler + every worker (vLLM broadcasts the metadata to all TP ranks); the load is
