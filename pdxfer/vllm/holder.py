@@ -145,14 +145,13 @@ class HolderPath:
                     keys.append(tail)
                     chunk_blocks.append(tail_blocks)
             t1 = time.perf_counter()
-            queued = self._publish(keys, chunk_blocks)
+            covered = self._publish(keys, chunk_blocks)
             t2 = time.perf_counter()
             if t2 - t0 > 0.02:
                 log.warning("pdxfer: publishing %d chunks of %s took %.1f ms (hash %.1f ms)", n_chunks,
                             req_id, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
-            if not queued:
-                return 0
-            return len(tokens) if len(keys) > n_chunks else n_chunks * C
+            # The tail is the last key: covering it means covering the whole request.
+            return len(tokens) if covered > n_chunks else covered * C
         except Exception as exc:  # publishing is best effort; never fail vLLM's request
             log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
             return 0
@@ -175,11 +174,12 @@ class HolderPath:
             return None
         return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
 
-    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> bool:
-        """Hold and queue the publish of ``keys``; False when nothing was queued."""
+    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> int:
+        """Hold and queue the publish of ``keys``; how many leading keys it covers (the cap may
+        let only a prefix of the new ones through), 0 when nothing was queued."""
         assert self._pool is not None and self.node_id is not None
         if self._superseded:
-            return False
+            return 0
         now = time.monotonic()
         retain = test_hook_float("retention_s") or self.cfg.retention_s
         with self._lock:
@@ -198,7 +198,7 @@ class HolderPath:
                     self._held.move_to_end(k)
                     refresh.append((k, h.blocks))
         if not new and not refresh:
-            return False
+            return 0
         for _, b in new:
             self._pool.hold(b)
         # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
@@ -223,7 +223,8 @@ class HolderPath:
                 fut.result(timeout=self.cfg.publish_wait_s)
             except FutureTimeout:
                 self.stats.late_publishes += 1
-        return True
+        covered = {k for k, _ in refresh} | {k for k, _ in new}
+        return next((i for i, k in enumerate(keys) if k not in covered), len(keys))
 
     def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
                       retain: float, seq: int, epoch: int | None) -> None:

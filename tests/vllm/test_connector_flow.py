@@ -542,7 +542,6 @@ def test_a_load_reports_where_its_time_went(pair):
     assert worker["phase_read_s"][0] + worker["phase_release_s"][0] <= worker["transfer_s"][0] + 1e-6
 
 
-@pytest.mark.xfail(strict=True, reason="the hint announces the whole prompt when the cap let only part through")
 def test_the_hint_announces_only_what_the_cap_let_through(pair):
     # A request the held-blocks cap lets through only in part must not announce the rest: a decode
     # would wait its whole publish_hint_wait_s for chunks that never come.
