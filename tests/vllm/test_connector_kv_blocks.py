@@ -66,15 +66,9 @@ def _host(monkeypatch, *, amx: bool = False, arch: CpuArchEnum = CpuArchEnum.X86
     monkeypatch.setattr(cpu_attn, "_riscv_supports_rvv", lambda: True)
 
 
-_XFAIL_A = pytest.mark.xfail(strict=True, reason="issue 16 hole 2a: kv_format asks the ISA chooser with the cache "
-                                                 "dtype (uint8 for fp8), vLLM's builder with the model dtype")
-
-
 @pytest.mark.parametrize("model_dtype, cache_dtype, amx", [
     ("bfloat16", "auto", True), ("bfloat16", "auto", False), ("float32", "auto", True),
-    pytest.param("bfloat16", "fp8", True, marks=_XFAIL_A),
-    pytest.param("bfloat16", "fp8_e5m2", True, marks=_XFAIL_A),
-    ("float32", "fp8", True), ("bfloat16", "fp8", False),
+    ("bfloat16", "fp8", True), ("bfloat16", "fp8_e5m2", True), ("float32", "fp8", True), ("bfloat16", "fp8", False),
 ])
 def test_kv_format_follows_the_isa_vllms_attention_builder_picks(tiny_model, monkeypatch, model_dtype,
                                                                   cache_dtype, amx):
@@ -91,7 +85,6 @@ def test_kv_format_follows_the_isa_vllms_attention_builder_picks(tiny_model, mon
         assert fmt == cpu_kv_format(isa), (isa, fmt)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 2b: every fp8 variant gives the content fingerprint kv-uint8-...")
 def test_each_fp8_variant_has_its_own_content_fingerprint(tiny_model):
     fps = {dt: derive_content_fingerprint(*_configs(tiny_model, cache_dtype=dt))
            for dt in ("fp8", "fp8_e4m3", "fp8_e5m2")}
@@ -101,8 +94,6 @@ def test_each_fp8_variant_has_its_own_content_fingerprint(tiny_model):
     assert derive_content_fingerprint(*_configs(tiny_model)) not in fps.values()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 2b: the layout dtype of an fp8 cache is uint8 whatever the "
-                                       "variant, so check_convertible lets e4m3 and e5m2 blocks meet")
 def test_layouts_of_two_fp8_variants_are_not_convertible():
     buf = torch.zeros(2, 8, 2, 32, 2 * 64, dtype=torch.uint8)  # how vLLM allocates an fp8 CPU cache
     caches = {f"layer.{i}": buf[i] for i in range(2)}
@@ -117,14 +108,11 @@ def test_layouts_of_two_fp8_variants_are_not_convertible():
         describe_kv_caches(caches, kv_format=CPU, dtype="float32")
 
 
-_XFAIL_3 = pytest.mark.xfail(strict=True, reason="issue 16 hole 3: every ISA but amx is labelled cpu, probed or not")
-
-
 @pytest.mark.parametrize("arch, isa", [
-    pytest.param(CpuArchEnum.ARM, "neon", marks=_XFAIL_3),
-    pytest.param(CpuArchEnum.POWERPC, "vsx", marks=_XFAIL_3),
-    pytest.param(CpuArchEnum.S390X, "vxe", marks=_XFAIL_3),
-    pytest.param(CpuArchEnum.RISCV, "rvv", marks=_XFAIL_3),
+    (CpuArchEnum.ARM, "neon"),
+    (CpuArchEnum.POWERPC, "vsx"),
+    (CpuArchEnum.S390X, "vxe"),
+    (CpuArchEnum.RISCV, "rvv"),
 ])
 @pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
 def test_isas_whose_blocks_no_test_probed_are_refused(tiny_model, monkeypatch, arch, isa, model_dtype):
@@ -135,7 +123,6 @@ def test_isas_whose_blocks_no_test_probed_are_refused(tiny_model, monkeypatch, a
         kv_format(vc, kcc)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 3: fp8 caches written by the vec kernels are labelled cpu")
 def test_fp8_cache_blocks_are_refused_on_a_probed_isa(tiny_model, monkeypatch):
     _host(monkeypatch)
     vc, kcc = _configs(tiny_model, cache_dtype="fp8")
@@ -154,6 +141,22 @@ def test_probed_isas_keep_the_cpu_format(tiny_model, monkeypatch):
 
 # ------------------------------------------------------------------ the connector's start path
 
+@pytest.fixture
+def pdxfer_log(caplog, monkeypatch):
+    """caplog for the pdxfer logger, which the connector may stop propagating to the root logger
+    (each record captured once, whichever the connector does)."""
+    logger = logging.getLogger("pdxfer")
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(caplog.handler)
+    with caplog.at_level(logging.INFO, logger="pdxfer"):
+        yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def _errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 def _request() -> Request:
     return Request("r1", list(range(600)), SamplingParams(max_tokens=1), None)
 
@@ -171,22 +174,16 @@ def _prom_value(stats_data: dict, vc: VllmConfig, key: str) -> float:
     return reg.get_sample_value(f"vllm:pdxfer_{key}_total", {"engine": "0"}) or 0.0
 
 
-_XFAIL_START = pytest.mark.xfail(strict=True, reason="issue 16 holes 2 and 3: an instance whose blocks or KV "
-                                                     "scales no key can name still publishes and reads")
-
-
-@_XFAIL_START
-def test_refused_instance_serves_without_transfer_and_says_so_once(tiny_model, monkeypatch, caplog):
+def test_refused_instance_serves_without_transfer_and_says_so_once(tiny_model, monkeypatch, pdxfer_log):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from pdxfer.vllm.connector import PdxferConnector
 
     _host(monkeypatch, arch=CpuArchEnum.ARM)
     vc, kcc = _configs(tiny_model, connector=True)
-    with caplog.at_level(logging.INFO, logger="pdxfer"):
-        sched = PdxferConnector(vc, KVConnectorRole.SCHEDULER, kcc)
-        worker = PdxferConnector(vc, KVConnectorRole.WORKER, kcc)
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    sched = PdxferConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    worker = PdxferConnector(vc, KVConnectorRole.WORKER, kcc)
+    errors = _errors(pdxfer_log)
     assert len(errors) == 1, errors
     assert "neon" in errors[0] and "float32" in errors[0] and "computed" in errors[0], errors[0]
     # It still serves: every token is computed, nothing is looked up, published or read.
@@ -207,8 +204,21 @@ def test_refused_instance_serves_without_transfer_and_says_so_once(tiny_model, m
     worker.shutdown()
 
 
-@_XFAIL_START
-def test_kv_scales_computed_at_run_time_mean_no_key(tiny_model, monkeypatch, caplog):
+def test_an_instance_with_probed_blocks_is_not_refused(tiny_model, monkeypatch, pdxfer_log):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdxfer.vllm.connector import PdxferConnector
+
+    _host(monkeypatch)
+    vc, kcc = _configs(tiny_model, connector=True)
+    sched = PdxferConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    assert sched.refusal is None and sched.scheduler_side is not None and not _errors(pdxfer_log)
+    stats = sched.get_kv_connector_stats()
+    assert stats is None or not stats.data.get("kv_transfer_refused")
+    sched.shutdown()
+
+
+def test_kv_scales_computed_at_run_time_mean_no_key(tiny_model, monkeypatch, pdxfer_log):
     """Scales each instance computes for itself (older vLLM's ``calculate_kv_scales``) make two
     instances' fp8 bytes for the same tokens different numbers: no key can name them."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -218,9 +228,8 @@ def test_kv_scales_computed_at_run_time_mean_no_key(tiny_model, monkeypatch, cap
     _host(monkeypatch)
     vc, kcc = _configs(tiny_model, connector=True)
     object.__setattr__(vc.cache_config, "calculate_kv_scales", True)
-    with caplog.at_level(logging.INFO, logger="pdxfer"):
-        sched = PdxferConnector(vc, KVConnectorRole.SCHEDULER, kcc)
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    sched = PdxferConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    errors = _errors(pdxfer_log)
     assert len(errors) == 1 and "calculate_kv_scales" in errors[0], errors
     assert sched.get_num_new_matched_tokens(_request(), 0) == (0, False)
     sched.shutdown()
@@ -228,8 +237,6 @@ def test_kv_scales_computed_at_run_time_mean_no_key(tiny_model, monkeypatch, cap
 
 # ------------------------------------------------------------------ KV scales in the checkpoint
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 2: the weights fingerprint samples each shard's ends only, "
-                                       "so KV scales in the middle of a shard are in no key")
 def test_weights_fingerprint_covers_kv_scales_anywhere_in_a_shard(tmp_path):
     from safetensors.torch import save_file
 
