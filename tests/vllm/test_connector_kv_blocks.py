@@ -27,8 +27,8 @@ from vllm.v1.request import Request  # noqa: E402
 
 from pdxfer.convert import check_convertible  # noqa: E402
 from pdxfer.layout import CPU, LayoutError, describe_kv_caches  # noqa: E402
-from pdxfer.vllm.connector_layout import (UnsupportedKVCache, cpu_kv_format, derive_content_fingerprint,  # noqa: E402
-                                         kv_format)
+from pdxfer.vllm.connector_layout import (UnsupportedKVCache, attn_isa, cpu_kv_format,  # noqa: E402
+                                         derive_content_fingerprint, kv_format)
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]  # the tiny model's attention layers
 
@@ -77,6 +77,7 @@ def test_kv_format_follows_the_isa_vllms_attention_builder_picks(tiny_model, mon
     _host(monkeypatch, amx=amx)
     vc, kcc = _configs(tiny_model, model_dtype=model_dtype, cache_dtype=cache_dtype)
     isa = _builder_isa(vc, kcc)
+    assert attn_isa(vc, kcc) == isa
     try:
         fmt = kv_format(vc, kcc)
     except UnsupportedKVCache as exc:
