@@ -167,7 +167,8 @@ def content_fingerprint(dtype: str, num_layers: int, total_kv_heads: int, head_d
     Two caches with equal content fingerprints hold the same numbers for the same tokens (given the
     same model), so :mod:`pdxfer.convert` can move KV between them; keys may be namespaced by this
     instead of :meth:`KVLayout.fingerprint` once readers convert. The dtype stays in: converting
-    it would change the numbers.
+    it would change the numbers. For fp8 caches it is the exact variant (``float8_e4m3fn``,
+    ``float8_e5m2``), never the ``uint8`` vLLM stores them as.
     """
     for name, v in (("num_layers", num_layers), ("total_kv_heads", total_kv_heads), ("head_dim", head_dim)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -192,6 +193,19 @@ _FORMAT_SHAPES = {
 
 def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+# Element types a uint8 KV tensor may stand for (vLLM's fp8 caches; names as torch spells them).
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _checked_dtype(tensor_dtype: str, named: str | None) -> str:
+    if named is None or named == tensor_dtype:
+        return tensor_dtype
+    if tensor_dtype == "uint8" and named in FP8_DTYPES:
+        return named
+    raise LayoutError(f"KV tensors of dtype {tensor_dtype} cannot hold {named} values (a uint8 cache may be "
+                      f"named one of {', '.join(FP8_DTYPES)})")
 
 
 def _candidate_formats(shape: tuple[int, ...], block_size: int | None) -> list[str]:
@@ -230,17 +244,21 @@ def _inner_contiguous(t: Any, from_dim: int) -> bool:
 
 
 def describe_kv_caches(
-    kv_caches: Mapping[str, Any], block_size: int | None = None, kv_format: str | None = None
+    kv_caches: Mapping[str, Any], block_size: int | None = None, kv_format: str | None = None,
+    dtype: str | None = None,
 ) -> KVLayout:
     """Describe the ``{layer_name: tensor}`` dict vLLM hands to ``register_kv_caches``.
 
     Tensors that are views of one allocation become one region. Layers are ordered by name so
-    both sides of a transfer enumerate segments identically.
+    both sides of a transfer enumerate segments identically. ``dtype`` names the element type
+    when the tensor's cannot: vLLM stores every fp8 variant as ``uint8``, and an e4m3 block read
+    as e5m2 is other numbers, so the layout (and its fingerprints) must carry the variant.
     """
     if not kv_caches:
         raise LayoutError("no KV cache tensors given")
     names = sorted(kv_caches)
     first = kv_caches[names[0]]
+    dtype = _checked_dtype(_dtype_name(first), dtype)
     fmt = kv_format or detect_format(tuple(first.shape), block_size)
     if fmt not in _FORMAT_SHAPES:
         raise LayoutError(f"unknown KV format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -285,7 +303,7 @@ def describe_kv_caches(
                                         block_stride, block_bytes))
 
     head_dim = ref_shape[-1] // 2 if fmt in (CPU, CPU_AMX) else ref_shape[-1]
-    layout = KVLayout(fmt, _dtype_name(first), ref_shape[nb_dim], ref_shape[bs_dim], ref_shape[h_dim],
+    layout = KVLayout(fmt, dtype, ref_shape[nb_dim], ref_shape[bs_dim], ref_shape[h_dim],
                       head_dim, tuple(regions), tuple(segments))
     layout.validate()
     return layout

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pdxfer.vllm.config import parse_extra_config
 from pdxfer.vllm.connector_layout import (derive_content_fingerprint, derive_layout_fingerprint, kv_block_size,
-                                         kv_format, model_identity, total_kv_heads)
+                                         derive_kv_dtype, kv_format, kv_refusal, model_identity, total_kv_heads)
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
@@ -61,11 +61,20 @@ class PdxferConnector(KVConnectorBase_V1):
         apply_from_env()  # opt-in (PDXFER_VLLM_SPIN_SLEEP_US): see pdxfer/vllm/spin.py
         self.engine_id = str(ktc.engine_id)
         self.block_size = kv_block_size(vllm_config, kv_cache_config)
+        self.scheduler_side = None
+        self.worker_side = None
+        # Not None: no key can name this instance's KV (unprobed blocks, run-time KV scales). It
+        # then serves as a plain instance: every hook below answers "nothing to move".
+        self.refusal = kv_refusal(vllm_config, kv_cache_config)
+        self._refusal_reported = False
+        if self.refusal is not None:
+            if role == KVConnectorRole.SCHEDULER:  # one error per instance, not one per process
+                log.error("pdxfer: KV transfer is off for engine %s: %s. It serves as usual, every token "
+                          "computed here; it neither publishes nor reads KV", self.engine_id, self.refusal)
+            return
         self.fingerprint = derive_layout_fingerprint(vllm_config, kv_cache_config)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         total_heads = total_kv_heads(vllm_config)
-        self.scheduler_side = None
-        self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
             from pdxfer.vllm.scheduler_side import SchedulerSide
 
@@ -94,6 +103,7 @@ class PdxferConnector(KVConnectorBase_V1):
             self.worker_side = WorkerSide(self.cfg, node_id=self.engine_id, rank=rank,
                                           expected_fingerprint=self.fingerprint, block_size=self.block_size,
                                           kv_format=kv_format(vllm_config, kv_cache_config),
+                                          kv_dtype=derive_kv_dtype(vllm_config, kv_cache_config),
                                           tp_size=tp_size, total_kv_heads=total_heads)
             self._handshake: PdxferHandshake | None = None
 
@@ -106,6 +116,8 @@ class PdxferConnector(KVConnectorBase_V1):
     # ============================================================ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        if self.refusal is not None:
+            return  # nothing is registered, so nothing can be read from this instance
         assert self.worker_side is not None
         self._handshake = self.worker_side.register_kv_caches(kv_caches)
 
@@ -145,6 +157,13 @@ class PdxferConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> PdxferKVConnectorStats | None:
         if self.worker_side is not None:
             data = self.worker_side.stats.take()
+        elif self.refusal is not None:
+            # Once, from the scheduler (workers have no worker_side then): /metrics says why
+            # this instance never loads, beside the error in its log.
+            data = None
+            if self._role == KVConnectorRole.SCHEDULER and not self._refusal_reported:
+                self._refusal_reported = True
+                data = {"kv_transfer_refused": 1}
         elif self.scheduler_side is not None:
             stats = self.scheduler_side.stats
             now = stats.counters()
@@ -184,6 +203,8 @@ class PdxferConnector(KVConnectorBase_V1):
                 [m for _, m in sorted(metadata.items()) if isinstance(m, PdxferHandshake)])
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.refusal is not None:
+            return 0, False
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(
             request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
@@ -195,6 +216,8 @@ class PdxferConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        if self.refusal is not None:
+            return
         assert self.scheduler_side is not None
         if num_external_tokens > 0:
             block_ids = blocks.get_block_ids()[0]
@@ -203,6 +226,8 @@ class PdxferConnector(KVConnectorBase_V1):
         self.scheduler_side.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self.refusal is not None:
+            return PdxferConnectorMetadata()
         assert self.scheduler_side is not None
         return self.scheduler_side.build_connector_meta()
 
@@ -211,6 +236,8 @@ class PdxferConnector(KVConnectorBase_V1):
             self.scheduler_side.drain_frees()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.refusal is not None:
+            return False, None
         assert self.scheduler_side is not None
         tokens = publishable_tokens(request)
         published = self.scheduler_side.request_finished(request.request_id, tokens, block_ids,

@@ -1,8 +1,14 @@
 """What the scheduler knows about the KV bytes without seeing a tensor.
 
-The scheduler hashes prompts into keys whose namespace includes the layout fingerprint, but
-the tensors live in the worker process. So the fingerprint is derived here from vLLM's config
-and the worker checks, when vLLM hands it the real tensors, that ``describe_kv_caches`` agrees.
+The scheduler hashes prompts into keys whose namespace includes the content fingerprint, and
+checks every worker's layout fingerprint, but the tensors live in the worker process. So both
+are derived here from vLLM's config and the worker checks, when vLLM hands it the real tensors,
+that ``describe_kv_caches`` agrees.
+
+Which kernels write the blocks (vLLM's CPU attention "ISA") is asked here exactly as vLLM's CPU
+attention builder asks. Blocks whose interior no test probed, and KV whose scales each instance
+computes for itself, cannot be named by any key: :func:`kv_refusal` says why, and the connector
+then moves no KV (the instance serves, computing every token).
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdxfer.layout import CPU, CPU_AMX, KVLayout, Region, Segment, content_fingerprint
-from pdxfer.vllm.keyability import weights_fingerprint
+from pdxfer.vllm.keyability import runtime_kv_scales_reason, weights_fingerprint
 
 
 class UnsupportedKVCache(ValueError):
@@ -35,25 +41,97 @@ def kv_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(vllm_config.cache_config.block_size)
 
 
+# (ISA, KV dtype) pairs whose block interior a test checked against vLLM's own cache-write kernel
+# (tests/unit/test_native_vllm_layout.py probes every pair listed here): pdxfer labels their blocks
+# ``cpu`` and converts and head-slices them with :func:`pdxfer.blockgeom.cpu_kv`. vec and vec16 write
+# the same interior, so they share the label.
+PROBED_CPU_BLOCKS: frozenset[tuple[str, str]] = frozenset(
+    (isa, dtype) for isa in ("vec", "vec16") for dtype in ("float32", "bfloat16", "float16"))
+# Pairs whose blocks move only byte for byte between instances of the same pair (never converted
+# or sliced: see pdxfer.vllm.holder_routes), so no assumption about their interior is made.
+BYTE_FOR_BYTE_ONLY: frozenset[tuple[str, str]] = frozenset({("amx", "bfloat16")})
+
+# vLLM's fp8 cache dtypes and the element type each stores ("fp8" is e4m3 on CPU and CUDA).
+_FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+class UnprobedKVBlocks(UnsupportedKVCache):
+    """vLLM would write this instance's KV blocks with kernels whose block interior no test probed."""
+
+
 def cpu_kv_format(isa: str) -> str:
-    """Layout format of vLLM CPU attention blocks written by kernels for ``isa``: the AMX kernels
-    pack K and V in tiles, every other ISA writes the plain CPU block (K transposed, then V)."""
+    """Layout format label of vLLM CPU attention blocks written by kernels for ``isa``: the AMX
+    kernels pack K and V in tiles, the probed vec/vec16 kernels write the plain CPU block (K
+    transposed, then V). Whether pdxfer may use such blocks at all: :func:`check_probed`."""
     return CPU_AMX if isa == "amx" else CPU
+
+
+def check_probed(isa: str, kv_dtype: str) -> None:
+    """Refuse (naming the pair and what to do) blocks whose interior no test probed."""
+    if (isa, kv_dtype) in PROBED_CPU_BLOCKS or (isa, kv_dtype) in BYTE_FOR_BYTE_ONLY:
+        return
+    known = ", ".join(f"{i}/{d}" for i, d in sorted(PROBED_CPU_BLOCKS | BYTE_FOR_BYTE_ONLY))
+    raise UnprobedKVBlocks(
+        f"vLLM's CPU attention would write this instance's KV blocks with its {isa} kernels in {kv_dtype}, "
+        f"and no pdxfer test has checked what those blocks hold (checked ISA/dtype pairs: {known}); "
+        "another instance could read them as something else. To move KV, run on a host and with a "
+        "--dtype / --kv-cache-dtype that give a checked pair (e.g. without --kv-cache-dtype fp8 on x86)")
+
+
+def kv_dtype_name(spec_dtype: Any, cache_dtype: str | None) -> str:
+    """The exact element type of the KV cache. vLLM stores every fp8 variant as uint8, so the
+    variant comes from ``--kv-cache-dtype``; another quantized cache dtype is named as vLLM
+    names it (no pdxfer test probed one, so it never matches a probed pair)."""
+    name = str(spec_dtype).removeprefix("torch.")
+    if cache_dtype in (None, "auto", name):
+        return name
+    return _FP8_CACHE_DTYPES.get(str(cache_dtype), str(cache_dtype))
+
+
+def attn_isa(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The ISA vLLM's CPU attention runs with: asked as its metadata builder asks, with the
+    MODEL dtype (an fp8 cache of a bf16 model on an AMX host is written by the AMX kernels)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec, _ = _spec(kv_cache_config)
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
+    try:
+        return _get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size), int(spec.head_size),
+                             cache_dtype)
+    except NotImplementedError as exc:  # vLLM will refuse to start with this config too
+        raise UnsupportedKVCache(f"vLLM's CPU attention has no kernels for this KV cache: {exc}") from exc
+
+
+def derive_kv_dtype(vllm_config: Any, kv_cache_config: Any) -> str:
+    """This instance's exact KV element type (see :func:`kv_dtype_name`)."""
+    return kv_dtype_name(_spec(kv_cache_config)[0].dtype, getattr(vllm_config.cache_config, "cache_dtype", None))
 
 
 def kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
     """The format of this instance's KV blocks, ISA included (an AMX prefill host and a non-AMX
-    decode host write different bytes for the same tokens)."""
+    decode host write different bytes for the same tokens); raises :class:`UnprobedKVBlocks` for
+    blocks whose interior no test probed."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         raise UnsupportedKVCache("this pdxfer connector version derives KV layouts for vLLM's CPU "
                                  "backend only")
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    isa = attn_isa(vllm_config, kv_cache_config)
+    check_probed(isa, derive_kv_dtype(vllm_config, kv_cache_config))
+    return cpu_kv_format(isa)
 
-    spec, _ = _spec(kv_cache_config)
-    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
-    return cpu_kv_format(_get_attn_isa(spec.dtype, int(spec.block_size), int(spec.head_size), cache_dtype))
+
+def kv_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """Why no key can name this instance's KV (a log-ready phrase), or None. Such an instance
+    serves as usual but neither publishes nor reads KV."""
+    reason = runtime_kv_scales_reason(vllm_config)
+    if reason is not None:
+        return reason
+    try:
+        kv_format(vllm_config, kv_cache_config)
+    except UnprobedKVBlocks as exc:
+        return str(exc)
+    return None
 
 
 def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -62,11 +140,10 @@ def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     spec, layers = _spec(kv_cache_config)
     if getattr(spec, "head_size_v", spec.head_size) not in (None, spec.head_size):
         raise UnsupportedKVCache("K and V head sizes differ; not supported")
-    dtype = str(spec.dtype).removeprefix("torch.")
     # Only the fields fingerprint() reads matter; regions/segments stand in for the tensors.
     segs = tuple(Segment(name, "kv", 0, 0, 1, 1) for name in layers)
-    layout = KVLayout(fmt, dtype, 1, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size),
-                      (Region(0, 1),), segs)
+    layout = KVLayout(fmt, derive_kv_dtype(vllm_config, kv_cache_config), 1, int(spec.block_size),
+                      int(spec.num_kv_heads), int(spec.head_size), (Region(0, 1),), segs)
     return layout.fingerprint()
 
 
@@ -79,8 +156,8 @@ def derive_content_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     """What the KV holds, whatever its format, block size and TP split: the namespace's part
     (``pdxfer.layout.content_fingerprint``; the worker's handshake is checked against it)."""
     spec, layers = _spec(kv_cache_config)
-    dtype = str(spec.dtype).removeprefix("torch.")
-    return content_fingerprint(dtype, len(layers), total_kv_heads(vllm_config), int(spec.head_size))
+    return content_fingerprint(derive_kv_dtype(vllm_config, kv_cache_config), len(layers), total_kv_heads(vllm_config),
+                               int(spec.head_size))
 
 
 def model_identity(vllm_config: Any) -> str:

@@ -85,7 +85,7 @@ class WorkerStats:
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, *, node_id: str, rank: int, expected_fingerprint: str,
                  block_size: int, client_factory: Any = None, kv_format: str | None = None,
-                 tp_size: int = 1, total_kv_heads: int = 0):
+                 tp_size: int = 1, total_kv_heads: int = 0, kv_dtype: str | None = None):
         """``rank`` of ``tp_size``: this worker's TP rank; ``total_kv_heads``: the model's KV heads
         over all ranks (0: this rank's tensors have them all, i.e. TP 1)."""
         self.cfg = cfg
@@ -95,6 +95,7 @@ class WorkerSide:
         self.total_kv_heads = total_kv_heads
         self.expected_fingerprint = expected_fingerprint
         self.kv_format = kv_format  # None: from the tensor shape (the shape cannot tell AMX packing)
+        self.kv_dtype = kv_dtype  # None: the tensors' (a uint8 tensor cannot tell which fp8 it holds)
         self.block_size = block_size
         self._client_factory = client_factory
         self._client: Any = None
@@ -120,7 +121,8 @@ class WorkerSide:
     # ------------------------------------------------------------------ start
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> PdxferHandshake:
-        layout = describe_kv_caches(kv_caches, block_size=self.block_size, kv_format=self.kv_format)
+        layout = describe_kv_caches(kv_caches, block_size=self.block_size, kv_format=self.kv_format,
+                                    dtype=self.kv_dtype)
         if layout.fingerprint() != self.expected_fingerprint:
             raise LayoutMismatch(f"KV tensors have layout {layout.fingerprint()} but the scheduler "
                                  f"derived {self.expected_fingerprint} from the vLLM config; keys "

