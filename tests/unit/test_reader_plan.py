@@ -181,8 +181,6 @@ def _source_of(world: World, bs: int, table: list[int], spec: Any, t: int) -> tu
 
 # ----------------------------------------------------------------------------- the issue's case
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 1: chunks of one holder are merged by appending "
-                                       "block ids, reading tokens 64-127 from another request's block")
 def test_holder_block_larger_than_chunk_reads_only_this_prompts_block():
     """C 64, holder block 128, reader block 32. R1 published chunk 0 in its block X; R2 shares
     exactly 64 tokens, so chunk 0 stays on X and R2's chunk 1 is in R2's own block X'. Tokens
@@ -226,7 +224,6 @@ def test_same_block_size_last_chunk_of_a_block_wins():
     assert {r.node_id for r in spec.reads} == {"b"}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 1: old grouping with holders of two block sizes")
 def test_mixed_holders_of_two_block_sizes_into_small_reader_blocks():
     """Holder a (block 128) and b (block 32), reader block 32 (both staged): each token from a
     block that holds it."""
@@ -241,7 +238,6 @@ def test_mixed_holders_of_two_block_sizes_into_small_reader_blocks():
     check_load(w, 32, 0, ext, table, spec)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 1: a whole-block read and a staged read share a block")
 def test_mixed_holders_where_a_whole_block_read_would_overlap_is_shortened():
     """Reader block 128: holder a's blocks (128) are read whole, b's (32) staged. Chunk 0 on a
     (a request parted at 64), chunk 1 on b: a whole-block read of a's block would write wrong
@@ -306,7 +302,6 @@ def _expected_ext(w: World, bs: int, n: int, local: int, locs: list[ChunkLocatio
     return max(end - local, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 1: the old grouping reads other requests' tokens")
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=hit_case())
 def test_every_loaded_token_comes_from_a_block_that_holds_it(case):
