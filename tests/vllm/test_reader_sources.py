@@ -43,7 +43,6 @@ def nodes(master):
         n.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 tails: R2's partial last chunk is not published")
 @pytest.mark.parametrize("rb", [32, 128])
 def test_two_prompts_sharing_one_chunk_of_a_holder_block_load_exactly(nodes, rb):
     """Issue 16 hole 1 with real bytes: R1 and R2 share exactly their first 64 tokens, both
@@ -61,8 +60,6 @@ def test_two_prompts_sharing_one_chunk_of_a_holder_block_load_exactly(nodes, rb)
     assert torch.equal(tokens_kv(reader.kv, r_ids, rb, 0, ext), tokens_kv(holder.kv, h2, HB, 0, ext))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 tails: a holder whose blocks are larger than the chunk "
-                                       "publishes no tail")
 @pytest.mark.parametrize("rb", [32, 128])
 @pytest.mark.parametrize("n", [16, 99, 150])
 def test_a_tail_moves_when_holder_blocks_are_larger_than_the_chunk(nodes, rb, n):
