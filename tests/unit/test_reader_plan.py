@@ -313,3 +313,49 @@ def test_every_loaded_token_comes_from_a_block_that_holds_it(case):
     direct = {hb == bs for hb in (w.holders[loc.node_id] for loc in locs)}
     if len(direct) == 1:
         assert ext == _expected_ext(w, bs, n, local, locs)
+
+
+# ----------------------------------------------------------------------------- holder descriptions
+
+def _described(meta: Any, spec: Any, node_id: str) -> Any:
+    """The holder description the worker uses for ``spec``'s reads from ``node_id``."""
+    holders = getattr(spec, "holders", None)
+    if holders is not None:
+        return {h.node_id: h for h in holders}[node_id]
+    return meta.nodes[node_id]  # metadata before version 5: one description per node and step
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16 hole 5: the step's holder descriptions are keyed by node id "
+                                       "only, so the later registration's description serves both loads")
+def test_two_loads_in_one_step_name_their_own_registration_of_a_node():
+    """Issue 16 hole 5, against a real master: request d1 looked up node h at its first
+    registration, h re-registered (a new process), d2 looked up h's new registration; both are
+    planned in one step. Each load must carry the description its own lookup returned, or d1's
+    block ids are read from the new process (or d2's from the old one, still alive)."""
+    from pdxfer.master import MasterClient, start_local_master
+
+    C, bs = 64, 64
+    lay = _layout(bs)
+    m = start_local_master()
+    try:
+        with MasterClient(m.address) as p1, MasterClient(m.address) as p2, MasterClient(m.address) as hot:
+            reader = make_reader(C, bs, _FakeMaster())
+            reader._hot = reader._bg = hot
+            t1, t2 = list(range(1, 2 * C + 2)), list(range(5000, 5000 + 2 * C + 2))
+            p1.register_node(NodeInfo("h", 0, "tcp", b"epoch-1", lay.to_wire(), lay.fingerprint()), 30.0)
+            p1.publish("h", [(k, [i]) for i, k in enumerate(IncrementalHasher(C).update(t1))], retention_s=30.0)
+            assert reader.get_num_new_matched_tokens("d1", t1, len(t1), 0, None) == (2 * C, True)
+            p2.register_node(NodeInfo("h", 0, "tcp", b"epoch-2", lay.to_wire(), lay.fingerprint()), 30.0)
+            p2.publish("h", [(k, [i + 10]) for i, k in enumerate(IncrementalHasher(C).update(t2))], retention_s=30.0)
+            assert reader.get_num_new_matched_tokens("d2", t2, len(t2), 0, None) == (2 * C, True)
+            reader.update_state_after_alloc("d1", [40, 41, 42], 2 * C)
+            reader.update_state_after_alloc("d2", [50, 51, 52], 2 * C)
+            meta = reader.take_metadata()
+            reader.close()
+    finally:
+        m.stop()
+    by_req = {s.req_id: s for s in meta.loads}
+    assert by_req["d1"].reads[0].remote_blocks == (0, 1) and by_req["d2"].reads[0].remote_blocks == (10, 11)
+    assert _described(meta, by_req["d1"], "h").transport_metadata == b"epoch-1"
+    assert _described(meta, by_req["d2"], "h").transport_metadata == b"epoch-2"
+    meta.check()
