@@ -75,7 +75,10 @@ class ReaderPath:
         self._lookups: dict[str, _Lookup] = {}
         self._hint_waits: dict[str, _HintWait] = {}  # requests waiting for a hinted publish
         self._pending_loads: list[LoadSpec] = []
-        self._pending_nodes: dict[str, HolderRef] = {}
+        # This step's holder descriptions by the lookup's NodeInfo object (kept alive with it, so
+        # its id is not reused): loads naming the same description share one object, which vLLM's
+        # pickling of the metadata then sends once.
+        self._step_refs: dict[int, tuple[Any, HolderRef]] = {}
         # One remote load per request: after a failed load (or a preemption) vLLM asks again,
         # and a fault that persists must not turn into a load-fail-recompute loop.
         self._attempted: set[str] = set()
@@ -272,15 +275,21 @@ class ReaderPath:
                 reads = tuple(NodeRead(nid, tuple(r), tuple(loc)) for nid, (r, loc) in per_node.items())
             else:
                 reads = self._token_range_reads(lk, block_ids, start)
-            for node_id in {r.node_id for r in reads}:
-                self._pending_nodes[node_id] = HolderRef.of(lk.nodes[node_id])
+            holders = tuple(self._ref(lk.nodes[n]) for n in sorted({r.node_id for r in reads}))
         except Exception as exc:
             # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
             log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
-            reads = ()
+            reads, holders = (), ()
         self._attempted.add(req_id)
         self._pending_loads.append(LoadSpec(req_id, lk.lock_id, num_external_tokens, reads, lk.expires_at,
-                                            covered, looked_up_at=lk.looked_up_at))
+                                            covered, looked_up_at=lk.looked_up_at, holders=holders))
+
+    def _ref(self, node: Any) -> HolderRef:
+        """The worker's description of holder ``node``, exactly as this lookup returned it."""
+        got = self._step_refs.get(id(node))
+        if got is None or got[0] is not node:
+            got = self._step_refs[id(node)] = (node, HolderRef.of(node))
+        return got[1]
 
     def _same_block_size(self, lk: _Lookup) -> bool:
         return all(self._holder_block_size(lk, loc.node_id) == self.block_size for loc in lk.locations)
@@ -320,8 +329,8 @@ class ReaderPath:
                      for r in reads)
 
     def take_metadata(self) -> PdxferConnectorMetadata:
-        meta = PdxferConnectorMetadata(loads=self._pending_loads, nodes=self._pending_nodes)
-        self._pending_loads, self._pending_nodes = [], {}
+        meta = PdxferConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads, self._step_refs = [], {}
         return meta
 
     # ------------------------------------------------------------------ locks we will not use

@@ -325,8 +325,6 @@ def _described(meta: Any, spec: Any, node_id: str) -> Any:
     return meta.nodes[node_id]  # metadata before version 5: one description per node and step
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 5: the step's holder descriptions are keyed by node id "
-                                       "only, so the later registration's description serves both loads")
 def test_two_loads_in_one_step_name_their_own_registration_of_a_node():
     """Issue 16 hole 5, against a real master: request d1 looked up node h at its first
     registration, h re-registered (a new process), d2 looked up h's new registration; both are
