@@ -10,7 +10,7 @@ request's tokens after the shared prefix, or the wrong position) is wrong KV.
 
 from __future__ import annotations
 
-import time
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from pdxfer.vllm.scheduler_state import SchedulerStats
 from tests.unit.test_layout import make_caches
 
 
+@functools.lru_cache(maxsize=None)
 def _layout(block_size: int):
     return describe_kv_caches(make_caches(CPU, 2, 8, block_size, heads=2, head_dim=8))
 
@@ -112,13 +113,16 @@ def plan(world: World, bs: int, n: int, locations: list[ChunkLocation], local: i
     m = _FakeMaster()
     reader = make_reader(world.C, bs, m)
     m.answer = LookupResult("lock-1", len(locations), locations, world.node_infos(), 30.0)
-    ext, _ = reader.get_num_new_matched_tokens(rid, list(range(n)), n, local, None)
-    ext = ext or 0
-    table = [500 + 3 * i for i in range(-(-n // bs))]
-    if ext <= 0:
-        return 0, table, None
-    reader.update_state_after_alloc(rid, table, ext)
-    meta = reader.take_metadata()
+    try:
+        ext, _ = reader.get_num_new_matched_tokens(rid, list(range(n)), n, local, None)
+        ext = ext or 0
+        table = [500 + 3 * i for i in range(-(-n // bs))]
+        if ext <= 0:
+            return 0, table, None
+        reader.update_state_after_alloc(rid, table, ext)
+        meta = reader.take_metadata()
+    finally:
+        reader.close()
     assert len(meta.loads) == 1
     return ext, table, meta.loads[0]
 
