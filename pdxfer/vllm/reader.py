@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from pdxfer.keys import IncrementalHasher
-from pdxfer.master import MasterError
 from pdxfer.hit_sources import ChunkPlace, Piece, hit_pieces, servable_end, token_reads
+from pdxfer.keys import IncrementalHasher
 from pdxfer.layout import KVLayout, LayoutError
+from pdxfer.master import MasterError
 from pdxfer.plan import pair_hit_blocks
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
