@@ -123,7 +123,8 @@ def servable_end(pieces: Sequence[Piece], start: int, end: int, block_size: int)
 class TokenRead:
     """One read of a load plan: holder blocks -> reader blocks. ``staged``: write exactly tokens
     ``[start, end)`` (holder blocks from token ``remote_first_token``, reader blocks from
-    ``local_first_token``); else block ``remote_blocks[i]`` whole into ``local_blocks[i]``."""
+    ``local_first_token``); else block ``remote_blocks[i]`` whole into ``local_blocks[i]``, and
+    ``[start, end)`` only spans the tokens those blocks serve (other reads may serve some between)."""
 
     node_id: str
     remote_blocks: tuple[int, ...]
