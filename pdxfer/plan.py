@@ -256,9 +256,9 @@ def pair_hit_blocks(first_chunk: int, chunk_holders: Sequence[tuple[str, Sequenc
     if start % bs or start < first_chunk * chunk_tokens or end < start or end > hit_end:
         raise LayoutError(f"token range [{start}, {end}) is not block aligned or lies outside the hit "
                           f"[{first_chunk * chunk_tokens}, {hit_end})")
-    if tail_tokens and (chunk_tokens % bs or not 0 < tail_tokens < chunk_tokens):
-        raise LayoutError(f"a tail of {tail_tokens} tokens needs block size {bs} to divide chunk_tokens "
-                          f"{chunk_tokens} and fewer tokens than a chunk")
+    if tail_tokens and not 0 < tail_tokens < chunk_tokens:
+        raise LayoutError(f"a tail has 1 to {chunk_tokens - 1} tokens (chunk_tokens {chunk_tokens}), "
+                          f"got {tail_tokens}")
     remote_of: dict[int, tuple[str, int]] = {}
     for i, (node_id, ids) in enumerate(chunk_holders):
         span = chunk_span(first_chunk + i, chunk_tokens, bs)
@@ -267,6 +267,9 @@ def pair_hit_blocks(first_chunk: int, chunk_holders: Sequence[tuple[str, Sequenc
         if len(ids) != want:
             what = f"tail of chunk {first_chunk + i}" if is_tail else f"chunk {first_chunk + i}"
             raise LayoutError(f"{what} has {len(ids)} holder blocks, expected {want}")
+        # A later chunk listing the same block replaces the earlier one: keys are a chain hash, so
+        # that block holds this prompt's KV through the later chunk's end, while the earlier
+        # chunk's block may belong to a request that parted right after that chunk.
         for j, rb in enumerate(ids):
             remote_of[span.first_block + j] = (node_id, int(rb))
     last = -(-end // bs)

@@ -158,10 +158,12 @@ class HolderPath:
 
     def _tail_blocks(self, n_tokens: int, n_chunks: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
         """Blocks of the tokens after the last full chunk, when they are the whole rest of the
-        request and blocks tile chunks (the last block is partly filled), else None."""
+        request, else None. With blocks larger than a chunk that is the one block holding them,
+        which may hold earlier chunks too (a reader takes it as the source of all its tokens up to
+        the prompt's end: they are this very prompt's)."""
         C, bs = self.cfg.chunk_tokens, self.block_size
         start = n_chunks * C
-        if C % bs or n_tokens <= start or n_tokens - start >= C:
+        if n_tokens <= start or n_tokens - start >= C:
             return None
         end_block = -(-n_tokens // bs)
         if end_block > len(block_ids):

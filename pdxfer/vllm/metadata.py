@@ -24,7 +24,9 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
 #      and the holder's total KV heads; the handshake carries tp_size, total_kv_heads, dtype,
 #      kv_format and block_size (each worker reads its own heads from the holder ranks)
 #   4  LoadSpec carries looked_up_at (wall clock of the lookup) for the per-phase TTFT stats
-METADATA_VERSION = 4
+#   5  each LoadSpec carries the holder descriptions its own lookup returned (``holders``); the
+#      step-wide node map is gone: two loads of one step may name two registrations of one node
+METADATA_VERSION = 5
 
 
 class MetadataVersionError(RuntimeError):
@@ -103,16 +105,25 @@ class LoadSpec:
     # fails, even when no read could be planned (else vLLM would compute on garbage KV).
     blocks: tuple[int, ...] = ()
     looked_up_at: float = 0.0  # wall clock when the scheduler's lookup answered; 0: unknown
+    # The description of every holder the reads name, as this load's own lookup returned it (a
+    # node re-registered by a new process between two lookups has two descriptions in one step).
+    holders: tuple[HolderRef, ...] = ()
 
     @property
     def local_blocks(self) -> set[int]:
         return set(self.blocks) | {b for r in self.reads for b in r.local_blocks}
 
+    def holder(self, node_id: str) -> HolderRef:
+        """The description of ``node_id`` this load's reads must use."""
+        for h in self.holders:
+            if h.node_id == node_id:
+                return h
+        raise MetadataVersionError(f"load of {self.req_id} names node {node_id} that it does not describe")
+
 
 @dataclass
 class PdxferConnectorMetadata(_MetaBase):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
-    nodes: dict[str, HolderRef] = field(default_factory=dict)
     version: int = METADATA_VERSION
 
     def check(self) -> None:
@@ -120,10 +131,10 @@ class PdxferConnectorMetadata(_MetaBase):  # type: ignore[misc]
             raise MetadataVersionError(f"connector metadata version {self.version}, this worker "
                                        f"speaks {METADATA_VERSION}: mixed pdxfer installs?")
         for spec in self.loads:
+            if len({h.node_id for h in spec.holders}) != len(spec.holders):
+                raise MetadataVersionError(f"load of {spec.req_id} describes one node twice")
             for r in spec.reads:
-                if r.node_id not in self.nodes:
-                    raise MetadataVersionError(f"load of {spec.req_id} names node {r.node_id} "
-                                               "that the metadata does not describe")
+                spec.holder(r.node_id)
 
 
 @dataclass

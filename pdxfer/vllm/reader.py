@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from pdxfer.hit_sources import ChunkPlace, Piece, hit_pieces, servable_end, token_reads
 from pdxfer.keys import IncrementalHasher
-from pdxfer.layout import KVLayout
+from pdxfer.layout import KVLayout, LayoutError
 from pdxfer.master import MasterError
 from pdxfer.plan import pair_hit_blocks
 from pdxfer.vllm.config import ConnectorConfig
@@ -74,15 +75,16 @@ class ReaderPath:
         self._lookups: dict[str, _Lookup] = {}
         self._hint_waits: dict[str, _HintWait] = {}  # requests waiting for a hinted publish
         self._pending_loads: list[LoadSpec] = []
-        self._pending_nodes: dict[str, HolderRef] = {}
+        # This step's holder descriptions by the lookup's NodeInfo object (kept alive with it, so
+        # its id is not reused): loads naming the same description share one object, which vLLM's
+        # pickling of the metadata then sends once.
+        self._step_refs: dict[int, tuple[Any, HolderRef]] = {}
         # One remote load per request: after a failed load (or a preemption) vLLM asks again,
         # and a fault that persists must not turn into a load-fail-recompute loop.
         self._attempted: set[str] = set()
         self._lookup_log = EpisodeLog("master lookups")
         self._backoff_until = 0.0
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-release")
-        # Tails are whole blocks after the last full chunk: only when blocks tile chunks.
-        self._tails = cfg.chunk_tokens % block_size == 0
 
     # ------------------------------------------------------------------ lookup
 
@@ -126,7 +128,7 @@ class ReaderPath:
         prompt = list(tokens[:num_tokens])
         keys = hasher.update(prompt)  # every full chunk of the prompt
         # The partial last chunk too: the prefill that computed this very prompt published it.
-        tail = hasher.tail(prompt) if self._tails else None
+        tail = hasher.tail(prompt)
         want = keys[first:] + ([tail] if tail is not None else [])
         if not want:
             return 0, False
@@ -163,11 +165,12 @@ class ReaderPath:
             hit_end = last  # the last block is read whole; the last token is computed here
         else:
             hit_end -= hit_end % self.block_size  # only whole local blocks can be filled
+        lk.locations = lk.locations[:usable]
+        hit_end = self._exact_end(lk, local, hit_end)
         if hit_end <= local:
             self._release_async(res.lock_id)
             return 0, False
         lk.hit_end = hit_end
-        lk.locations = lk.locations[:usable]
         self._lookups[req_id] = lk
         self.stats.lookup_hit_tokens += hit_end - local
         return hit_end - local, True
@@ -265,59 +268,69 @@ class ReaderPath:
         start = lk.hit_end - num_external_tokens
         covered = tuple(int(b) for b in block_ids[max(start, 0) // bs: -(-lk.hit_end // bs)])
         try:
-            if all(int(lk.nodes[loc.node_id].layout["block_size"]) == bs for loc in lk.locations):
+            if self._same_block_size(lk):
                 per_node = pair_hit_blocks(lk.first_chunk, [(loc.node_id, loc.block_ids) for loc in lk.locations],
                                            self.cfg.chunk_tokens, bs, start, lk.hit_end, block_ids,
                                            tail_tokens=lk.tail_tokens)
                 reads = tuple(NodeRead(nid, tuple(r), tuple(loc)) for nid, (r, loc) in per_node.items())
             else:
                 reads = self._token_range_reads(lk, block_ids, start)
-            for node_id in {r.node_id for r in reads}:
-                self._pending_nodes[node_id] = HolderRef.of(lk.nodes[node_id])
+            holders = tuple(self._ref(lk.nodes[n]) for n in sorted({r.node_id for r in reads}))
         except Exception as exc:
             # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
             log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
-            reads = ()
+            reads, holders = (), ()
         self._attempted.add(req_id)
         self._pending_loads.append(LoadSpec(req_id, lk.lock_id, num_external_tokens, reads, lk.expires_at,
-                                            covered, looked_up_at=lk.looked_up_at))
+                                            covered, looked_up_at=lk.looked_up_at, holders=holders))
+
+    def _ref(self, node: Any) -> HolderRef:
+        """The worker's description of holder ``node``, exactly as this lookup returned it."""
+        got = self._step_refs.get(id(node))
+        if got is None or got[0] is not node:
+            got = self._step_refs[id(node)] = (node, HolderRef.of(node))
+        return got[1]
+
+    def _same_block_size(self, lk: _Lookup) -> bool:
+        return all(self._holder_block_size(lk, loc.node_id) == self.block_size for loc in lk.locations)
+
+    @staticmethod
+    def _holder_block_size(lk: _Lookup, node_id: str) -> int:
+        return int(lk.nodes[node_id].layout["block_size"])
+
+    def _pieces(self, lk: _Lookup) -> list[Piece]:
+        places = [ChunkPlace(loc.node_id, self._holder_block_size(lk, loc.node_id), tuple(loc.block_ids))
+                  for loc in lk.locations]
+        return hit_pieces(lk.first_chunk, places, self.cfg.chunk_tokens, lk.tail_tokens)
+
+    def _exact_end(self, lk: _Lookup, local: int, hit_end: int) -> int:
+        """``hit_end``, or less where holders of other block sizes cannot serve the tokens up to
+        it exactly (the rest is computed here rather than loaded wrong)."""
+        if hit_end <= local or self._same_block_size(lk):
+            return hit_end
+        try:
+            end = servable_end(self._pieces(lk), local, hit_end, self.block_size)
+        except LayoutError as exc:
+            log.warning("pdxfer: holders' blocks do not fit their chunks (%s); computing here", exc)
+            return local
+        if end < hit_end:
+            log.debug("pdxfer: hit cut from %d to %d tokens: no exact read into blocks of %d", hit_end, end,
+                      self.block_size)
+        return end
 
     def _token_range_reads(self, lk: _Lookup, block_ids: Sequence[int], start: int) -> tuple[NodeRead, ...]:
-        """Reads by token range, one per run of consecutive hit chunks on one holder: for holders
-        whose block size differs from ours (the worker stages and scatters those)."""
-        C, bs = self.cfg.chunk_tokens, self.block_size
-        groups: list[list[Any]] = []  # [node_id, holder block size, first token, end token, blocks]
-        for i, loc in enumerate(lk.locations):
-            hb = int(lk.nodes[loc.node_id].layout["block_size"])
-            tok0 = (lk.first_chunk + i) * C
-            is_tail = lk.tail_tokens and i == len(lk.locations) - 1
-            tok1 = tok0 + (lk.tail_tokens if is_tail else C)
-            ids = [int(b) for b in loc.block_ids]
-            if groups and groups[-1][0] == loc.node_id and groups[-1][3] == tok0:
-                g = groups[-1]
-                g[3] = tok1
-                g[4].extend(ids[1:] if ids and g[4] and g[4][-1] == ids[0] and hb > C else ids)
-            else:
-                groups.append([loc.node_id, hb, tok0 // hb * hb, tok1, ids])
-        reads = []
-        for node_id, hb, first_tok, end_tok, ids in groups:
-            s, e = max(start, first_tok), min(lk.hit_end, end_tok)
-            if e <= s:
-                continue
-            skip = (s - first_tok) // hb
-            remote = ids[skip: -(-(e - first_tok) // hb)]
-            lb0 = s // bs
-            local = [int(b) for b in block_ids[lb0: -(-e // bs)]]
-            if hb == bs:
-                reads.append(NodeRead(node_id, tuple(remote), tuple(local)))
-            else:
-                reads.append(NodeRead(node_id, tuple(remote), tuple(local), hb, first_tok + skip * hb, lb0 * bs,
-                                      s, e - s))
-        return tuple(reads)
+        """Reads by token range, each token from the last hit chunk whose holder blocks reach it
+        (see :mod:`pdxfer.hit_sources`): for holders whose block size differs from ours (the
+        worker stages and scatters those)."""
+        reads = token_reads(self._pieces(lk), start, lk.hit_end, block_ids, self.block_size)
+        return tuple(NodeRead(r.node_id, r.remote_blocks, r.local_blocks) if not r.staged else
+                     NodeRead(r.node_id, r.remote_blocks, r.local_blocks, r.remote_block_size,
+                              r.remote_first_token, r.local_first_token, r.start, r.end - r.start)
+                     for r in reads)
 
     def take_metadata(self) -> PdxferConnectorMetadata:
-        meta = PdxferConnectorMetadata(loads=self._pending_loads, nodes=self._pending_nodes)
-        self._pending_loads, self._pending_nodes = [], {}
+        meta = PdxferConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads, self._step_refs = [], {}
         return meta
 
     # ------------------------------------------------------------------ locks we will not use

@@ -164,7 +164,7 @@ class WorkerSide:
         meta.check()
         for spec in meta.loads:
             if spec.req_id not in self._inflight:  # the same metadata bound twice posts once
-                self._post(spec, meta.nodes)
+                self._post(spec, {h.node_id: h for h in spec.holders})  # this load's own lookup
 
     def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> None:
         now = time.time()
@@ -224,7 +224,9 @@ class WorkerSide:
     def _post_read(self, inf: _Inflight, ref: HolderRef, route: Route, r: Any) -> None:
         assert self.layout is not None and self.transport is not None
         try:
-            _, peer, planner = self._peers[(ref.node_id, route.holder_rank)]
+            at, peer, planner = self._peers[(ref.node_id, route.holder_rank)]
+            if at != ref.endpoint(route.holder_rank).transport_metadata:  # reconnected for another load's lookup
+                raise RuntimeError(f"holder {ref.node_id} rank {route.holder_rank} is connected as another registration")
             if isinstance(planner, ConvertingPlanner):  # READ into staging, convert when done
                 # Same block size (no holder block size in the read): block i <-> block i.
                 job = self._staging.start(planner, r) if r.remote_block_size else self._staging.start_pairs(planner, r)

@@ -55,3 +55,16 @@ def test_a_tail_copies_its_last_block_whole_and_only_to_the_prompts_end():
         pair_hit_blocks(0, [("a", [10, 11]), ("a", [12])], 256, 128, 0, 455, local, tail_tokens=200)
     with pytest.raises(LayoutError, match="outside the hit"):  # past the tail's last token
         pair_hit_blocks(0, holders, 256, 128, 0, 457, local, tail_tokens=200)
+
+
+def test_a_tail_inside_a_block_larger_than_the_chunk():
+    # Chunk 64, blocks of 128: chunks 0 and 1 in block 10, a 22-token tail in block 11 (which
+    # holds chunk 2's place); the reader needs tokens [0, 149).
+    local = list(range(100, 110))
+    holders = [("a", [10]), ("a", [10]), ("a", [11])]
+    assert pair_hit_blocks(0, holders, 64, 128, 0, 149, local, tail_tokens=22) == {"a": ([10, 11], [100, 101])}
+    # The last chunk listing a block is its source: chunk 0's block 9 may belong to a request
+    # that parted after token 63; block 10 (chunk 1's) holds this prompt through token 127.
+    assert pair_hit_blocks(0, [("b", [9]), ("a", [10])], 64, 128, 0, 127, local) == {"a": ([10], [100])}
+    with pytest.raises(LayoutError, match="a tail has 1 to 63 tokens"):
+        pair_hit_blocks(0, holders, 64, 128, 0, 149, local, tail_tokens=64)

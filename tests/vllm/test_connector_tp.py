@@ -278,10 +278,10 @@ def test_worker_refuses_a_dtype_mismatch_in_metadata_and_fails_the_load(engines,
     reader = engines("d", producer=False, consumer=True)
     ref = HolderRef.of(NodeInfo(holder.name, 0, "tcp", holder.handshakes[0].transport_metadata,
                                 holder.handshakes[0].layout, holder.handshakes[0].layout_fingerprint))
-    spec = LoadSpec("d", "lock-x", 128, (NodeRead(holder.name, (0,), (3,)),), time.time() + 30, (3,))
+    spec = LoadSpec("d", "lock-x", 128, (NodeRead(holder.name, (0,), (3,)),), time.time() + 30, (3,), holders=(ref,))
     before = reader.logical().clone()
     with caplog.at_level(logging.WARNING, logger="pdxfer.vllm.worker"):
-        errors = reader.run_meta(PdxferConnectorMetadata([spec], {holder.name: ref}), "d")
+        errors = reader.run_meta(PdxferConnectorMetadata([spec]), "d")
     assert errors == {3}
     assert any("holds KV as float16, this reader as bfloat16" in r.getMessage() for r in caplog.records)
     assert torch.equal(reader.logical(), before)
