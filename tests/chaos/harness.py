@@ -261,6 +261,10 @@ def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 
             cl.start_holder(h)
         for r in range(cfg.readers):
             cl.start_reader(r)
+        # Faults start once every process is up (torch and the connector halves take seconds to
+        # import on a loaded machine): a holder whose first registration already met a fault
+        # would spend the run unregistered and the scenario would test nothing.
+        _wait(cl.all_started, 90)
         inj = Injector(cl, log, rng)
         t_run = time.monotonic()
         next_fault = t_run + rng.uniform(*cfg.fault_gap_s)

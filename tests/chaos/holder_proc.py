@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ from tests.chaos.common import (
 
 @dataclass
 class Held:
-    block: int
+    block: Any  # one block id; a tuple of them in the heterogeneous holder (tests/chaos/kv_holder.py)
     gen: int
     retain_until: float  # monotonic
     retention_end: float = 0.0  # when retention first ran out
@@ -63,8 +64,6 @@ class Holder:
     def __init__(self, cfg: ChaosConfig, holder: int, node_id: str, inc: int, log: OpLog, master: str) -> None:
         self.cfg, self.holder, self.node_id, self.inc, self.log = cfg, holder, node_id, inc, log
         self.rng = random.Random(cfg.seed * 1000003 + holder * 7919 + inc)
-        self.pool = np.zeros((cfg.blocks, cfg.block_bytes), dtype=np.uint8)
-        self.free = list(range(cfg.blocks))
         self.held: dict[str, Held] = {}
         self.lock = threading.Lock()  # the session thread re-publishes from held
         self.gen = 0
@@ -72,19 +71,35 @@ class Holder:
         self.superseded = False
         self.transport = create_transport(cfg.transport, **({"io_timeout": cfg.io_timeout_s}
                                                             if cfg.transport == "tcp" else {}))
-        self.transport.register([RegisteredRegion(0, self.pool.ctypes.data, self.pool.nbytes)])
+        info = self._memory(node_id)
         # Two clients like the real holder: publishes on one path, session and reaper on another.
         self.hot = MasterClient(master, timeout_s=cfg.master_timeout_s)
         self.bg = MasterClient(master, timeout_s=cfg.master_timeout_s)
-        info = NodeInfo(node_id, 0, cfg.transport, self.transport.metadata(),
-                        {"v": 1, "block_size": 16, "chaos_holder": holder}, "chaos-fp")
         self.session = NodeSession(self.bg, info, lease_ttl_s=cfg.lease_ttl_s, on_reregistered=self.republish,
                                    on_superseded=self._on_superseded)
+
+    def _memory(self, node_id: str) -> NodeInfo:
+        """The block pool, registered with the transport; what the node registers at the master."""
+        cfg = self.cfg
+        self.pool = np.zeros((cfg.blocks, cfg.block_bytes), dtype=np.uint8)
+        self.free = list(range(cfg.blocks))
+        self.transport.register([RegisteredRegion(0, self.pool.ctypes.data, self.pool.nbytes)])
+        return NodeInfo(node_id, 0, cfg.transport, self.transport.metadata(),
+                        {"v": 1, "block_size": 16, "chaos_holder": self.holder}, "chaos-fp")
+
+    def key(self, name: str) -> bytes:
+        return key_bytes(name)
+
+    @staticmethod
+    def blocks_of(b: Any) -> list[int]:
+        """An entry's blocks: one per chunk here (an int), a list in the heterogeneous holder."""
+        return list(b) if isinstance(b, (list, tuple)) else [b]
 
     def _on_superseded(self) -> None:
         """Another process registered our node id: the master dropped our entries and the locks
         on them with it, and refuses our calls from now on. Publish nothing more, free it all."""
         self.superseded = True
+        self.log.write("superseded", node=self.node_id, held=len(self.held))
         with self.lock:
             self._release_locked(list(self.held), "superseded")
 
@@ -107,45 +122,54 @@ class Holder:
         n = self.rng.randint(1, self.cfg.chunks)
         now = time.monotonic()
         retain = self.rng.uniform(*self.cfg.retention_s)
-        entries: list[tuple[str, int, int]] = []
-        new: list[str] = []
         with self.lock:
-            for i in range(n):
-                name = key_name(p, i)
-                h = self.held.get(name)
-                if h is not None:  # wanted again: refresh with the block already held
-                    h.retain_until, h.retention_end = now + retain, 0.0
-                    entries.append((name, h.block, h.gen))
-                    continue
-                if not self.free:
-                    break
-                b = self.free.pop(self.rng.randrange(len(self.free)))
-                self.gen += 1
-                write_block(self.pool, b, stamp_of(self.holder, self.inc, b, self.gen))
-                # Logged before the publish leaves: the checker's map of what each generation is.
-                self.log.write("write", key=name, block=b, gen=self.gen, holder=self.holder, inc=self.inc)
-                h = Held(b, self.gen, now + retain)
-                if self.cfg.unsafe_free:
-                    h.early_free_at = now + self.rng.uniform(0.0, retain)
-                self.held[name] = h
-                entries.append((name, b, self.gen))
-                new.append(name)
+            entries, new = self._take_blocks(p, n, now, retain)
         if not entries:
             return
+        self._send_publish(entries, new, retain)
+
+    def _take_blocks(self, p: int, n: int, now: float, retain: float) -> tuple[list[tuple[str, Any, int]], list[str]]:
+        """Under the lock: the first n chunks of prompt p, held ones refreshed, new ones written
+        into free blocks (and logged before their publish leaves)."""
+        entries: list[tuple[str, Any, int]] = []
+        new: list[str] = []
+        for i in range(n):
+            name = key_name(p, i)
+            h = self.held.get(name)
+            if h is not None:  # wanted again: refresh with the block already held
+                h.retain_until, h.retention_end = now + retain, 0.0
+                entries.append((name, h.block, h.gen))
+                continue
+            if not self.free:
+                break
+            b = self.free.pop(self.rng.randrange(len(self.free)))
+            self.gen += 1
+            write_block(self.pool, b, stamp_of(self.holder, self.inc, b, self.gen))
+            # Logged before the publish leaves: the checker's map of what each generation is.
+            self.log.write("write", key=name, block=b, gen=self.gen, holder=self.holder, inc=self.inc)
+            h = Held(b, self.gen, now + retain)
+            if self.cfg.unsafe_free:
+                h.early_free_at = now + self.rng.uniform(0.0, retain)
+            self.held[name] = h
+            entries.append((name, b, self.gen))
+            new.append(name)
+        return entries, new
+
+    def _send_publish(self, entries: list[tuple[str, Any, int]], new: list[str], retain: float) -> None:
         seq = self.hot.next_publish_seq(self.node_id)  # fixed now: a fence covers it wherever it is
         reg = self.hot.registration(self.node_id)
         epoch = reg.epoch if reg is not None else None
         t = Timed()
         try:
             try:
-                n_ok = self.hot.publish(self.node_id, [(key_bytes(k), [b]) for k, b, _ in entries],
+                n_ok = self.hot.publish(self.node_id, [(self.key(k), self.blocks_of(b)) for k, b, _ in entries],
                                         retention_s=retain, seq=seq, epoch=epoch)
             except PublishFenced:
                 with self.lock:  # a free fenced it: send again what is still held, as it is held
-                    entries = [(k, b, g) for k, b, g in entries if k in self.held and self.held[k].block == b]
+                    entries = [(k, b, g) for k, b, g in entries if k in self.held and self._entry(k) == b]
                 if not entries:
                     return
-                n_ok = self.hot.publish(self.node_id, [(key_bytes(k), [b]) for k, b, _ in entries],
+                n_ok = self.hot.publish(self.node_id, [(self.key(k), self.blocks_of(b)) for k, b, _ in entries],
                                         retention_s=retain, seq=self.hot.next_publish_seq(self.node_id),
                                         epoch=epoch)
             self.log.write("publish", entries=entries, retention=retain, ok=True, accepted=n_ok, **t.fields())
@@ -169,11 +193,12 @@ class Holder:
             for k, h in self.held.items():
                 left = int(h.retain_until - now)
                 if not h.retention_end and left >= self.cfg.master_timeout_s + 1:
-                    groups.setdefault(left, []).append((k, h.block, h.gen))
+                    groups.setdefault(left, []).append((k, self._entry(k), h.gen))
         for left, entries in sorted(groups.items()):
             t = Timed()
             try:
-                n = self.bg.publish(self.node_id, [(key_bytes(k), [b]) for k, b, _ in entries], retention_s=float(left))
+                n = self.bg.publish(self.node_id, [(self.key(k), self.blocks_of(b)) for k, b, _ in entries],
+                                   retention_s=float(left))
                 self.log.write("republish", entries=entries, ok=True, accepted=n, **t.fields())
             except MasterError as exc:
                 self.log.write("republish", entries=entries, ok=False, err=repr(exc)[:200], **t.fields())
@@ -193,15 +218,15 @@ class Holder:
             return
         t = Timed()
         try:
-            gone = self.bg.unpublish_if_unlocked(self.node_id, [key_bytes(k) for k in due],
+            gone = self.bg.unpublish_if_unlocked(self.node_id, [self.key(k) for k in due],
                                                  fence_seq=self.bg.last_publish_seq(self.node_id))
             gone_set = set(gone)
-            done = [k for k in due if key_bytes(k) in gone_set]
+            done = [k for k in due if self.key(k) in gone_set]
             self.log.write("unpublish", keys=due, gone=done, ok=True, **t.fields())
             self.unreachable_since = None
             self.release_keys(done, "unpublished")
             with self.lock:
-                stale = [k for k in due if k not in gone_set and k in self.held and self.held[k].retention_end
+                stale = [k for k in due if self.key(k) not in gone_set and k in self.held and self.held[k].retention_end
                          and now - self.held[k].retention_end > self.stale_after]
             self.release_keys(stale, "never_confirmed")
         except MasterError as exc:
@@ -227,16 +252,26 @@ class Holder:
     def _release_locked(self, keys: list[str], why: str) -> None:
         out = []
         for k in keys:
-            h = self.held.pop(k, None)
-            if h is not None:
-                self.free.append(h.block)
-                out.append((k, h.block, h.gen))
+            if k not in self.held:
+                continue
+            entry = self._entry(k)
+            h = self.held.pop(k)
+            self._return_blocks(h)
+            out.append((k, entry, h.gen))
         if out:
             self.log.write("free", entries=out, why=why)
 
     def census(self) -> dict[str, int]:
         with self.lock:
-            return {"held_keys": len(self.held), "held_blocks": len({h.block for h in self.held.values()})}
+            return {"held_keys": len(self.held),
+                    "held_blocks": len({b for k in self.held for b in self.blocks_of(self._entry(k))})}
+
+    def _entry(self, k: str) -> Any:
+        """What a held key's entries log and publish as its block(s)."""
+        return self.held[k].block
+
+    def _return_blocks(self, h: Held) -> None:
+        self.free.append(h.block)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ChaosConfig.from_json(f.read())
     log = OpLog(args.log, args.name)
     fds0, threads0 = open_fds(), threading.active_count()
-    h = Holder(cfg, args.holder, args.node_id, args.inc, log, args.master)
+    if cfg.kv:
+        from tests.chaos.kv_holder import KVHolder  # imports this module
+
+        h: Holder = KVHolder(cfg, args.holder, args.node_id, args.inc, log, args.master)
+    else:
+        h = Holder(cfg, args.holder, args.node_id, args.inc, log, args.master)
     h.session.start()
     log.write("start", node=args.node_id, holder=args.holder, inc=args.inc, fds=fds0, threads=threads0,
               registered=h.session.registered)

@@ -143,6 +143,24 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ChaosConfig.from_json(f.read())
     log = OpLog(args.log, f"reader{args.reader}")
     fds0, threads0 = open_fds(), threading.active_count()
+    if cfg.kv:
+        # The connector halves run without vLLM (its base classes fall back); importing it would
+        # cost this process ~20 s of a loaded machine's time for nothing.
+        sys.modules.setdefault("vllm", None)  # type: ignore[arg-type]
+        from tests.chaos.kv_reader import KVReader
+
+        kr = KVReader(cfg, args.reader, log, args.master)
+        log.write("start", fds=fds0, threads=threads0, kv_format=kr.side.kv_format, block_size=kr.side.block_size)
+        while not ctl(cfg.workdir, "stop"):
+            kr.once()
+            time.sleep(kr.rng.uniform(*cfg.op_gap_s))
+        unreadable = kr.unreadable()
+        kr.close()
+        fds1, threads1 = open_fds(), settle_threads(threads0)
+        log.write("final", fds_start=fds0, fds_end=fds1, threads_start=threads0, threads_end=threads1,
+                  unreadable=unreadable)
+        log.close()
+        return 0
     rd = Reader(cfg, args.reader, log, args.master)
     log.write("start", fds=fds0, threads=threads0)
     while not ctl(cfg.workdir, "stop"):

