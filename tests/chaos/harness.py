@@ -63,13 +63,20 @@ class Injector:
                     self.later(0.5, what, fn)
 
     def inject(self) -> None:
-        for _ in range(len(self.kinds)):
-            if not self.order:
-                self.order = self.rng.sample(self.kinds, len(self.kinds))
-            kind = self.order.pop()
-            if getattr(self, f"_{kind}")():
-                self.counts[kind] = self.counts.get(kind, 0) + 1
-                return
+        # A kind whose target is busy goes back to the front of the order: in a short run every
+        # kind must still be met (the runs assert it), not lose its turn to a busy proxy.
+        skipped: list[str] = []
+        try:
+            for _ in range(len(self.kinds)):
+                if not self.order:
+                    self.order = self.rng.sample(self.kinds, len(self.kinds))
+                kind = self.order.pop()
+                if getattr(self, f"_{kind}")():
+                    self.counts[kind] = self.counts.get(kind, 0) + 1
+                    return
+                skipped.append(kind)
+        finally:
+            self.order.extend(reversed([k for k in skipped if k not in self.order]))
 
     def _record(self, kind: str, target: str, dur: float, **extra: Any) -> None:
         self.log.write("fault", kind=kind, target=target, t0=time.time(), t1=time.time() + dur, dur=dur, **extra)

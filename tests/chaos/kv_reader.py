@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from pdxfer.keys import IncrementalHasher
 from pdxfer.master import MasterClient
 from pdxfer.vllm.config import ConnectorConfig
-from pdxfer.vllm.metadata import LoadSpec, NodeRead, PdxferConnectorMetadata
+from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
 from pdxfer.vllm.reader import ReaderPath
 from pdxfer.vllm.scheduler_state import SchedulerStats
 from pdxfer.vllm.worker_side import WorkerSide
@@ -161,7 +161,7 @@ class KVReader:
             meta = self._break(meta, lk, blocks)
         spec = meta.loads[0] if meta.loads else None
         rec["lock"] = spec.lock_id if spec else None
-        rec["reads"] = [self._describe(r, meta) for r in spec.reads] if spec else []
+        rec["reads"] = [self._describe(r, spec) for r in spec.reads] if spec else []
         t = Timed()
         self.worker.start_loads(meta)
         done = False
@@ -188,12 +188,12 @@ class KVReader:
         if all(int(lk.nodes[loc.node_id].layout["block_size"]) == bs for loc in lk.locations):
             return meta  # one block size: the block-for-block plan, not the grouping under test
         reads = broken_reads(lk, blocks, self.cfg.chunk_tokens, bs)
-        loads: list[LoadSpec] = [dataclasses.replace(spec, reads=reads), *meta.loads[1:]]
-        return PdxferConnectorMetadata(loads=loads, nodes=meta.nodes)
+        holders = tuple(HolderRef.of(lk.nodes[n]) for n in sorted({r.node_id for r in reads}))
+        loads: list[LoadSpec] = [dataclasses.replace(spec, reads=reads, holders=holders), *meta.loads[1:]]
+        return PdxferConnectorMetadata(loads=loads)
 
-    def _describe(self, r: NodeRead, meta: PdxferConnectorMetadata) -> dict[str, Any]:
-        ref = meta.nodes.get(r.node_id)
-        fmt = ref.layout.get("kv_format") if ref is not None else None
+    def _describe(self, r: NodeRead, spec: LoadSpec) -> dict[str, Any]:
+        fmt = spec.holder(r.node_id).layout.get("kv_format")
         how = ("token_range" if r.remote_block_size else "direct" if fmt == self.side.kv_format else "pairs")
         return {"node": r.node_id, "how": how, "remote": list(r.remote_blocks), "local": list(r.local_blocks),
                 "remote_block_size": r.remote_block_size, "start": r.start, "tokens": r.num_tokens}

@@ -125,9 +125,6 @@ def assert_heterogeneous_coverage(r: dict[str, Any]) -> None:
 HETERO = dict(kv=True, holders=3, readers=3, prompts=6, chunks=6)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 1: ReaderPath._token_range_reads groups a holder's "
-                   "chunk locations as if their blocks continued; a holder block larger than the chunk "
-                   "split between two requests loads another request's tokens")
 def test_chaos_heterogeneous_holders(tmp_path) -> None:
     """Holders of blocks 128 (cpu) and 32 (flash_hnd) with chunk_tokens 64, one AMX holder no reader
     may read; readers of cpu/32, flash_hnd/32 and flash_nhd/64 loading through the real connector
