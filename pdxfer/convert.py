@@ -279,7 +279,11 @@ class StagingArea:
         self._used: dict[int, int] = {}  # offset -> size
 
     def alloc(self, size: int) -> int | None:
-        """An offset with ``size`` free bytes, or None when the area is too full now."""
+        """An offset with ``size`` free bytes, or None when the area is too full now. ``size``
+        must be positive: an empty range would share an offset with another load's range, and
+        freeing it would drop that load's reservation."""
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"staging allocation size must be a positive int, got {size!r}")
         size = -(-size // self._align) * self._align
         with self._lock:
             at = 0

@@ -19,6 +19,13 @@ class StagingFull(RuntimeError):
     """Concurrent converting loads already use the whole staging area: this one is recomputed."""
 
 
+def _check_not_empty(r: Any) -> None:
+    # Refused before anything is reserved: only non-empty reads own a staging range.
+    if not r.remote_blocks or not r.local_blocks:
+        raise ValueError(f"a staged read from {r.node_id} names no holder blocks or no local blocks "
+                         f"({len(r.remote_blocks)} and {len(r.local_blocks)})")
+
+
 class ReaderStaging:
     def __init__(self, mib: int, layout: KVLayout) -> None:
         self.layout = layout
@@ -45,6 +52,7 @@ class ReaderStaging:
 
     def start(self, planner: ConvertingPlanner, r: Any) -> StagedRead:
         """Room in staging for one token-range read (a NodeRead with a holder block size)."""
+        _check_not_empty(r)
         off = self.area.alloc(planner.staging_bytes(len(r.remote_blocks)))
         if off is None:
             raise StagingFull(f"staging area ({self._mem.nbytes >> 20} MiB) is full; raise staging_mib")
@@ -58,6 +66,7 @@ class ReaderStaging:
     def start_pairs(self, planner: ConvertingPlanner, r: Any) -> StagedRead:
         """Room in staging for block-for-block pairs converted on the way (another format or a
         head slice at the same block size: a NodeRead without a holder block size)."""
+        _check_not_empty(r)
         off = self.area.alloc(planner.staging_bytes(len(r.remote_blocks)))
         if off is None:
             raise StagingFull(f"staging area ({self._mem.nbytes >> 20} MiB) is full; raise staging_mib")

@@ -11,7 +11,6 @@ from pdxfer.vllm.worker_staging import ReaderStaging
 from tests.unit.test_convert import cpu_cache
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 6: alloc(0) overwrites the reservation at offset 0")
 def test_an_empty_allocation_is_refused_and_keeps_other_reservations():
     s = StagingArea(16384, align=4096)
     assert s.alloc(4096) == 0
@@ -22,7 +21,6 @@ def test_an_empty_allocation_is_refused_and_keeps_other_reservations():
     assert s.alloc(4096) == 4096  # the load at offset 0 still owns its range
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 6: an empty staged read frees another load's range")
 def test_an_empty_staged_read_reserves_nothing_and_frees_nothing():
     holder = describe_kv_caches(cpu_cache(8, 128, None), block_size=128)
     staging = ReaderStaging(1, describe_kv_caches(cpu_cache(8, 64, None), block_size=64))
