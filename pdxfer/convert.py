@@ -296,6 +296,26 @@ class StagingArea:
             self._used[at] = size
             return at
 
+    def alloc_upto(self, unit: int, units: int) -> tuple[int, int] | None:
+        """(offset, n): ``n`` (1 <= n <= ``units``) consecutive ``unit``-byte pieces in the largest
+        free gap, as many as fit; None when not even one fits now."""
+        if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0 or units <= 0:
+            raise ValueError(f"staging allocation of {units} x {unit!r} bytes: both must be positive")
+        with self._lock:
+            best_at, best_gap, at = 0, 0, 0
+            for off in sorted(self._used) + [self.nbytes]:
+                if off - at > best_gap:
+                    best_at, best_gap = at, off - at
+                if off < self.nbytes:
+                    at = max(at, off + self._used[off])
+            n = min(units, best_gap // unit)
+            while n > 0 and -(-n * unit // self._align) * self._align > best_gap:
+                n -= 1
+            if n <= 0:
+                return None
+            self._used[best_at] = -(-n * unit // self._align) * self._align
+            return best_at, n
+
     def free(self, offset: int) -> None:
         with self._lock:
             self._used.pop(offset, None)

@@ -94,7 +94,8 @@ class PdxferConnector(KVConnectorBase_V1):
             self.worker_side = WorkerSide(self.cfg, node_id=self.engine_id, rank=rank,
                                           expected_fingerprint=self.fingerprint, block_size=self.block_size,
                                           kv_format=kv_format(vllm_config, kv_cache_config),
-                                          tp_size=tp_size, total_kv_heads=total_heads)
+                                          tp_size=tp_size, total_kv_heads=total_heads,
+                                          max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0))
             self._handshake: PdxferHandshake | None = None
 
     # pdxfer holds published blocks through block-pool references, not through vLLM's

@@ -13,7 +13,8 @@ from pdxfer.vllm.phase_times import PHASES, stats_key
 # Counters summed across workers and the scheduler; lists concatenated.
 _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
              "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes",
-             "unkeyable_requests", "background_errors", "publish_hint_waits", "publish_hint_timeouts")
+             "unkeyable_requests", "background_errors", "publish_hint_waits", "publish_hint_timeouts",
+             "staging_waits", "staging_full")
 _LISTS = ("transfer_s",) + tuple(stats_key(p) for p in PHASES)
 _PHASE_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 
@@ -58,6 +59,8 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Lookups that waited for a hinted publish": d["publish_hint_waits"],
             "Unkeyable requests (kept out)": d["unkeyable_requests"],
             "Background errors": d["background_errors"],
+            "Loads that waited for staging": d["staging_waits"],
+            "Loads failed for lack of staging": d["staging_full"],
         }
 
 
@@ -79,6 +82,9 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
             "background_errors": "Unexpected errors the holder's reaper or publisher survived (see the log)",
             "publish_hint_waits": "Decode lookups that waited for chunks their prefill's hint announced",
             "publish_hint_timeouts": "... that went on without some of them (the publish came too late)",
+            "staging_waits": "Converting loads that waited for room in the reader's staging area",
+            "staging_full": "Converting loads recomputed for lack of staging room (see the log for sizes; "
+                            "raise staging_mib or staging_max_mib)",
         }
         for key, doc in docs.items():
             c = self._counter_cls(name=f"vllm:pdxfer_{key}", documentation=doc, labelnames=labelnames)

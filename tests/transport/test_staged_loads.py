@@ -33,7 +33,6 @@ TOKEN_BYTES = LAYERS * 2 * HEADS * D * 4
 NTOK = 1000  # the holder's sequence
 FILLER = -2.0
 WAIT_S = 20.0
-_HAS_MAX_LEN = "max_model_len" in WorkerSide.__init__.__code__.co_varnames
 
 
 def _blocks(ntok: int, block: int, spare: int, seed: int) -> tuple[int, list[int]]:
@@ -96,7 +95,7 @@ class Reader:
         conf = parse_extra_config({"master": "127.0.0.1:1", "transport": kind, **cfg})
         self.worker = WorkerSide(conf, node_id="reader", rank=0, expected_fingerprint=layout.fingerprint(),
                                  block_size=block, client_factory=_Master, kv_format=CPU,
-                                 **({"max_model_len": NTOK + 24} if _HAS_MAX_LEN else {}))
+                                 max_model_len=NTOK + 24)
         self.worker.register_kv_caches(as_cache(self.phys))
         self.finished: set[str] = set()
 
@@ -147,7 +146,6 @@ def make_reader():
         r.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 9: a load larger than staging fails with StagingFull")
 @pytest.mark.parametrize("hb,lb", [(128, 32), (32, 128)])
 def test_a_load_larger_than_staging_streams_through_it_in_pieces(kind, start_holder, make_reader, hb, lb):
     holder = start_holder(kind, hb)
@@ -160,3 +158,55 @@ def test_a_load_larger_than_staging_streams_through_it_in_pieces(kind, start_hol
     reader.check(table, start, end)
     assert reader.worker.stats.loads_ok == 1 and reader.worker.stats.tokens_loaded == end - start
     assert reader.worker._staging.area.in_use == 0  # every piece's range was given back
+
+
+def test_loads_that_find_staging_full_wait_for_room_then_move(kind, start_holder, make_reader):
+    holder = start_holder(kind, 128)
+    reader = make_reader(kind, 32, staging_mib=1)
+    area = reader.worker._staging.area
+    other = area.alloc(area.nbytes)  # concurrent loads hold the whole area
+    assert other == 0
+    start, end = 300, 700
+    table = reader.post(holder, "waits", start, end, seed=6)
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        reader.finished |= reader.worker.get_finished()
+        time.sleep(0.01)
+    assert "waits" not in reader.finished  # no room: it waits, it does not fail
+    area.free(other)
+    reader.wait("waits")
+    assert reader.worker.take_load_errors() == set()
+    reader.check(table, start, end)
+    stats = reader.worker.stats
+    assert (stats.staging_waits, stats.staging_full, stats.loads_ok) == (1, 0, 1)
+
+
+def test_a_load_that_never_gets_room_fails_naming_the_sizes(kind, start_holder, make_reader, caplog):
+    holder = start_holder(kind, 128)
+    reader = make_reader(kind, 32, staging_mib=1, load_timeout_s=0.4)
+    area = reader.worker._staging.area
+    assert area.alloc(area.nbytes) == 0  # and they never give it back
+    start, end = 300, 700
+    table = reader.post(holder, "starved", start, end, seed=7)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="pdxfer.vllm.worker"):
+        reader.wait("starved", timeout=5.0)
+    assert time.monotonic() - t0 < 2.0  # bounded by the load's own bound
+    assert reader.worker.take_load_errors() == set(table[start // 32:])  # vLLM recomputes them all
+    stats = reader.worker.stats.take()
+    assert (stats["staging_waits"], stats["staging_full"], stats["loads_failed"]) == (1, 1, 1)
+    msg = caplog.text
+    assert "StagingFull" in msg and f"{128 * TOKEN_BYTES} bytes per holder block" in msg
+    assert f"of its {1 << 20} bytes" in msg
+    reader.check(table, 0, 0)  # nothing was written
+
+
+def test_a_holder_block_larger_than_the_staging_area_is_refused_clearly(kind, start_holder, make_reader, caplog):
+    holder = start_holder(kind, 512)  # 2 MiB per holder block
+    reader = make_reader(kind, 32, staging_mib=1)
+    with caplog.at_level("WARNING", logger="pdxfer.vllm.worker"):
+        table = reader.post(holder, "huge", 64, 900, seed=8)
+        reader.wait("huge")
+    assert reader.worker.take_load_errors() == set(table[2:])
+    assert reader.worker.stats.staging_full == 1
+    assert "StagingTooSmall" in caplog.text and f"stages {512 * TOKEN_BYTES} bytes" in caplog.text
