@@ -210,3 +210,108 @@ def test_a_holder_block_larger_than_the_staging_area_is_refused_clearly(kind, st
     assert reader.worker.take_load_errors() == set(table[2:])
     assert reader.worker.stats.staging_full == 1
     assert "StagingTooSmall" in caplog.text and f"stages {512 * TOKEN_BYTES} bytes" in caplog.text
+
+
+class _LateRead(ReadHandle):
+    """A read whose transport broke its bound: cancel does not stop it, it stays PENDING, and its
+    bytes land whenever ``land`` is called. ``honours_disconnect``: disconnecting its peer stops
+    it (what a transport's disconnect promises); else nothing ever does."""
+
+    def __init__(self, plan, mem: np.ndarray, region: int, honours_disconnect: bool) -> None:
+        self.plan, self.mem, self.region = plan, mem, region
+        self.honours_disconnect = honours_disconnect
+        self.stopped = False
+        self.landed = 0
+
+    def poll(self) -> ReadState:
+        return ReadState.CANCELLED if self.stopped else ReadState.PENDING
+
+    def wait(self, timeout: float) -> ReadState:
+        raise AssertionError("the worker never waits on a read")
+
+    def cancel(self) -> None:
+        pass  # the broken promise
+
+    @property
+    def error(self):
+        return TransferCancelled("disconnected") if self.stopped else None
+
+    def land(self) -> None:
+        if self.stopped:
+            return
+        for r in self.plan.runs:
+            assert r.local_region == self.region
+            self.mem[r.local_offset: r.local_offset + r.nbytes] = 0x7F  # what the old read brings
+            self.landed += r.nbytes
+
+
+class _LandsAfter(ReadHandle):
+    """A real read; the late read's bytes land right after it finished, before it is scattered."""
+
+    def __init__(self, inner: ReadHandle, late: _LateRead) -> None:
+        self.inner, self.late, self.fired = inner, late, False
+
+    def poll(self) -> ReadState:
+        state = self.inner.poll()
+        if state is ReadState.DONE and not self.fired:
+            self.fired = True
+            self.late.land()
+        return state
+
+    def wait(self, timeout: float) -> ReadState:
+        return self.inner.wait(timeout)
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+    @property
+    def error(self):
+        return self.inner.error
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16 hole 4: staging of a read that never stopped is reused")
+@pytest.mark.parametrize("honours_disconnect", [True, False])
+def test_a_read_that_never_stopped_cannot_overwrite_the_next_load(start_holder, make_reader, monkeypatch,
+                                                                 caplog, honours_disconnect):
+    import pdxfer.vllm.worker_staging as ws
+
+    holder = start_holder("tcp", 128)
+    reader = make_reader("tcp", 32, staging_mib=4, load_timeout_s=0.3, read_timeout_floor_s=0.1)
+    worker = reader.worker
+    worker._stop_bound_s = 0.6  # how long a failed read may take to stop (10x load_timeout_s in use)
+    monkeypatch.setattr(ws, "QUARANTINE_GRACE_S", 1.0, raising=False)
+    t = worker.transport
+    real_read, real_disconnect = t.read, t.disconnect
+    late: list[_LateRead] = []
+
+    def read(peer, plan):
+        if not late:
+            late.append(_LateRead(plan, worker._staging._mem, worker._staging.region_index, honours_disconnect))
+            return late[0]
+        return _LandsAfter(real_read(peer, plan), late[0])
+
+    def disconnect(peer):
+        if late and late[0].honours_disconnect:
+            late[0].stopped = True
+        real_disconnect(peer)
+
+    monkeypatch.setattr(t, "read", read)
+    monkeypatch.setattr(t, "disconnect", disconnect)
+    start, end = 300, 400
+    first = reader.post(holder, "old", start, end, seed=9)
+    with caplog.at_level("ERROR", logger="pdxfer.vllm.worker"):
+        reader.wait("old", timeout=10.0)
+    assert worker.take_load_errors() == set(first[start // 32:])
+    assert "not stopped" in caplog.text
+    table = reader.post(holder, "new", start, end, seed=10)
+    reader.wait("new")
+    assert worker.take_load_errors() == set()
+    assert late[0].landed or honours_disconnect  # the old read's bytes did land, where they could do no harm
+    reader.check(table, start, end)  # no element of the new load came from the old read
+    assert worker.stats.reads_unstopped == 1
+    # The quarantine is bounded: once its holder was disconnected, the range is given back.
+    deadline = time.monotonic() + 5.0
+    while worker._staging.area.in_use:
+        assert time.monotonic() < deadline, "the quarantined staging range was never given back"
+        worker.get_finished()
+        time.sleep(0.05)
