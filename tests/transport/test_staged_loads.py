@@ -9,6 +9,7 @@ here is staging, not validation.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -315,3 +316,37 @@ def test_a_read_that_never_stopped_cannot_overwrite_the_next_load(start_holder, 
         assert time.monotonic() < deadline, "the quarantined staging range was never given back"
         worker.get_finished()
         time.sleep(0.05)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16 hole 4: a direct read that never stopped may still land in vLLM's blocks")
+def test_a_direct_read_that_never_stopped_is_cut_off_before_the_load_is_reported(start_holder, make_reader,
+                                                                                  monkeypatch):
+    holder = start_holder("tcp", 32)
+    reader = make_reader("tcp", 32, load_timeout_s=0.3, read_timeout_floor_s=0.1)  # same blocks: READ in place
+    worker = reader.worker
+    worker._stop_bound_s = 0.6
+    t = worker.transport
+    real_disconnect = t.disconnect
+    late: list[_LateRead] = []
+    region = worker.layout.regions[0]
+    mem = np.frombuffer((ctypes.c_uint8 * region.nbytes).from_address(region.ptr), dtype=np.uint8)
+
+    def read(peer, plan):
+        late.append(_LateRead(plan, mem, 0, honours_disconnect=True))
+        return late[-1]
+
+    def disconnect(peer):
+        for r in late:
+            r.stopped = True
+        real_disconnect(peer)
+
+    monkeypatch.setattr(t, "read", read)
+    monkeypatch.setattr(t, "disconnect", disconnect)
+    table = reader.post(holder, "old", 320, 400, seed=11)
+    reader.wait("old", timeout=10.0)
+    assert worker.take_load_errors() == set(table[10:])
+    # vLLM has the blocks back now: nothing of that read may land in them any more.
+    late[0].land()
+    assert late[0].landed == 0
+    reader.check(table, 0, 0)
+    assert worker.connected_holders() == []  # a later load reconnects
