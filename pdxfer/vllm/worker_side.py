@@ -79,6 +79,7 @@ class _Inflight:
     staged: list[StagedStream] = field(default_factory=list)
     stream_slots: list[int] = field(default_factory=list)
     staging_waited: bool = False
+    unstopped: list[tuple[str, int]] = field(default_factory=list)  # holders of reads that never stopped
     read_deadline: float = 0.0  # monotonic; past it a read still pending is given up
     cancelled: bool = False
     validating_since: float = 0.0  # monotonic: reads done, release asked
@@ -94,6 +95,7 @@ class WorkerStats:
     bytes_loaded: int = 0
     staging_waits: int = 0  # loads that waited for room in the staging area
     staging_full: int = 0  # ... that failed: no room within the load's bound, or a block larger than it
+    reads_unstopped: int = 0  # reads that did not stop within the bound: holder disconnected
     transfer_s: list[float] = field(default_factory=list)
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 
@@ -103,10 +105,10 @@ class WorkerStats:
         out = {"loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
                "tokens_loaded": self.tokens_loaded, "bytes_loaded": self.bytes_loaded,
                "staging_waits": self.staging_waits, "staging_full": self.staging_full,
-               "transfer_s": list(self.transfer_s)}
+               "reads_unstopped": self.reads_unstopped, "transfer_s": list(self.transfer_s)}
         out.update(self.phases.take())
         self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
-        self.staging_waits = self.staging_full = 0
+        self.staging_waits = self.staging_full = self.reads_unstopped = 0
         self.transfer_s = []
         return out
 
@@ -406,6 +408,8 @@ class WorkerSide:
     def get_finished(self) -> set[str]:
         """Requests whose load ended (loaded or failed) since the last call; never blocks on reads."""
         out: set[str] = set()
+        if self._staging is not None:
+            self._staging.sweep()
         if not self._inflight:
             return out
         delay = test_hook_float("read_delay_s")
@@ -486,12 +490,34 @@ class WorkerSide:
             return "failed"
         if time.monotonic() - inf.started > self._stop_bound_s:
             # Transports bound their own stops (socket timeouts, UCX errors); past this bound a
-            # transport broke that promise. Say so loudly rather than hold the request forever.
-            log.error("pdxfer: a read for %s has not stopped %.0f s after it failed (%s); reporting the "
-                      "load failed anyway: its blocks may still receive bytes", inf.spec.req_id,
-                      self._stop_bound_s, inf.error)
+            # transport broke that promise. Cut the connections those reads use, so no more
+            # bytes can land in our blocks, before vLLM gets the blocks back; the staging ranges
+            # stay out of use until the reads stop (or a grace period after the disconnect).
+            self._disconnect_unstopped(inf)
             return "failed"
         return None
+
+    def _disconnect_unstopped(self, inf: _Inflight) -> None:
+        keys = sorted({key for h, key in zip(inf.handles, inf.handle_nodes)
+                       if h is not _NOT_POSTED and not self._handle_stopped(h)})
+        self.stats.reads_unstopped += len(keys)
+        failed = []
+        for key in keys:
+            with self._peers_lock:
+                cached = self._peers.pop(key, None)
+            if cached is None:
+                continue  # already dropped by another load: its disconnect ran
+            try:
+                self.transport.disconnect(cached[1])
+            except Exception as exc:
+                failed.append(f"{key[0]} rank {key[1]}: {exc}")
+        log.error("pdxfer: read(s) for %s from holder(s) %s have not stopped %.0f s after the load failed (%s); "
+                  "%s, reporting the load failed (a later load reconnects)", inf.spec.req_id,
+                  ", ".join("%s rank %d" % k for k in keys), self._stop_bound_s, inf.error,
+                  "disconnected them so no more bytes can land" if not failed else
+                  f"disconnecting failed ({'; '.join(failed)}): its blocks may still receive bytes, its "
+                  "staging stays out of use until the reads stop")
+        inf.unstopped = keys if not failed else []
 
     def _progress(self, inf: _Inflight, delay: float | None) -> str | None:
         """"done" when every read finished; sets ``inf.error`` when the load cannot succeed."""
@@ -572,9 +598,17 @@ class WorkerSide:
 
     def _conclude(self, inf: _Inflight, valid: bool) -> None:
         """Count and log a load that ended; a load not validated at the master fails its blocks.
-        Its reads have all stopped: its staging space is free again."""
+        Its staging ranges are free again, unless a read may still land in them (quarantined)."""
         if inf.staged and self._staging is not None:
-            self._staging.release(inf.staged)
+            if self._stopped(inf):
+                self._staging.release(inf.staged)
+            else:
+                held = self._staging.quarantine(
+                    inf.staged, [h for h in inf.handles if h is not _NOT_POSTED], bool(inf.unstopped),
+                    f"the failed load of {inf.spec.req_id}")
+                log.error("pdxfer: %d staging bytes of the failed load of %s stay out of use until its reads "
+                          "stop%s", held, inf.spec.req_id,
+                          " (or shortly after the disconnect)" if inf.unstopped else "")
         spec = inf.spec
         elapsed = time.monotonic() - inf.started
         # vLLM sums connector stats over TP ranks, and every rank sees every load: successes and

@@ -8,10 +8,16 @@ are READ and scattered piece by piece, each piece as many holder blocks as there
 next piece posted only once the previous one was scattered and its range freed. A load longer
 than the whole area therefore still moves; only a single holder block larger than the area
 cannot (:class:`StagingTooSmall`).
+
+A failed load whose read never stopped (its transport broke its own bound) leaves its ranges
+quarantined: out of use until the read stops, or a grace period after the worker disconnected
+its holder, so a late byte of it can never land in the next load's staged bytes.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +27,18 @@ from pdxfer import native
 from pdxfer.convert import ConvertingPlanner, StagedRead, StagingArea, planner_for
 from pdxfer.layout import KVLayout
 from pdxfer.plan import PeerPlanner
-from pdxfer.transport.base import RegisteredRegion
+from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion
+
+log = logging.getLogger("pdxfer.vllm.worker")
 
 MiB = 1 << 20
 # Headroom of the size chosen from the model: staged reads round out to whole holder blocks at
 # both ends (holder blocks up to this many tokens), and a second load may convert meanwhile.
 _ROUNDING_TOKENS = 1024
 _MIN_AUTO_BYTES = 16 * MiB
+# A quarantined range whose peer was disconnected is given back after this: bytes the transport
+# was copying at the disconnect have landed by then.
+QUARANTINE_GRACE_S = 2.0
 
 
 class StagingFull(RuntimeError):
@@ -103,6 +114,27 @@ class StagedStream:
                       r.local_first_token + la * lb, t0, t1 - t0)
 
 
+@dataclass
+class _Quarantined:
+    offsets: list[int]
+    handles: list[ReadHandle]
+    since: float
+    disconnected: bool  # the peers of every unstopped read were disconnected at ``since``
+    what: str
+
+    def releasable(self, now: float) -> bool:
+        if all(_stopped(h) for h in self.handles):
+            return True
+        return self.disconnected and now - self.since >= QUARANTINE_GRACE_S
+
+
+def _stopped(h: ReadHandle) -> bool:
+    try:
+        return h.poll() is not ReadState.PENDING
+    except Exception:
+        return False
+
+
 def _check_not_empty(r: Any) -> None:
     # Refused before anything is reserved: only non-empty reads own a staging range.
     if not r.remote_blocks or not r.local_blocks:
@@ -119,6 +151,7 @@ class ReaderStaging:
         self._buf = native.RawBuffer(self._mem.ctypes.data, self._mem.nbytes)
         self._regions = [native.RawBuffer(r.ptr, r.nbytes) for r in layout.regions]
         self.area = StagingArea(self._mem.nbytes)
+        self._quarantine: list[_Quarantined] = []
 
     @property
     def enabled(self) -> bool:
@@ -204,3 +237,41 @@ class ReaderStaging:
                 self.area.free(s.job.staging_offset)
                 s.job = None
         streams.clear()
+
+    # ------------------------------------------------------------------ quarantine
+
+    def quarantine(self, streams: list[StagedStream], handles: list[ReadHandle], disconnected: bool,
+                   what: str) -> int:
+        """Keep the ranges of reads that may still land out of use: until every one of
+        ``handles`` stopped, or, where their peers were ``disconnected``, a grace period after.
+        Returns the bytes kept out."""
+        offsets = [s.job.staging_offset for s in streams if s.job is not None]
+        held = sum(s.job.staging_bytes for s in streams if s.job is not None)
+        for s in streams:
+            s.job = None
+        streams.clear()
+        if offsets:
+            self._quarantine.append(_Quarantined(offsets, list(handles), time.monotonic(), disconnected, what))
+        return held
+
+    def sweep(self) -> None:
+        """Give back quarantined ranges no read can land in any more (called every step)."""
+        if not self._quarantine:
+            return
+        now = time.monotonic()
+        keep = []
+        for q in self._quarantine:
+            if q.releasable(now):
+                for off in q.offsets:
+                    self.area.free(off)
+                log.info("pdxfer: staging range(s) of %s are in use again (%s)", q.what,
+                         "its reads stopped" if all(_stopped(h) for h in q.handles)
+                         else f"{QUARANTINE_GRACE_S:.0f} s after its holder was disconnected")
+            else:
+                keep.append(q)
+        self._quarantine = keep
+
+    @property
+    def quarantined(self) -> int:
+        """Quarantined ranges (loads' worth) still out of use."""
+        return len(self._quarantine)
