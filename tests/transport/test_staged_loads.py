@@ -88,9 +88,9 @@ class _Master:
 class Reader:
     """A connector worker with CPU-format KV of ``block`` tokens per block, all blocks FILLER."""
 
-    def __init__(self, kind: str, block: int, **cfg) -> None:
+    def __init__(self, kind: str, block: int, pool_blocks: int = 0, **cfg) -> None:
         self.kind, self.block = kind, block
-        self.nblocks, _ = _blocks(NTOK, block, 3, seed=0)
+        self.nblocks = pool_blocks or _blocks(NTOK, block, 3, seed=0)[0]
         self.phys = encode(CPU, torch.full((LAYERS, 2, self.nblocks, block, HEADS, D), FILLER))
         layout = describe(CPU, self.phys, block)
         conf = parse_extra_config({"master": "127.0.0.1:1", "transport": kind, **cfg})
@@ -100,10 +100,12 @@ class Reader:
         self.worker.register_kv_caches(as_cache(self.phys))
         self.finished: set[str] = set()
 
-    def post(self, holder: Holder, rid: str, start: int, end: int, seed: int) -> list[int]:
-        """Post the load of tokens [start, end) of the holder's sequence into fresh shuffled blocks
-        (the reader had tokens [0, start) itself); returns the reader's block table."""
-        table = [int(b) for b in np.random.default_rng(seed).permutation(self.nblocks)[: -(-end // self.block)]]
+    def post(self, holder: Holder, rid: str, start: int, end: int, seed: int = 0,
+             table: list[int] | None = None) -> list[int]:
+        """Post the load of tokens [start, end) of the holder's sequence into ``table`` (default:
+        fresh shuffled blocks; the reader had tokens [0, start) itself); returns the block table."""
+        if table is None:
+            table = [int(b) for b in np.random.default_rng(seed).permutation(self.nblocks)[: -(-end // self.block)]]
         hb, lb = holder.layout.block_size, self.block
         read = NodeRead(holder.node_id, tuple(holder.blocks[start // hb: -(-end // hb)]),
                         tuple(table[start // lb:]), hb, start // hb * hb, start // lb * lb, start, end - start)
@@ -159,6 +161,31 @@ def test_a_load_larger_than_staging_streams_through_it_in_pieces(kind, start_hol
     reader.check(table, start, end)
     assert reader.worker.stats.loads_ok == 1 and reader.worker.stats.tokens_loaded == end - start
     assert reader.worker._staging.area.in_use == 0  # every piece's range was given back
+
+
+def test_concurrent_loads_larger_than_staging_share_it_and_all_move(kind, start_holder, make_reader):
+    holder = start_holder(kind, 128)
+    per_load = -(-NTOK // 32)
+    reader = make_reader(kind, 32, pool_blocks=3 * per_load + 3, staging_mib=1)
+    ids = [int(b) for b in np.random.default_rng(20).permutation(reader.nblocks)]
+    loads = {f"c{i}": (40 + 100 * i, NTOK - 1 - 50 * i) for i in range(3)}
+    tables = {rid: reader.post(holder, rid, a, b, table=ids[i * per_load:(i + 1) * per_load][: -(-b // 32)])
+              for i, (rid, (a, b)) in enumerate(loads.items())}
+    reader.wait(*loads)
+    assert reader.worker.take_load_errors() == set()
+    # The three loads wrote disjoint reader blocks: check each load's blocks against its tokens.
+    got = decode(CPU, reader.phys)
+    for rid, (a, b) in loads.items():
+        table = tables[rid]
+        want = pattern_logical(LAYERS, table, reader.nblocks, reader.block, 0, HEADS, HEADS, D, b, filler=FILLER)
+        seq = torch.as_tensor(table)
+        before = torch.arange(a)
+        want[:, :, seq[before // 32], before % 32] = FILLER
+        mine = sorted(set(table[a // 32:]))
+        assert torch.equal(got[:, :, mine], want[:, :, mine]), rid
+    stats = reader.worker.stats
+    assert (stats.loads_ok, stats.staging_full) == (3, 0)
+    assert reader.worker._staging.area.in_use == 0
 
 
 def test_loads_that_find_staging_full_wait_for_room_then_move(kind, start_holder, make_reader):
