@@ -223,6 +223,11 @@ def test_a_load_that_never_gets_room_fails_naming_the_sizes(kind, start_holder, 
     assert reader.worker.take_load_errors() == set(table[start // 32:])  # vLLM recomputes them all
     stats = reader.worker.stats.take()
     assert (stats["staging_waits"], stats["staging_full"], stats["loads_failed"]) == (1, 1, 1)
+    from pdxfer.vllm.connector_stats import PdxferKVConnectorStats  # what reaches /metrics
+
+    shipped = PdxferKVConnectorStats(data=stats)
+    assert (shipped.data["staging_waits"], shipped.data["staging_full"]) == (1, 1)
+    assert shipped.reduce()["Loads failed for lack of staging"] == 1
     msg = caplog.text
     assert "StagingFull" in msg and f"{128 * TOKEN_BYTES} bytes per holder block" in msg
     assert f"of its {1 << 20} bytes" in msg
