@@ -279,7 +279,11 @@ class StagingArea:
         self._used: dict[int, int] = {}  # offset -> size
 
     def alloc(self, size: int) -> int | None:
-        """An offset with ``size`` free bytes, or None when the area is too full now."""
+        """An offset with ``size`` free bytes, or None when the area is too full now. ``size``
+        must be positive: an empty range would share an offset with another load's range, and
+        freeing it would drop that load's reservation."""
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"staging allocation size must be a positive int, got {size!r}")
         size = -(-size // self._align) * self._align
         with self._lock:
             at = 0
@@ -291,6 +295,26 @@ class StagingArea:
                 return None
             self._used[at] = size
             return at
+
+    def alloc_upto(self, unit: int, units: int) -> tuple[int, int] | None:
+        """(offset, n): ``n`` (1 <= n <= ``units``) consecutive ``unit``-byte pieces in the largest
+        free gap, as many as fit; None when not even one fits now."""
+        if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0 or units <= 0:
+            raise ValueError(f"staging allocation of {units} x {unit!r} bytes: both must be positive")
+        with self._lock:
+            best_at, best_gap, at = 0, 0, 0
+            for off in sorted(self._used) + [self.nbytes]:
+                if off - at > best_gap:
+                    best_at, best_gap = at, off - at
+                if off < self.nbytes:
+                    at = max(at, off + self._used[off])
+            n = min(units, best_gap // unit)
+            while n > 0 and -(-n * unit // self._align) * self._align > best_gap:
+                n -= 1
+            if n <= 0:
+                return None
+            self._used[best_at] = -(-n * unit // self._align) * self._align
+            return best_at, n
 
     def free(self, offset: int) -> None:
         with self._lock:

@@ -51,14 +51,22 @@ class ConnectorConfig:
     # First contact with a holder (a NIXL agent handshake takes ~0.2 s here): a load waiting for
     # a connection longer than this is recomputed (the connect itself goes on for later loads).
     connect_timeout_s: float = 1.0
-    # Reader-side staging for holders whose block size differs (READ whole blocks, then scatter
-    # by token range); 0 turns such holders away (their chunks are recomputed).
-    staging_mib: int = 64
+    # Reader-side staging for holders whose blocks differ (READ whole blocks, then scatter by
+    # token range), in MiB; 0 turns such holders away (their chunks are recomputed). None
+    # ("auto"): from the model, one max-length load plus headroom, at most staging_max_mib.
+    # Loads larger than the free staging stream through it in pieces.
+    staging_mib: int | None = None
+    staging_max_mib: int = 512
     lease_ttl_s: float = 10.0
     listen_host: str = "127.0.0.1"
     advertise_host: str | None = None
     model_id: str | None = None  # namespace model identity; default: vLLM's model path/name
     log_level: str | None = None
+
+    @property
+    def staging_enabled(self) -> bool:
+        """Whether readers convert through staging (else holders needing it are turned away)."""
+        return self.staging_mib != 0 and (self.staging_mib is not None or self.staging_max_mib > 0)
 
     @property
     def token(self) -> str | None:
@@ -119,8 +127,14 @@ def _check(key: str, value: Any) -> Any:
             raise ConnectorConfigError(f"chunk_tokens must be a positive int, got {value!r}")
         return value
     if key == "staging_mib":
+        if value is None or value == "auto":
+            return None
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConnectorConfigError(f"staging_mib must be an int >= 0, got {value!r}")
+            raise ConnectorConfigError(f"staging_mib must be an int >= 0 or \"auto\", got {value!r}")
+        return value
+    if key == "staging_max_mib":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConnectorConfigError(f"staging_max_mib must be an int >= 0, got {value!r}")
         return value
     if key in _NONNEG_FLOATS:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -104,7 +104,8 @@ class PdxferConnector(KVConnectorBase_V1):
                                           expected_fingerprint=self.fingerprint, block_size=self.block_size,
                                           kv_format=kv_format(vllm_config, kv_cache_config),
                                           kv_dtype=derive_kv_dtype(vllm_config, kv_cache_config),
-                                          tp_size=tp_size, total_kv_heads=total_heads)
+                                          tp_size=tp_size, total_kv_heads=total_heads,
+                                          max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0))
             self._handshake: PdxferHandshake | None = None
 
     # pdxfer holds published blocks through block-pool references, not through vLLM's

@@ -14,7 +14,7 @@ from pdxfer.vllm.phase_times import PHASES, stats_key
 _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
              "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes",
              "unkeyable_requests", "background_errors", "publish_hint_waits", "publish_hint_timeouts",
-             "kv_transfer_refused")
+             "kv_transfer_refused", "staging_waits", "staging_full", "reads_unstopped")
 _LISTS = ("transfer_s",) + tuple(stats_key(p) for p in PHASES)
 _PHASE_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 
@@ -60,6 +60,9 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Unkeyable requests (kept out)": d["unkeyable_requests"],
             "Background errors": d["background_errors"],
             "KV transfer refused (see the log)": d["kv_transfer_refused"],
+            "Loads that waited for staging": d["staging_waits"],
+            "Loads failed for lack of staging": d["staging_full"],
+            "Reads that never stopped (holder disconnected)": d["reads_unstopped"],
         }
 
 
@@ -84,6 +87,11 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
             "kv_transfer_refused": "1 when no key can name this instance's KV (blocks no test probed, KV "
                                    "scales computed at run time): it serves, computing every token, and "
                                    "moves no KV (the log says why)",
+            "staging_waits": "Converting loads that waited for room in the reader's staging area",
+            "staging_full": "Converting loads recomputed for lack of staging room (see the log for sizes; "
+                            "raise staging_mib or staging_max_mib)",
+            "reads_unstopped": "Reads that had not stopped long after their load failed: the holder was "
+                               "disconnected before vLLM got the blocks back",
         }
         for key, doc in docs.items():
             c = self._counter_cls(name=f"vllm:pdxfer_{key}", documentation=doc, labelnames=labelnames)

@@ -242,7 +242,7 @@ class ReaderPath:
             total = holder_total_heads(int(node.total_kv_heads or 0), len(layouts), layouts[0])
             for rank, local in sorted(self._local.items()):
                 routes(node.node_id, layouts, total, local, self.tp_size, rank, self.total_kv_heads,
-                       staging=self.cfg.staging_mib > 0, chunk_tokens=self.cfg.chunk_tokens)
+                       staging=self.cfg.staging_enabled, chunk_tokens=self.cfg.chunk_tokens)
             return True
         except NotReadable as exc:
             log.warning("pdxfer: not reading from holder %s: %s; its chunks are computed here", node.node_id, exc)

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from pdxfer.layout import KVLayout, describe_kv_caches
 from pdxfer.convert import ConvertingPlanner
 from pdxfer.plan import PeerPlanner
-from pdxfer.vllm.worker_staging import ReaderStaging
+from pdxfer.vllm.worker_staging import ReaderStaging, StagedStream, StagingFull, StagingTooSmall, auto_staging_bytes
 from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
@@ -39,6 +39,27 @@ _INLINE_RELEASE_WAIT_S = 0.003
 _ASSUMED_BANDWIDTH = 50e6
 
 
+class _NotPosted(ReadHandle):
+    """Stands in ``_Inflight.handles`` for a staged piece not posted yet (waiting for room):
+    nothing of it can land, and it holds no load back by itself (its stream does)."""
+
+    def poll(self) -> ReadState:
+        return ReadState.DONE
+
+    def wait(self, timeout: float) -> ReadState:
+        return ReadState.DONE
+
+    def cancel(self) -> None:
+        pass
+
+    @property
+    def error(self) -> None:
+        return None
+
+
+_NOT_POSTED = _NotPosted()
+
+
 class LayoutMismatch(RuntimeError):
     """The KV tensors vLLM allocated do not match the layout the scheduler derived."""
 
@@ -53,7 +74,12 @@ class _Inflight:
     pending: list[tuple[HolderRef, Route, Any]] = field(default_factory=list)  # reads awaiting a connection
     validation: Future | None = None  # the master's answer to release(): did the lock hold?
     handle_nodes: list[tuple[str, int]] = field(default_factory=list)  # holder (node, rank) of each handle
-    staged: list[Any] = field(default_factory=list)  # (planner, StagedRead) still to scatter
+    # Staged reads, piece by piece; stream_slots[i]: the index in ``handles`` of stream i's read
+    # (replaced by the next piece's read once a piece was scattered).
+    staged: list[StagedStream] = field(default_factory=list)
+    stream_slots: list[int] = field(default_factory=list)
+    staging_waited: bool = False
+    unstopped: list[tuple[str, int]] = field(default_factory=list)  # holders of reads that never stopped
     read_deadline: float = 0.0  # monotonic; past it a read still pending is given up
     cancelled: bool = False
     validating_since: float = 0.0  # monotonic: reads done, release asked
@@ -67,6 +93,9 @@ class WorkerStats:
     loads_failed: int = 0
     tokens_loaded: int = 0
     bytes_loaded: int = 0
+    staging_waits: int = 0  # loads that waited for room in the staging area
+    staging_full: int = 0  # ... that failed: no room within the load's bound, or a block larger than it
+    reads_unstopped: int = 0  # reads that did not stop within the bound: holder disconnected
     transfer_s: list[float] = field(default_factory=list)
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 
@@ -75,9 +104,11 @@ class WorkerStats:
             return None
         out = {"loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
                "tokens_loaded": self.tokens_loaded, "bytes_loaded": self.bytes_loaded,
-               "transfer_s": list(self.transfer_s)}
+               "staging_waits": self.staging_waits, "staging_full": self.staging_full,
+               "reads_unstopped": self.reads_unstopped, "transfer_s": list(self.transfer_s)}
         out.update(self.phases.take())
         self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
+        self.staging_waits = self.staging_full = self.reads_unstopped = 0
         self.transfer_s = []
         return out
 
@@ -85,9 +116,11 @@ class WorkerStats:
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, *, node_id: str, rank: int, expected_fingerprint: str,
                  block_size: int, client_factory: Any = None, kv_format: str | None = None,
-                 tp_size: int = 1, total_kv_heads: int = 0, kv_dtype: str | None = None):
+                 tp_size: int = 1, total_kv_heads: int = 0, kv_dtype: str | None = None,
+                 max_model_len: int = 0):
         """``rank`` of ``tp_size``: this worker's TP rank; ``total_kv_heads``: the model's KV heads
-        over all ranks (0: this rank's tensors have them all, i.e. TP 1)."""
+        over all ranks (0: this rank's tensors have them all, i.e. TP 1); ``max_model_len``: the
+        longest sequence, to size staging from (0: as many tokens as the KV cache holds)."""
         self.cfg = cfg
         self.node_id = node_id
         self.rank = rank
@@ -97,6 +130,7 @@ class WorkerSide:
         self.kv_format = kv_format  # None: from the tensor shape (the shape cannot tell AMX packing)
         self.kv_dtype = kv_dtype  # None: the tensors' (a uint8 tensor cannot tell which fp8 it holds)
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self._client_factory = client_factory
         self._client: Any = None
         self.layout: KVLayout | None = None
@@ -130,20 +164,27 @@ class WorkerSide:
         opts = transport_options(self.cfg.transport, listen_host=self.cfg.listen_host,
                                  advertise_host=self.cfg.advertise_host)
         transport = create_transport(self.cfg.transport, **opts)
-        self._staging = ReaderStaging(self.cfg.staging_mib, layout)
+        if not self.total_kv_heads:
+            self.total_kv_heads = layout.kv_heads * self.tp_size
+        self._staging = ReaderStaging(self._staging_bytes(layout), layout)
         regions = [RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions]
         transport.register(regions + ([self._staging.region()] if self._staging.enabled else []))
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
-        if not self.total_kv_heads:
-            self.total_kv_heads = layout.kv_heads * self.tp_size
         log.info("pdxfer: node %s rank %d/%d registered %d KV region(s), %d blocks x %d bytes (%d of %d KV "
-                 "heads), transport %s", self.node_id, self.rank, self.tp_size, len(layout.regions),
-                 layout.num_blocks, layout.bytes_per_block, layout.kv_heads, self.total_kv_heads,
-                 self.cfg.transport)
+                 "heads), transport %s, staging %.0f MiB", self.node_id, self.rank, self.tp_size,
+                 len(layout.regions), layout.num_blocks, layout.bytes_per_block, layout.kv_heads,
+                 self.total_kv_heads, self.cfg.transport, self._staging.nbytes / 2**20)
         return PdxferHandshake(self.node_id, self.rank, self.cfg.transport, transport.metadata(),
                                layout.to_wire(), layout.fingerprint(), tp_size=self.tp_size,
                                total_kv_heads=self.total_kv_heads, dtype=layout.dtype,
                                kv_format=layout.kv_format, block_size=layout.block_size)
+
+    def _staging_bytes(self, layout: KVLayout) -> int:
+        """``staging_mib`` when set, else from the model (longer loads stream through it)."""
+        if self.cfg.staging_mib is not None:
+            return self.cfg.staging_mib << 20
+        max_tokens = self.max_model_len or layout.num_blocks * layout.block_size
+        return auto_staging_bytes(layout, self.total_kv_heads, max_tokens, self.cfg.staging_max_mib)
 
     def _master(self) -> Any:
         if self._client is None:
@@ -227,20 +268,84 @@ class WorkerSide:
             at, peer, planner = self._peers[(ref.node_id, route.holder_rank)]
             if at != ref.endpoint(route.holder_rank).transport_metadata:  # reconnected for another load's lookup
                 raise RuntimeError(f"holder {ref.node_id} rank {route.holder_rank} is connected as another registration")
-            if isinstance(planner, ConvertingPlanner):  # READ into staging, convert when done
-                # Same block size (no holder block size in the read): block i <-> block i.
-                job = self._staging.start(planner, r) if r.remote_block_size else self._staging.start_pairs(planner, r)
-                inf.staged.append((planner, job))
-                plan = job.plan
-            else:
-                plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
+            if isinstance(planner, ConvertingPlanner):  # READ into staging piece by piece, convert each
+                assert self._staging is not None
+                stream = self._staging.stream(planner, r, peer)
+                inf.staged.append(stream)
+                inf.stream_slots.append(len(inf.handles))
+                inf.handles.append(_NOT_POSTED)
+                inf.handle_nodes.append((ref.node_id, route.holder_rank))
+                self._post_piece(inf, len(inf.staged) - 1)
+                return
+            plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
             inf.nbytes += plan.total_bytes
             inf.handles.append(self.transport.read(peer, plan))
             inf.handle_nodes.append((ref.node_id, route.holder_rank))
             bound = self._read_bound(ref.node_id, plan.total_bytes)
             inf.read_deadline = max(inf.read_deadline, time.monotonic() + bound)
         except Exception as exc:
+            if isinstance(exc, StagingTooSmall):
+                self.stats.staging_full += 1
             inf.error = f"{type(exc).__name__}: {exc}"
+
+    def _post_piece(self, inf: _Inflight, i: int) -> None:
+        """Post stream ``i``'s next piece if the staging area has room; else wait (bounded by
+        the load's own bound), then fail naming the sizes."""
+        assert self._staging is not None
+        s = inf.staged[i]
+        job = self._staging.next_piece(s)
+        now = time.monotonic()
+        if job is None:
+            if not s.waiting_since:
+                s.waiting_since = now
+                if not inf.staging_waited:
+                    inf.staging_waited = True
+                    self.stats.staging_waits += 1
+            if now - s.waiting_since > self.cfg.load_timeout_s:
+                self.stats.staging_full += 1
+                raise StagingFull(
+                    f"no room in the staging area for {now - s.waiting_since:.2f} s: this read needs "
+                    f"{s.unit} bytes per holder block ({s.remaining_bytes()} still to stage), other loads "
+                    f"use {self._staging.area.in_use} of its {self._staging.nbytes} bytes; raise staging_mib "
+                    f"or staging_max_mib")
+            return
+        s.waiting_since = 0.0
+        try:
+            handle = self.transport.read(s.peer, job.plan)
+        except Exception:
+            self._staging.release([s])  # nothing was posted into it
+            raise
+        inf.handles[inf.stream_slots[i]] = handle
+        inf.nbytes += job.plan.total_bytes
+        node = inf.handle_nodes[inf.stream_slots[i]][0]
+        inf.read_deadline = max(inf.read_deadline, now + self._read_bound(node, job.plan.total_bytes))
+
+    def _advance_streams(self, inf: _Inflight) -> bool:
+        """Scatter every staged piece that landed and post the next one; True once every stream
+        moved all its pieces. Sets ``inf.error`` when a piece cannot be scattered or posted."""
+        assert self._staging is not None
+        done = True
+        for i, s in enumerate(inf.staged):
+            h = inf.handles[inf.stream_slots[i]]
+            if s.job is not None and h is not _NOT_POSTED:
+                if h.poll() is not ReadState.DONE:
+                    done = False
+                    continue
+                try:
+                    self._staging.scatter(s)
+                except Exception as exc:
+                    inf.error = f"scatter from staging failed: {type(exc).__name__}: {exc}"
+                    return False
+            if s.finished:
+                continue
+            done = False
+            if s.job is None:
+                try:
+                    self._post_piece(inf, i)
+                except Exception as exc:
+                    inf.error = f"{type(exc).__name__}: {exc}"
+                    return False
+        return done
 
     def _connected(self, ref: HolderRef, route: Route) -> bool:
         with self._peers_lock:
@@ -308,6 +413,8 @@ class WorkerSide:
     def get_finished(self) -> set[str]:
         """Requests whose load ended (loaded or failed) since the last call; never blocks on reads."""
         out: set[str] = set()
+        if self._staging is not None:
+            self._staging.sweep()
         if not self._inflight:
             return out
         delay = test_hook_float("read_delay_s")
@@ -316,7 +423,7 @@ class WorkerSide:
                 state = self._state(inf, delay)
                 if state is None:
                     continue
-                if state == "failed" or not inf.spec.lock_id or (inf.staged and not self._scatter(inf)):
+                if state == "failed" or not inf.spec.lock_id:
                     self._drop_departed(inf)
                     self._release_unused(inf.spec.lock_id)
                     self._conclude(inf, False)
@@ -388,12 +495,34 @@ class WorkerSide:
             return "failed"
         if time.monotonic() - inf.started > self._stop_bound_s:
             # Transports bound their own stops (socket timeouts, UCX errors); past this bound a
-            # transport broke that promise. Say so loudly rather than hold the request forever.
-            log.error("pdxfer: a read for %s has not stopped %.0f s after it failed (%s); reporting the "
-                      "load failed anyway: its blocks may still receive bytes", inf.spec.req_id,
-                      self._stop_bound_s, inf.error)
+            # transport broke that promise. Cut the connections those reads use, so no more
+            # bytes can land in our blocks, before vLLM gets the blocks back; the staging ranges
+            # stay out of use until the reads stop (or a grace period after the disconnect).
+            self._disconnect_unstopped(inf)
             return "failed"
         return None
+
+    def _disconnect_unstopped(self, inf: _Inflight) -> None:
+        keys = sorted({key for h, key in zip(inf.handles, inf.handle_nodes)
+                       if h is not _NOT_POSTED and not self._handle_stopped(h)})
+        self.stats.reads_unstopped += len(keys)
+        failed = []
+        for key in keys:
+            with self._peers_lock:
+                cached = self._peers.pop(key, None)
+            if cached is None:
+                continue  # already dropped by another load: its disconnect ran
+            try:
+                self.transport.disconnect(cached[1])
+            except Exception as exc:
+                failed.append(f"{key[0]} rank {key[1]}: {exc}")
+        log.error("pdxfer: read(s) for %s from holder(s) %s have not stopped %.0f s after the load failed (%s); "
+                  "%s, reporting the load failed (a later load reconnects)", inf.spec.req_id,
+                  ", ".join("%s rank %d" % k for k in keys), self._stop_bound_s, inf.error,
+                  "disconnected them so no more bytes can land" if not failed else
+                  f"disconnecting failed ({'; '.join(failed)}): its blocks may still receive bytes, its "
+                  "staging stays out of use until the reads stop")
+        inf.unstopped = keys if not failed else []
 
     def _progress(self, inf: _Inflight, delay: float | None) -> str | None:
         """"done" when every read finished; sets ``inf.error`` when the load cannot succeed."""
@@ -416,9 +545,17 @@ class WorkerSide:
         if any(s in (ReadState.FAILED, ReadState.CANCELLED) for s in states):
             errs = [h.error for h in inf.handles if h.error is not None]
             inf.error = str(errs[0]) if errs else "read failed"
-        elif all(s is ReadState.DONE for s in states):
+            return None
+        if inf.staged:  # scatter the staged pieces that landed, post the next ones
+            moved = self._advance_streams(inf)
+            if inf.error is not None:
+                return None
+            states = [h.poll() for h in inf.handles]
+        else:
+            moved = True
+        if moved and all(s is ReadState.DONE for s in states):
             return "done"
-        elif time.monotonic() > inf.read_deadline:
+        if any(s is ReadState.PENDING for s in states) and time.monotonic() > inf.read_deadline:
             inf.error = (f"read still pending after {time.monotonic() - inf.started:.2f} s, past its bound "
                          f"(the holder is frozen or much slower than it was)")
         return None
@@ -435,15 +572,16 @@ class WorkerSide:
                 log.debug("pdxfer: cancel of a read for %s: %s", inf.spec.req_id, exc)
 
     @staticmethod
-    def _stopped(inf: _Inflight) -> bool:
+    def _handle_stopped(h: ReadHandle) -> bool:
+        try:
+            return h.poll() is not ReadState.PENDING
+        except Exception:
+            return False
+
+    @classmethod
+    def _stopped(cls, inf: _Inflight) -> bool:
         """True once no read of this load can write into its blocks any more."""
-        for h in inf.handles:
-            try:
-                if h.poll() is ReadState.PENDING:
-                    return False
-            except Exception:
-                return False
-        return True
+        return all(h is _NOT_POSTED or cls._handle_stopped(h) for h in inf.handles)
 
     def _connect_bound(self) -> float:
         return min(self.cfg.connect_timeout_s, self.cfg.load_timeout_s)
@@ -463,21 +601,19 @@ class WorkerSide:
             old = self._bandwidth.get(node_id)
             self._bandwidth[node_id] = seen if old is None else 0.7 * old + 0.3 * seen
 
-    def _scatter(self, inf: _Inflight) -> bool:
-        """Staged reads landed: move their tokens into our blocks (native kernels, ~ms)."""
-        assert self._staging is not None
-        try:
-            self._staging.scatter(inf.staged)
-            return True
-        except Exception as exc:
-            inf.error = f"scatter from staging failed: {type(exc).__name__}: {exc}"
-            return False
-
     def _conclude(self, inf: _Inflight, valid: bool) -> None:
         """Count and log a load that ended; a load not validated at the master fails its blocks.
-        Its reads have all stopped: its staging space is free again."""
+        Its staging ranges are free again, unless a read may still land in them (quarantined)."""
         if inf.staged and self._staging is not None:
-            self._staging.release(inf.staged)
+            if self._stopped(inf):
+                self._staging.release(inf.staged)
+            else:
+                held = self._staging.quarantine(
+                    inf.staged, [h for h in inf.handles if h is not _NOT_POSTED], bool(inf.unstopped),
+                    f"the failed load of {inf.spec.req_id}")
+                log.error("pdxfer: %d staging bytes of the failed load of %s stay out of use until its reads "
+                          "stop%s", held, inf.spec.req_id,
+                          " (or shortly after the disconnect)" if inf.unstopped else "")
         spec = inf.spec
         elapsed = time.monotonic() - inf.started
         # vLLM sums connector stats over TP ranks, and every rank sees every load: successes and
