@@ -109,8 +109,9 @@ class Reader:
         hb, lb = holder.layout.block_size, self.block
         read = NodeRead(holder.node_id, tuple(holder.blocks[start // hb: -(-end // hb)]),
                         tuple(table[start // lb:]), hb, start // hb * hb, start // lb * lb, start, end - start)
-        spec = LoadSpec(rid, f"lock-{rid}", end - start, (read,), time.time() + 60.0, tuple(table[start // lb:]))
-        self.worker.start_loads(PdxferConnectorMetadata([spec], {holder.node_id: holder.ref(self.kind)}))
+        spec = LoadSpec(rid, f"lock-{rid}", end - start, (read,), time.time() + 60.0, tuple(table[start // lb:]),
+                        holders=(holder.ref(self.kind),))
+        self.worker.start_loads(PdxferConnectorMetadata([spec]))
         return table
 
     def wait(self, *rids: str, timeout: float = WAIT_S) -> None:
