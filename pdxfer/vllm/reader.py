@@ -7,6 +7,7 @@ Runs on vLLM's scheduler thread; only unused locks are given back on a backgroun
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class _HintWait:
 # Between lookups of a request waiting for a hinted publish (a master round trip here is ~0.3 ms;
 # the engine loop would otherwise ask on every spin).
 _HINT_RETRY_S = 0.002
+# Unusable registrations a lookup names at most (holders come and go over a long life).
+_MAX_SKIP = 256
 
 
 class ReaderPath:
@@ -65,6 +68,10 @@ class ReaderPath:
         # Per holder (node id + what it announced): usable or not, decided once; a refusal is
         # logged once per holder and reason, naming both sides.
         self._usable: dict[tuple[str, str], bool] = {}
+        # Registrations (node id -> epoch) found unusable: every lookup names them, so the master
+        # never lets one hide a holder with the same chunks that this reader can read.
+        self._unusable_regs: dict[str, int] = {}
+        self._skip_mu = threading.Lock()  # the hint poller's thread learns holders too
         self.reader_id = reader_id
         self._hot = hot  # lookups: the short bound of the scheduler's hot path
         self._bg = bg
@@ -136,7 +143,7 @@ class ReaderPath:
         t0 = time.monotonic()
         try:
             # Every TP rank of this engine reads its heads under this lock and releases it.
-            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl, parties=self.tp_size)
+            res = self._lookup_readable(want, ttl)
         except MasterError as exc:
             self.stats.master_errors += 1
             self._lookup_log.fail(exc)
@@ -201,9 +208,51 @@ class ReaderPath:
         wait.next_try = now + _HINT_RETRY_S
         return True
 
+    def _lookup_readable(self, want: list[bytes], ttl: float) -> Any:
+        """A lookup that names the holders this reader cannot use (itself, registrations judged
+        unusable, other transports), so the master chooses among the others. An answer that
+        still names a holder not judged before (now marked) is asked once more: one retry."""
+        res = None
+        for attempt in range(2):
+            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl, parties=self.tp_size,
+                                            skip=self._skip(), transport=self.cfg.transport)
+            if attempt or res.lock_id is None or not self._learn_unusable(res):
+                return res
+            self._release_async(res.lock_id)
+        return res
+
+    def _skip(self) -> dict[str, int]:
+        with self._skip_mu:
+            skip = dict(self._unusable_regs)
+        own = self._own_node()
+        if own is not None:
+            skip[own] = 0  # every registration of this instance: its own KV is local already
+        return skip
+
+    def _learn_unusable(self, res: Any) -> bool:
+        """Mark the holders of ``res`` this reader cannot use; True when one was not marked yet."""
+        if not self._local:
+            return False  # nothing is usable before the workers' layouts arrive: judge nothing yet
+        own = self._own_node()
+        new = False
+        for nid, node in res.nodes.items():
+            epoch = res.epochs.get(nid)
+            if nid == own:
+                new = True  # skipped from the next lookup on (own is known now)
+            elif epoch is not None and not self._holder_usable(node):
+                with self._skip_mu:
+                    if self._unusable_regs.get(nid) != epoch:
+                        if len(self._unusable_regs) >= _MAX_SKIP:  # bounded: forget the oldest
+                            del self._unusable_regs[next(iter(self._unusable_regs))]
+                        self._unusable_regs[nid] = epoch
+                        new = True
+        return new
+
     def set_local_layouts(self, layouts: dict[int, KVLayout]) -> None:
         self._local = dict(layouts)
         self._usable.clear()
+        with self._skip_mu:
+            self._unusable_regs.clear()
 
     def _usable_chunks(self, lk: _Lookup) -> int:
         """Leading hit chunks this reader can load: from holders every rank of this engine can

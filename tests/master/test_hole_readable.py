@@ -41,7 +41,6 @@ def _picked(c, keys, **kw) -> list[tuple[str, list[int]]]:
     return [(loc.node_id, loc.block_ids) for loc in r.locations]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 7: the lookup cannot say which holders the reader can use")
 def test_a_lookup_chooses_only_among_holders_the_reader_can_use(master, masters):
     c = masters.client(master.address)
     far, keys = _holders(c, "skip")
@@ -63,7 +62,6 @@ def test_a_lookup_chooses_only_among_holders_the_reader_can_use(master, masters)
     assert c.stats()["locks"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 7: lookup results do not say which registration served")
 def test_a_lookup_result_names_the_registration_of_each_holder(master, masters):
     c = masters.client(master.address)
     far, keys = _holders(c, "epochs")
@@ -72,7 +70,6 @@ def test_a_lookup_result_names_the_registration_of_each_holder(master, masters):
     c.release(r.lock_id, all_parties=True)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 7: skip and transport are not part of the lookup codec")
 def test_lookup_skip_and_transport_round_trip_and_bad_ones_are_named():
     keys = keys_for("codec", 2)
     req = ops.encode_lookup(P.join_keys(keys), "r", 2.0, {}, skip={"a": 5, "b": 0}, transport="tcp")
@@ -92,7 +89,6 @@ def test_lookup_skip_and_transport_round_trip_and_bad_ones_are_named():
         assert info.value.code == P.ERR_MALFORMED
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 7: the lookup change is not a new wire version yet")
 def test_a_version_3_client_is_refused_naming_both_versions(master):
     """A reader of protocol 3 would not say what it can read: refused, not served greedily."""
     assert P.PROTOCOL_VERSION == 4

@@ -35,7 +35,6 @@ def nodes():
         n.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 7: the master returns the longest run even when unreadable")
 def test_an_unreadable_holder_does_not_hide_a_readable_one(master, nodes):
     # 'a' holds more of the prompt (the master's greedy pick) in blocks of 64: a reader without
     # staging cannot read them. 'b' holds the first two chunks in blocks like the reader's.
@@ -61,7 +60,6 @@ def test_an_unreadable_holder_does_not_hide_a_readable_one(master, nodes):
     assert _master_lookups(master.address) - before == 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 7: a kv_both instance's own chunks hide another holder's")
 def test_a_kv_both_instance_reads_from_another_holder_not_itself(master, nodes):
     # Same chunks on both; ties go to the smaller node id, which is this instance's own.
     both = nodes("a7both", master.address, True, True, seed=94)
@@ -72,3 +70,4 @@ def test_a_kv_both_instance_reads_from_another_holder_not_itself(master, nodes):
     ext, ids, errors = both.load("d", toks)
     assert ext == len(toks) - 1 and not errors
     assert _same_blocks(other, o_ids[: 2 * C // BS], both, ids[: 2 * C // BS])
+
