@@ -8,6 +8,8 @@ waits at most ``publish_hint_wait_s`` and never on vLLM's scheduler thread.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -71,3 +73,81 @@ def test_a_kv_both_instance_reads_from_another_holder_not_itself(master, nodes):
     assert ext == len(toks) - 1 and not errors
     assert _same_blocks(other, o_ids[: 2 * C // BS], both, ids[: 2 * C // BS])
 
+
+# ---------------------------------------------------------------------------- hole 8
+
+
+@pytest.fixture
+def slow_master(master):
+    """The module's master behind a real TCP proxy that holds every request 0.3 s."""
+    from tests.master.tcp_proxy import TcpProxy
+
+    host, port = master.address.rsplit(":", 1)
+    proxy = TcpProxy(host, int(port), delay_s=0.3).start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def _ask(reader: Node, rid: str, toks: list[int], hint: int) -> tuple[int | None, float]:
+    t0 = time.monotonic()
+    ext, _ = reader.sched.get_num_new_matched_tokens(rid, toks, len(toks), 0, None, hinted_tokens=hint)
+    return ext, time.monotonic() - t0
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16 hole 8: each retry is a synchronous lookup; the bound is wait + lookup")
+def test_a_hinted_wait_ends_at_publish_hint_wait_s_even_with_a_slow_master(slow_master, nodes):
+    wait_s = 0.35
+    reader = nodes("r8a", slow_master.address, False, True, seed=None, lookup_timeout_s=0.5,
+                   publish_hint_wait_s=wait_s)
+    toks = _tokens(2 * C + 5, 97)  # announced, never published: the wait runs to its bound
+    ext, took = _ask(reader, "d", toks, len(toks))
+    assert ext is None and took >= 0.25  # the first lookup (a normal one) went through the slow master
+    first_miss = time.monotonic()
+    while ext is None:
+        assert time.monotonic() - first_miss < 3.0, "the wait never ended"
+        time.sleep(0.001)
+        ext, _ = _ask(reader, "d", toks, len(toks))
+    waited = time.monotonic() - first_miss
+    assert ext == 0 and reader.sched.stats.publish_hint_timeouts == 1
+    assert waited <= wait_s + 0.1, f"waited {waited * 1e3:.0f} ms for a bound of {wait_s * 1e3:.0f} ms"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16 hole 8: a waiting request costs a master round trip per step")
+def test_waiting_requests_never_block_the_scheduler_thread_on_the_master(slow_master, nodes):
+    reader = nodes("r8b", slow_master.address, False, True, seed=None, lookup_timeout_s=0.5,
+                   publish_hint_wait_s=0.6)
+    prompts = {f"d{i}": _tokens(2 * C + 5, 100 + i) for i in range(3)}
+    for rid, toks in prompts.items():  # each request's first lookup is the normal one
+        assert _ask(reader, rid, toks, len(toks))[0] is None
+    slowest, answered, deadline = 0.0, set(), time.monotonic() + 3.0
+    while len(answered) < len(prompts):  # the engine's passes over its waiting requests
+        assert time.monotonic() < deadline, "the waits never ended"
+        for rid, toks in prompts.items():
+            if rid in answered:
+                continue
+            ext, took = _ask(reader, rid, toks, len(toks))
+            slowest = max(slowest, took)
+            if ext is not None:
+                answered.add(rid)
+        time.sleep(0.002)
+    assert slowest < 0.05, f"a waiting request held the scheduler thread {slowest * 1e3:.0f} ms"
+
+
+def test_a_late_publish_is_found_by_the_waiting_lookup(master, nodes):
+    holder = nodes("h8c", master.address, True, False, seed=98, publish_wait_s=0.0)
+    reader = nodes("r8c", master.address, False, True, seed=None, publish_hint_wait_s=2.0)
+    toks = _tokens(2 * C + 5, 99)
+    ext, _ = _ask(reader, "d", toks, len(toks))
+    assert ext is None  # nothing at the master yet: the request waits
+    _, published = holder.finish("p", toks)  # the publish lands while the decode waits
+    assert published == len(toks)
+    t0 = time.monotonic()
+    while ext is None:
+        assert time.monotonic() - t0 < 2.0, "the late publish was never found"
+        time.sleep(0.002)
+        ext, _ = _ask(reader, "d", toks, len(toks))
+    assert ext == len(toks) - 1
+    assert reader.sched.stats.publish_hint_waits == 1 and reader.sched.stats.publish_hint_timeouts == 0
+    assert len(reader.sched.stats.phases.take().get("phase_publish_wait_s", [])) == 1
