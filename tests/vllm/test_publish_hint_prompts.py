@@ -19,7 +19,6 @@ from tests.vllm.test_proxy import FakeInstance, instances, post  # noqa: F401  (
 C = 256
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 8: a hint does not name its prompt")
 def test_a_hint_applies_only_to_the_prompt_it_was_computed_for():
     publish_hint, hinted_tokens, merge_hints = hints.publish_hint, hints.hinted_tokens, hints.merge_hints
     p0, p1 = list(range(2 * C + 5)), list(range(1, 3 * C + 1))
@@ -62,7 +61,6 @@ def prefill_like():
     inst.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 8: one hint (prompt 0's) goes to every prompt")
 def test_each_prompt_of_a_multi_prompt_completion_gets_its_own_hint(prefill_like, instances):
     dec = instances("decode")
     prompts = [list(range(10, 10 + 2 * C + 3)), list(range(20, 20 + C + 40)), list(range(30, 30 + 3 * C))]

@@ -96,7 +96,6 @@ def _ask(reader: Node, rid: str, toks: list[int], hint: int) -> tuple[int | None
     return ext, time.monotonic() - t0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 8: each retry is a synchronous lookup; the bound is wait + lookup")
 def test_a_hinted_wait_ends_at_publish_hint_wait_s_even_with_a_slow_master(slow_master, nodes):
     wait_s = 0.35
     reader = nodes("r8a", slow_master.address, False, True, seed=None, lookup_timeout_s=0.5,
@@ -114,7 +113,6 @@ def test_a_hinted_wait_ends_at_publish_hint_wait_s_even_with_a_slow_master(slow_
     assert waited <= wait_s + 0.1, f"waited {waited * 1e3:.0f} ms for a bound of {wait_s * 1e3:.0f} ms"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 8: a waiting request costs a master round trip per step")
 def test_waiting_requests_never_block_the_scheduler_thread_on_the_master(slow_master, nodes):
     reader = nodes("r8b", slow_master.address, False, True, seed=None, lookup_timeout_s=0.5,
                    publish_hint_wait_s=0.6)
