@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from pdxfer.master import MasterClient  # noqa: E402
+from tests.vllm.conftest import wait_until  # noqa: E402
 from tests.vllm.test_connector_flow import BS, C, Node, _same_blocks, _tokens  # noqa: E402
 
 
@@ -149,3 +150,25 @@ def test_a_late_publish_is_found_by_the_waiting_lookup(master, nodes):
     assert ext == len(toks) - 1
     assert reader.sched.stats.publish_hint_waits == 1 and reader.sched.stats.publish_hint_timeouts == 0
     assert len(reader.sched.stats.phases.take().get("phase_publish_wait_s", [])) == 1
+
+
+def test_a_waiting_request_holds_one_lock_at_a_time(master, nodes):
+    """Every lookup of the wait takes a lock; each newer answer gives the older one back, and
+    the request goes on with the newest (a partial hit) when its bound passes."""
+    holder = nodes("h8d", master.address, True, False, seed=101)
+    reader = nodes("r8d", master.address, False, True, seed=None, publish_hint_wait_s=0.3)
+    toks = _tokens(2 * C + 5, 102)
+    holder.run_request("p", toks[: C + 5])  # the first chunk only: the second never comes
+    with MasterClient(master.address, timeout_s=5.0) as c:
+        base = int(c.stats()["locks"])
+        ext, _ = _ask(reader, "d", toks, len(toks))
+        t0 = time.monotonic()
+        while ext is None:
+            assert time.monotonic() - t0 < 2.0, "the wait never ended"
+            time.sleep(0.002)
+            ext, _ = _ask(reader, "d", toks, len(toks))
+        assert ext == C and reader.sched.stats.publish_hint_timeouts == 1
+        assert reader.sched.stats.lookups > 3  # the poller asked again and again
+        wait_until(lambda: int(c.stats()["locks"]) == base + 1, "superseded locks of the wait were kept")
+        reader.sched.reader.drop_lookup("d")
+        wait_until(lambda: int(c.stats()["locks"]) == base, "the answer's lock was not given back")
