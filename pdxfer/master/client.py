@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from pdxfer import netio
 from pdxfer.master import protocol as P
@@ -297,12 +297,15 @@ class MasterClient:
         return accepted
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, lock_ttl_s: float = 10.0,
-                        parties: int = 1) -> LookupResult:
+                        parties: int = 1, *, skip: Mapping[str, int] | None = None,
+                        transport: str | None = None) -> LookupResult:
         """The longest held prefix of ``keys``, locked. The lock's TTL is ``lock_ttl_s`` capped by
         the master's ``max_lock_ttl_s``: the result's ``lock_ttl_s`` is the one granted.
         ``parties``: how many ``release`` calls the lock waits for before its entries are
         unpinned (one per TP rank that reads under it; each release says whether the lock was
-        valid when it arrived)."""
+        valid when it arrived). ``skip`` (node id -> epoch; 0: every registration of the node) and
+        ``transport``: holders this reader cannot use, never chosen (the result's ``epochs``
+        names each holder's registration)."""
         keys = list(keys)
         if not keys:
             return LookupResult(None, 0, [], {}, lock_ttl_s)
@@ -310,8 +313,8 @@ class MasterClient:
         for attempt in range(2):
             with self._lock:
                 have = dict(self._have) if attempt == 0 else {}
-            reply = self._ask(ops.encode_lookup(joined, reader, lock_ttl_s, have, parties), ops.decode_lookup_reply,
-                              len(keys))
+            reply = self._ask(ops.encode_lookup(joined, reader, lock_ttl_s, have, parties, dict(skip or {}), transport),
+                              ops.decode_lookup_reply, len(keys))
             try:
                 nodes = {nid: self._node_from(nid, epoch, info) for nid, (epoch, info) in reply.nodes.items()}
             except _StaleNodeCache:
@@ -321,7 +324,8 @@ class MasterClient:
                     self.release(reply.lock_id, all_parties=True)
                 continue
             locations = list(map(ChunkLocation, keys[: reply.hit], reply.holders, reply.block_lists))
-            return LookupResult(reply.lock_id, reply.hit, locations, nodes, reply.ttl)
+            epochs = {nid: epoch for nid, (epoch, _) in reply.nodes.items()}
+            return LookupResult(reply.lock_id, reply.hit, locations, nodes, reply.ttl, epochs)
         raise MasterProtocolError("lookup reply referenced node descriptions the client does not have")
 
     def _node_from(self, nid: str, epoch: int, info: NodeInfo | None) -> NodeInfo:

@@ -13,7 +13,9 @@ Rules:
 - ``lookup_and_lock`` returns the longest contiguous prefix of the keys that some live node holds,
   picks holders greedily (the node with the longest run from the current chunk, ties by node id:
   deterministic, and the first pick is the node holding the longest prefix) and pins the chosen
-  entries under one lock with a deadline.
+  entries under one lock with a deadline. Only holders the reader can use are candidates: a
+  lookup names the registrations it cannot read (``skip``; epoch 0: any registration of the node)
+  and its transport, so an unreadable holder's longer run never hides a readable one.
 - ``release`` is True only if the lock was still valid when the release arrived.
 - ``unpublish_if_unlocked`` removes an entry only when no valid lock pins it, and reports every
   key the node no longer publishes (removed now, or never/no longer there): those blocks are free
@@ -27,7 +29,7 @@ import itertools
 import math
 import operator
 import os
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pdxfer.master.index_records import (
     Counters,
@@ -70,10 +72,10 @@ class ChunkIndex:
 
     # ---- membership ---------------------------------------------------------------------------
 
-    def register(self, node_id: str, info_json: str, ttl: float, now: float) -> int:
+    def register(self, node_id: str, info_json: str, ttl: float, now: float, transport: str | None = None) -> int:
         if node_id in self.nodes:
             self._drop_node(node_id, "re-registered")
-        node = Node(node_id, info_json, ttl, now + ttl, next(self._epochs))
+        node = Node(node_id, info_json, ttl, now + ttl, next(self._epochs), transport)
         self.nodes[node_id] = node
         return node.epoch
 
@@ -227,9 +229,13 @@ class ChunkIndex:
     # ---- lookups and locks --------------------------------------------------------------------
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, ttl: float, now: float,
-                        parties: int = 1) -> LookupOutcome:
-        """``parties``: how many releases the lock expects (one per TP rank reading under it)."""
+                        parties: int = 1, skip: Mapping[str, int] | None = None,
+                        transport: str | None = None) -> LookupOutcome:
+        """``parties``: how many releases the lock expects (one per TP rank reading under it).
+        ``skip`` (node id -> epoch, 0 = every registration) and ``transport``: holders the reader
+        cannot use; none of them is chosen, as if it did not hold the chunks."""
         c = self.counters
+        usable = self._usable_filter(skip, transport)
         c.lookups += 1
         c.lookup_chunks += len(keys)
         entries = self.entries
@@ -256,12 +262,14 @@ class ChunkIndex:
                     continue
                 runs.append((cur, i - run_start))
                 cur = None
-            live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now]
+            live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now
+                    and (usable is None or usable(e.node))]
             if not live:
                 break
             if len(live) == 1:
                 cur = live[0]
             else:
+                # Only live candidates are measured: each one's run holds only its own entries.
                 cur = min(live, key=lambda nid: (-self._run_length(keys, i, nid, now), nid))
             run_start = i
             append(holders[cur])
@@ -293,6 +301,22 @@ class ChunkIndex:
             b"".join(map(_BLOCKS, chosen)),
             nodes,
         )
+
+    @staticmethod
+    def _usable_filter(skip: Mapping[str, int] | None, transport: str | None) -> Callable[[Node], bool] | None:
+        """The reader's filter on candidate holders; None when it rules nothing out (the hot path
+        then pays nothing for it)."""
+        if not skip and transport is None:
+            return None
+        skip = skip or {}
+
+        def usable(node: Node) -> bool:
+            if transport is not None and node.transport is not None and node.transport != transport:
+                return False
+            e = skip.get(node.node_id)
+            return e is None or (e != 0 and e != node.epoch)
+
+        return usable
 
     def _run_length(self, keys: Sequence[bytes], start: int, nid: str, now: float) -> int:
         j = start

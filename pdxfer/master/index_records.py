@@ -43,10 +43,13 @@ class FencedError(ValueError):
 
 
 class Node:
-    __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks", "fence_seq")
+    __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks", "fence_seq",
+                 "transport")
 
-    def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int) -> None:
+    def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int,
+                 transport: str | None = None) -> None:
         self.node_id = node_id
+        self.transport = transport  # what it serves over; None: not said (a reader's filter lets it by)
         self.info_json = info_json  # pre-encoded JSON object sent with every lookup that hits it
         self.ttl = ttl
         self.expires_at = expires_at

@@ -53,7 +53,12 @@ MAGIC = b"PX"
 #            Lookups carry "parties" (releases the lock waits for: one per reader TP rank; the
 #            entries stay pinned until the last, or the deadline); release's "all": true gives
 #            back every party's share (a lock nobody reads under).
-PROTOCOL_VERSION = 3
+#   4        Issue 16 (a holder the reader cannot read hid one it can). Lookups may carry "skip"
+#            {node id: epoch} (registrations the reader cannot read; epoch 0: every registration
+#            of the node, e.g. the reader's own) and "transport" (the reader's): the master chooses
+#            no holder that is skipped or registered another transport. A version-3 reader, which
+#            cannot say either, is refused rather than served holders it may not read.
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Sequence
 
 from pdxfer.keys import KEY_BYTES
@@ -29,6 +29,7 @@ MAX_TP = 1024  # ranks of one engine (vLLM's largest TP groups are far below)
 MAX_KV_HEADS = 1 << 16
 MIN_LEASE_TTL_S = 0.1
 MIN_LOCK_TTL_S = 0.001
+MAX_SKIP = 4096  # registrations one lookup may rule out (a reader keeps far fewer)
 
 
 class Request(NamedTuple):
@@ -302,14 +303,32 @@ class LookupRequest:
     ttl: float
     have: dict[str, int]  # node id -> epoch whose description the client already holds
     parties: int = 1  # releases the lock expects (TP ranks reading under it)
+    # Registrations the reader cannot read (node id -> epoch; 0: every registration of the node)
+    # and the reader's transport (None: any): the master chooses no such holder.
+    skip: dict[str, int] = field(default_factory=dict)
+    transport: str | None = None
 
 
 def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict[str, int],
-                  parties: int = 1) -> Request:
+                  parties: int = 1, skip: dict[str, int] | None = None,
+                  transport: str | None = None) -> Request:
     """``joined_keys``: ``protocol.join_keys(keys)`` (the caller may retry with the same bytes)."""
-    doc = {"n": len(joined_keys) // KEY_BYTES, "reader": reader, "ttl": float(lock_ttl_s), "have": have,
-           "parties": int(parties)}
+    doc: dict[str, Any] = {"n": len(joined_keys) // KEY_BYTES, "reader": reader, "ttl": float(lock_ttl_s),
+                           "have": have, "parties": int(parties)}
+    if skip:
+        doc["skip"] = {str(k): int(v) for k, v in skip.items()}
+    if transport is not None:
+        doc["transport"] = transport
     return Request(P.OP_LOOKUP, doc, joined_keys)
+
+
+def _get_skip(doc: dict[str, Any]) -> dict[str, int]:
+    raw = doc.get("skip", {})
+    if (not isinstance(raw, dict) or len(raw) > MAX_SKIP
+            or not all(isinstance(k, str) and 0 < len(k) <= P.MAX_ID_CHARS and type(v) is int
+                       and 0 <= v <= MAX_EPOCH for k, v in raw.items())):
+        raise _malformed(f"field 'skip' must map at most {MAX_SKIP} node ids to epochs in [0, {MAX_EPOCH}]")
+    return raw
 
 
 def decode_lookup(doc: dict[str, Any], blob: bytes | memoryview) -> LookupRequest:
@@ -318,8 +337,10 @@ def decode_lookup(doc: dict[str, Any], blob: bytes | memoryview) -> LookupReques
     ttl = P.get_float(doc, "ttl", MIN_LOCK_TTL_S, MAX_TTL_S)
     have = doc.get("have")
     parties = P.get_int(doc, "parties", 1, MAX_TP) if "parties" in doc else 1
+    skip = _get_skip(doc)
+    transport = P.get_str(doc, "transport", optional=True)
     # "have" only saves bytes: anything unusable means "send every description".
-    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {}, parties)
+    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {}, parties, skip, transport)
 
 
 def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tuple[str, int]],

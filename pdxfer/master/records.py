@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,6 @@ class LookupResult:
     locations: list[ChunkLocation]
     nodes: dict[str, NodeInfo]
     lock_ttl_s: float
+    # The registration (epoch) of each holder in ``nodes``: what a reader names in a later
+    # lookup's ``skip`` when it cannot read that holder.
+    epochs: dict[str, int] = field(default_factory=dict)

@@ -293,7 +293,7 @@ class MasterService:
         t0 = time.perf_counter()
         req = ops.decode_lookup(doc, blob)
         ttl = min(req.ttl, self.max_lock_ttl_s)
-        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now, req.parties)
+        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now, req.parties, req.skip, req.transport)
         nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
         head = ops.encode_lookup_reply(out.lock_id, out.hit, ttl, out.runs, out.counts, nodes, req.have)
         self.lookup_seconds += time.perf_counter() - t0
@@ -326,7 +326,7 @@ class MasterService:
 
     def _register(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         req = ops.decode_register(doc, blob)
-        epoch = self.index.register(req.node_id, "", req.ttl, now)
+        epoch = self.index.register(req.node_id, "", req.ttl, now, req.transport)
         info_json = ops.encode_node_description(req, epoch)
         self.index.nodes[req.node_id].info_json = info_json
         self.coord.node_registered(req.node_id, req.ttl, info_json)

@@ -210,7 +210,8 @@ class PdxferConnector(KVConnectorBase_V1):
         return self.scheduler_side.get_num_new_matched_tokens(
             request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
             request.cache_salt, unkeyable=unkeyable_reason(request),
-            hinted_tokens=hinted_tokens(getattr(request, "kv_transfer_params", None)))
+            hinted_tokens=hinted_tokens(getattr(request, "kv_transfer_params", None),
+                                        getattr(request, "prompt_token_ids", None)))
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         return (0,)
@@ -244,7 +245,8 @@ class PdxferConnector(KVConnectorBase_V1):
         published = self.scheduler_side.request_finished(request.request_id, tokens, block_ids,
                                                          request.cache_salt, unkeyable=unkeyable_reason(request))
         # The decode this response is handed to (by a proxy) waits for these chunks, bounded.
-        return False, publish_hint(published, request.num_prompt_tokens, self.scheduler_side.cfg.chunk_tokens)
+        return False, publish_hint(published, request.num_prompt_tokens, self.scheduler_side.cfg.chunk_tokens,
+                                   getattr(request, "prompt_token_ids", None))
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_frees()

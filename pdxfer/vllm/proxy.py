@@ -8,7 +8,10 @@ For each `/v1/completions` or `/v1/chat/completions` request it
 
 No block ids travel through the proxy (pdxfer's decode finds chunks by content hash). A prefill
 answer's `kv_transfer_params` go into the decode request: pdxfer's publish hint (the decode waits,
-bounded, for chunks whose publish is still on its way). For vLLM's own NixlConnector,
+bounded, for chunks whose publish is still on its way). vLLM answers a completion of several
+prompts with prompt 0's `kv_transfer_params` only, so such a completion is prefilled one prompt
+per request and the decode request carries every prompt's hint (each names its prompt; each
+decode prompt uses only its own). For vLLM's own NixlConnector,
 `handoff="nixl"` also asks prefill for `kv_transfer_params`, which carry its block ids.
 
 Instances are chosen round-robin or least-loaded (fewest requests in flight, ties in turn). An
@@ -32,6 +35,8 @@ from typing import Any, Sequence
 
 import aiohttp
 from aiohttp import web
+
+from pdxfer.vllm.publish_hint import merge_hints
 
 log = logging.getLogger("pdxfer.proxy")
 
@@ -119,6 +124,16 @@ def prefill_body(body: dict[str, Any], handoff: str) -> dict[str, Any]:
                                    "remote_engine_id": None, "remote_block_ids": None,
                                    "remote_host": None, "remote_port": None}
     return p
+
+
+def split_prompts(body: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a completion of several prompts (strings or token id lists), else None.
+    A flat list of token ids is one prompt."""
+    prompts = body.get("prompt")
+    if (isinstance(prompts, list) and len(prompts) > 1
+            and all(isinstance(p, (str, list)) for p in prompts)):
+        return prompts
+    return None
 
 
 class PDProxy:
@@ -224,6 +239,16 @@ class PDProxy:
         finally:
             backend.in_flight -= 1
 
+    async def _prefill(self, path: str, body: dict[str, Any]) -> tuple[Backend, dict | None]:
+        """The prefill step. Several prompts: one prefill request per prompt, concurrently (an
+        answer's hint is its own prompt's), and the decode gets all their hints."""
+        prompts = split_prompts(body) if self.handoff == "none" else None
+        if prompts is None:
+            return await self._run_prefill(path, body)
+        done = await asyncio.gather(*(self._run_prefill(path, {**body, "prompt": p}) for p in prompts))
+        merged = merge_hints(params for _, params in done)
+        return done[0][0], merged if merged is not None else done[0][1]
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
@@ -237,7 +262,7 @@ class PDProxy:
         prefill_backend: Backend | None = None
         kv_params: dict | None = None
         try:
-            prefill_backend, kv_params = await self._run_prefill(path, body)
+            prefill_backend, kv_params = await self._prefill(path, body)
         except _BackendStatus as e:
             if e.status < 500 or self.prefill_failure == "error":
                 # Client errors (bad prompt, too long) are the client's: pass them through.

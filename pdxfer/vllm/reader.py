@@ -7,6 +7,7 @@ Runs on vLLM's scheduler thread; only unused locks are given back on a backgroun
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from pdxfer.master import MasterError
 from pdxfer.plan import pair_hit_blocks
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.hint_wait import HintPoller, HintWait
 from pdxfer.vllm.holder_routes import NotReadable, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
 from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
@@ -39,16 +41,11 @@ class _Lookup:
     looked_up_at: float = 0.0  # wall clock of the lookup's answer (the worker times the gap to its post)
 
 
-@dataclass
-class _HintWait:
-    since: float  # monotonic: the first lookup that missed hinted chunks
-    until: float  # past this the request goes on without them
-    next_try: float
-
-
-# Between lookups of a request waiting for a hinted publish (a master round trip here is ~0.3 ms;
-# the engine loop would otherwise ask on every spin).
+# Between lookups of a request waiting for a hinted publish (on the poller's thread; a master
+# round trip here is ~0.3 ms).
 _HINT_RETRY_S = 0.002
+# Unusable registrations a lookup names at most (holders come and go over a long life).
+_MAX_SKIP = 256
 
 
 class ReaderPath:
@@ -66,6 +63,10 @@ class ReaderPath:
         # Per holder (node id + what it announced): usable or not, decided once; a refusal is
         # logged once per holder and reason, naming both sides.
         self._usable: dict[tuple[str, str], bool] = {}
+        # Registrations (node id -> epoch) found unusable: every lookup names them, so the master
+        # never lets one hide a holder with the same chunks that this reader can read.
+        self._unusable_regs: dict[str, int] = {}
+        self._skip_mu = threading.Lock()  # the hint poller's thread learns holders too
         self.reader_id = reader_id
         self._hot = hot  # lookups: the short bound of the scheduler's hot path
         self._bg = bg
@@ -73,7 +74,8 @@ class ReaderPath:
         self._hasher = hasher
         self._own_node = own_node
         self._lookups: dict[str, _Lookup] = {}
-        self._hint_waits: dict[str, _HintWait] = {}  # requests waiting for a hinted publish
+        # Requests waiting for a hinted publish: looked up on the poller's thread, never here.
+        self._hint_waits = HintPoller(self._poll_lookup, self._release_async, _HINT_RETRY_S)
         self._pending_loads: list[LoadSpec] = []
         # This step's holder descriptions by the lookup's NodeInfo object (kept alive with it, so
         # its id is not reused): loads naming the same description share one object, which vLLM's
@@ -99,7 +101,7 @@ class ReaderPath:
         except Exception as exc:  # never an exception into vLLM's scheduler
             log.exception("pdxfer: lookup for %s failed unexpectedly: %s", req_id, exc)
             self.drop_lookup(req_id)
-            self._hint_waits.pop(req_id, None)
+            self._hint_waits.cancel(req_id)
             return 0, False
 
     def _match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local: int,
@@ -107,9 +109,17 @@ class ReaderPath:
         C = self.cfg.chunk_tokens
         if req_id in self._attempted:
             return 0, False
-        wait = self._hint_waits.get(req_id)
-        if wait is not None and time.monotonic() < wait.next_try:
-            return None, False  # the engine loop spins on a skipped request: spare the master
+        waited: HintWait | None = None
+        if req_id in self._hint_waits:
+            waited = self._hint_waits.take_if_over(req_id, time.monotonic())
+            if waited is None:
+                return None, False  # still waiting: the poller asks the master, not this thread
+            if waited.context != local:
+                # vLLM's local prefix changed meanwhile: that answer does not fit; no second wait.
+                self._end_wait(req_id, waited, hinted)
+                if waited.result is not None and waited.result.lock_id is not None:
+                    self._release_async(waited.result.lock_id)
+                waited, hinted = None, 0
         prev = self._lookups.get(req_id)
         if prev is not None:
             # vLLM asks again when it could not schedule the request: reuse a lock with time left.
@@ -122,7 +132,7 @@ class ReaderPath:
         if last <= local:
             return 0, False
         now_mono = time.monotonic()
-        if now_mono < self._backoff_until:
+        if waited is None and now_mono < self._backoff_until:
             return 0, False
         hasher = self._hasher(req_id, cache_salt)
         prompt = list(tokens[:num_tokens])
@@ -132,30 +142,39 @@ class ReaderPath:
         want = keys[first:] + ([tail] if tail is not None else [])
         if not want:
             return 0, False
-        ttl = test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s
-
-        self.stats.lookups += 1
-        t0 = time.monotonic()
-        try:
-            # Every TP rank of this engine reads its heads under this lock and releases it.
-            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl, parties=self.tp_size)
-        except MasterError as exc:
-            self.stats.master_errors += 1
-            self._lookup_log.fail(exc)
-            self._backoff_until = now_mono + 1.0  # a dead master must not cost every request a timeout
-            self._hint_waits.pop(req_id, None)
-            return 0, False
-        self._lookup_log.ok()
-        self.stats.phases.add("lookup", time.monotonic() - t0)
-        if self._wait_for_hinted(req_id, hinted, first, len(keys), tail is not None and hinted == num_tokens,
-                                 res.hit_chunks):
-            if res.lock_id is not None:
-                self._release_async(res.lock_id)
-            return None, False
+        if waited is not None:
+            self._end_wait(req_id, waited, hinted)
+            res, answered_at = waited.result, waited.answered_at
+            if res is None:
+                return 0, False
+        else:
+            ttl = test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s
+            self.stats.lookups += 1
+            t0 = time.monotonic()
+            try:
+                # Every TP rank of this engine reads its heads under this lock and releases it.
+                res = self._lookup_readable(want, ttl)
+            except MasterError as exc:
+                self.stats.master_errors += 1
+                self._lookup_log.fail(exc)
+                self._backoff_until = now_mono + 1.0  # a dead master must not cost every request a timeout
+                return 0, False
+            self._lookup_log.ok()
+            answered_at = time.time()
+            self.stats.phases.add("lookup", time.monotonic() - t0)
+            expected = self._hinted_keys(hinted, first, len(keys), tail is not None and hinted == num_tokens)
+            if res.hit_chunks < expected and self.cfg.publish_hint_wait_s > 0:
+                # Announced chunks are not there yet: wait for them off this thread, bounded by
+                # publish_hint_wait_s from this miss; this answer (and its lock) is the fallback.
+                now = time.monotonic()
+                self._hint_waits.start(req_id, HintWait(want, expected, now, now + self.cfg.publish_hint_wait_s,
+                                                        local, res, answered_at))
+                self.stats.publish_hint_waits += 1
+                return None, False
         if res.hit_chunks == 0 or res.lock_id is None:
             return 0, False
         lk = _Lookup(res.lock_id, local, first, 0, list(res.locations), dict(res.nodes),
-                     time.time() + res.lock_ttl_s, looked_up_at=time.time())
+                     answered_at + res.lock_ttl_s, looked_up_at=answered_at)
         usable = self._usable_chunks(lk)
         hit_end = (first + min(usable, len(keys) - first)) * C
         if tail is not None and usable == len(want):
@@ -175,38 +194,73 @@ class ReaderPath:
         self.stats.lookup_hit_tokens += hit_end - local
         return hit_end - local, True
 
-    def _wait_for_hinted(self, req_id: str, hinted: int, first: int, n_full: int, tail_hinted: bool,
-                         hit_chunks: int) -> bool:
-        """True when the lookup missed chunks a prefill said it published and their publish may
-        still be on its way: the caller answers None and vLLM asks again next step.
+    def _hinted_keys(self, hinted: int, first: int, n_full: int, tail_hinted: bool) -> int:
+        """Keys of a lookup (full chunks from ``first``, then the tail) that the hint covers.
         ``tail_hinted``: the hint covers this very prompt, so its tail key was published too."""
-        C = self.cfg.chunk_tokens
-        # Keys of this lookup (full chunks from ``first``, then the tail) that the hint covers.
-        expected = max(min(hinted // C, n_full) - first, 0) + (1 if tail_hinted else 0)
-        now = time.monotonic()
-        wait = self._hint_waits.get(req_id)
-        if hinted <= 0 or hit_chunks >= expected:
-            if wait is not None:
-                del self._hint_waits[req_id]
-                self.stats.phases.add("publish_wait", now - wait.since)
-            return False
-        if wait is None:
-            wait = self._hint_waits[req_id] = _HintWait(now, now + self.cfg.publish_hint_wait_s, now)
-            self.stats.publish_hint_waits += 1
-        if now >= wait.until:
-            del self._hint_waits[req_id]
+        if hinted <= 0:
+            return 0
+        return max(min(hinted // self.cfg.chunk_tokens, n_full) - first, 0) + (1 if tail_hinted else 0)
+
+    def _end_wait(self, req_id: str, w: HintWait, hinted: int) -> None:
+        self.stats.lookups += w.lookups
+        self.stats.master_errors += w.errors
+        self.stats.phases.add("publish_wait", time.monotonic() - w.since)
+        if not w.done:
             self.stats.publish_hint_timeouts += 1
-            self.stats.phases.add("publish_wait", now - wait.since)
+            got = w.result.hit_chunks if w.result is not None else 0
             log.warning("pdxfer: %s: the prefill published %d tokens but after %.0f ms the master "
                         "has %d of %d chunks; going on without the rest", req_id, hinted,
-                        self.cfg.publish_hint_wait_s * 1e3, hit_chunks, expected)
-            return False
-        wait.next_try = now + _HINT_RETRY_S
-        return True
+                        self.cfg.publish_hint_wait_s * 1e3, got, w.expected)
+
+    def _poll_lookup(self, want: list[bytes]) -> Any:
+        """One lookup of a waiting request (on the poller's thread)."""
+        return self._lookup_readable(want, test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s)
+
+    def _lookup_readable(self, want: list[bytes], ttl: float) -> Any:
+        """A lookup that names the holders this reader cannot use (itself, registrations judged
+        unusable, other transports), so the master chooses among the others. An answer that
+        still names a holder not judged before (now marked) is asked once more: one retry."""
+        res = None
+        for attempt in range(2):
+            res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl, parties=self.tp_size,
+                                            skip=self._skip(), transport=self.cfg.transport)
+            if attempt or res.lock_id is None or not self._learn_unusable(res):
+                return res
+            self._release_async(res.lock_id)
+        return res
+
+    def _skip(self) -> dict[str, int]:
+        with self._skip_mu:
+            skip = dict(self._unusable_regs)
+        own = self._own_node()
+        if own is not None:
+            skip[own] = 0  # every registration of this instance: its own KV is local already
+        return skip
+
+    def _learn_unusable(self, res: Any) -> bool:
+        """Mark the holders of ``res`` this reader cannot use; True when one was not marked yet."""
+        if not self._local:
+            return False  # nothing is usable before the workers' layouts arrive: judge nothing yet
+        own = self._own_node()
+        new = False
+        for nid, node in res.nodes.items():
+            epoch = res.epochs.get(nid)
+            if nid == own:
+                new = True  # skipped from the next lookup on (own is known now)
+            elif epoch is not None and not self._holder_usable(node):
+                with self._skip_mu:
+                    if self._unusable_regs.get(nid) != epoch:
+                        if len(self._unusable_regs) >= _MAX_SKIP:  # bounded: forget the oldest
+                            del self._unusable_regs[next(iter(self._unusable_regs))]
+                        self._unusable_regs[nid] = epoch
+                        new = True
+        return new
 
     def set_local_layouts(self, layouts: dict[int, KVLayout]) -> None:
         self._local = dict(layouts)
         self._usable.clear()
+        with self._skip_mu:
+            self._unusable_regs.clear()
 
     def _usable_chunks(self, lk: _Lookup) -> int:
         """Leading hit chunks this reader can load: from holders every rank of this engine can
@@ -338,7 +392,7 @@ class ReaderPath:
     def finish_request(self, req_id: str) -> None:
         self.drop_lookup(req_id)
         self._attempted.discard(req_id)
-        self._hint_waits.pop(req_id, None)
+        self._hint_waits.cancel(req_id)
 
     def drop_lookup(self, req_id: str) -> None:
         lk = self._lookups.pop(req_id, None)
@@ -358,4 +412,5 @@ class ReaderPath:
             pass
 
     def close(self) -> None:
+        self._hint_waits.close()  # gives its locks back through the releaser: first
         self._releaser.shutdown(wait=False, cancel_futures=True)

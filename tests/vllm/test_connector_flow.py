@@ -21,7 +21,7 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from pdxfer.layout import describe_kv_caches  # noqa: E402
 from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.vllm.config import TEST_HOOKS_ENV, parse_extra_config  # noqa: E402
-from pdxfer.vllm.publish_hint import hinted_tokens, publish_hint  # noqa: E402
+from pdxfer.vllm.publish_hint import hinted_tokens, prompt_digest, publish_hint  # noqa: E402
 from tests.vllm.conftest import finish_request, wait_until  # noqa: E402
 from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
@@ -481,13 +481,14 @@ def test_a_decode_waits_for_the_publish_its_prefill_announced(pair, tmp_path, mo
     _, hint = holder.finish("p", toks)
     assert time.monotonic() - t0 < 0.1  # the prefill did not wait for its (slow) publish
     assert hint == len(toks)  # two full chunks and the 40-token tail
-    assert publish_hint(hint, len(toks), C) == {"pdxfer": {"v": 1, "published_tokens": len(toks)}}
-    assert hinted_tokens(publish_hint(hint, len(toks), C)) == hint
-    assert hinted_tokens({"do_remote_prefill": True}) == 0 and hinted_tokens(None) == 0
+    assert publish_hint(hint, len(toks), C, toks) == {"pdxfer": {"v": 2, "hints": [
+        {"prompt": prompt_digest(toks), "published_tokens": len(toks)}]}}
+    assert hinted_tokens(publish_hint(hint, len(toks), C, toks), toks) == hint
+    assert hinted_tokens({"do_remote_prefill": True}, toks) == 0 and hinted_tokens(None, toks) == 0
     # A prefill that also generated: its tail key names generated tokens the decode does not
     # have, so only the full chunks inside the prompt are announced.
-    assert hinted_tokens(publish_hint(len(toks) + 11, len(toks), C)) == 2 * C
-    assert publish_hint(len(toks) + 11, C - 5, C) is None
+    assert hinted_tokens(publish_hint(len(toks) + 11, len(toks), C, toks), toks) == 2 * C
+    assert publish_hint(len(toks) + 11, C - 5, C, toks) is None
 
     # Without the hint the lookup beats the publish and finds nothing: the race the hint closes.
     assert reader.sched.get_num_new_matched_tokens("d0", toks, len(toks), 0, None) == (0, False)
@@ -504,7 +505,7 @@ def test_a_decode_waits_for_the_publish_its_prefill_announced(pair, tmp_path, mo
     monkeypatch.delenv(TEST_HOOKS_ENV)
     toks2 = _tokens(2 * C + 40, 35)
     _, published = holder.finish("p2", toks2 + _tokens(11, 36))
-    hint2 = hinted_tokens(publish_hint(published, len(toks2), C))
+    hint2 = hinted_tokens(publish_hint(published, len(toks2), C, toks2), toks2)
     (ext2, _), _, _ = _ask_until_answered(reader, "d2", toks2, hint2, bound_s=1.0)
     assert ext2 == 2 * C and reader.sched.stats.publish_hint_timeouts == 0
 
