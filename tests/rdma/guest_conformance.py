@@ -37,6 +37,13 @@ def shared(kind):
 
 
 @pytest.fixture
+def freeze_holds_reads():
+    """None: rxe answers READs in the kernel, so a frozen holder still serves them; the kill case
+    keeps its read in flight by size instead (test_conformance._kill_during_a_long_read)."""
+    return None
+
+
+@pytest.fixture
 def holder_factory():
     made: list[Holder] = []
 
