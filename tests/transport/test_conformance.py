@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
+import subprocess
 import time
 
 import numpy as np
@@ -28,6 +28,7 @@ from pdxfer.transport.base import (
 from .conftest import HOLDER_SIZES, MiB, freeze, read_line, spawn_reader, stop
 
 WAIT = 20.0  # generous bound for one read on a loaded 2-core box; still a bound
+DEATH_BOUND_S = 10.0  # a holder killed under a read is a typed error within this
 
 
 def remote_sizes() -> dict[int, int]:
@@ -197,32 +198,34 @@ def test_holder_killed_mid_read_gives_typed_error_in_time(kind, holder_factory, 
     holder.proc.wait(10)
     t0 = time.monotonic()
     with pytest.raises((PeerDied, PeerUnreachable)):
-        h.wait(10)
-    assert time.monotonic() - t0 < 10
+        h.wait(DEATH_BOUND_S)
+    assert time.monotonic() - t0 < DEATH_BOUND_S
 
 
 def _kill_during_a_long_read(kind, holder_factory, reader_factory) -> None:
     """Where a frozen holder still serves reads (one-sided RDMA, answered by the NIC or the
     kernel's rxe without the holder's CPU), the read is kept in flight by its size: the same plan
-    is read once whole to time it, then the holder is killed a tenth of that time into a second
-    read, which must fail typed (a DONE would mean it was never in flight)."""
+    is read whole to time it, then the holder is killed a tenth of that time into another read,
+    which must fail typed (a DONE would mean it was never in flight)."""
     holder = holder_factory(kind)
     reader = reader_factory(kind)
-    peer = reader.t.connect(holder.meta, timeout=30)
+    peer = reader.t.connect(holder.meta, timeout=WAIT)
     plan = _big_plan(reader)
-    t0 = time.monotonic()
-    read_and_check(reader, peer, plan)
-    whole = time.monotonic() - t0
+    whole = float("inf")
+    for _ in range(2):  # the first read also pays for faulting pages in: time the warm one
+        t0 = time.monotonic()
+        read_and_check(reader, peer, plan)
+        whole = min(whole, time.monotonic() - t0)
     assert whole > 0.5, f"a {plan.total_bytes} B read took {whole:.2f} s: too short to kill the holder in it"
-    killer = threading.Timer(whole / 10, os.kill, (holder.proc.pid, signal.SIGKILL))
+    # The post itself may take most of the read (and hold the GIL), so another process kills.
+    killer = subprocess.Popen(["sh", "-c", f"sleep {whole / 10:.3f}; kill -9 {holder.proc.pid}"])
     t0 = time.monotonic()
-    killer.start()  # the post itself may take most of the read, so the kill comes from a thread
     try:
-        expect_error(lambda: reader.t.read(peer, plan).wait(10), (PeerDied, PeerUnreachable))
+        expect_error(lambda: reader.t.read(peer, plan).wait(DEATH_BOUND_S), (PeerDied, PeerUnreachable))
     finally:
-        killer.cancel()
+        killer.wait(whole + 10)
     holder.proc.wait(10)
-    assert time.monotonic() - t0 < whole / 10 + 10
+    assert time.monotonic() - t0 < whole / 10 + DEATH_BOUND_S
 
 
 def test_cancel_is_bounded_and_transport_stays_usable(kind, holder_factory, reader_factory, freeze_holds_reads):
