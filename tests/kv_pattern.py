@@ -67,15 +67,23 @@ def describe(fmt: str, phys: torch.Tensor, block_size: int) -> KVLayout:
     return describe_kv_caches(as_cache(phys), block_size=block_size, kv_format=fmt)
 
 
-def pattern_value(layer: int, kv: int, token: int, head: int, dim: int, heads: int, head_dim: int) -> float:
-    """A distinct, exactly representable (float32) value per (layer, K/V, token, model head, dim)."""
-    return float((((layer * 2 + kv) * 4096 + token) * heads + head) * head_dim + dim + 1)
+# A holder's seed shifts all its values, so two holders of the same heads serve different bytes.
+SEED_STRIDE = 1 << 20
+
+
+def pattern_value(layer: int, kv: int, token: int, head: int, dim: int, heads: int, head_dim: int,
+                  seed: int = 0) -> float:
+    """A distinct, exactly representable (float32) value per (layer, K/V, token, model head, dim)
+    and holder ``seed`` (exact while below 2**24: keep caches and seeds small)."""
+    return float((((layer * 2 + kv) * 4096 + token) * heads + head) * head_dim + dim + 1 + seed * SEED_STRIDE)
 
 
 def pattern_logical(layers: int, blocks: list[int], num_blocks: int, block_size: int, first_head: int,
-                    nheads: int, total_heads: int, head_dim: int, ntokens: int, filler: float = -1.0) -> torch.Tensor:
+                    nheads: int, total_heads: int, head_dim: int, ntokens: int, filler: float = -1.0,
+                    seed: int = 0) -> torch.Tensor:
     """Logical float32 KV where token t of a sequence sits in ``blocks[t // block_size]``; heads
-    ``[first_head, first_head + nheads)`` of the model's ``total_heads``; ``filler`` elsewhere."""
+    ``[first_head, first_head + nheads)`` of the model's ``total_heads``; ``filler`` elsewhere;
+    values as :func:`pattern_value` gives them for ``seed``."""
     out = torch.full((layers, 2, num_blocks, block_size, nheads, head_dim), filler, dtype=torch.float32)
     L = torch.arange(layers).view(layers, 1, 1, 1, 1)
     kv = torch.arange(2).view(1, 2, 1, 1, 1)
@@ -83,7 +91,8 @@ def pattern_logical(layers: int, blocks: list[int], num_blocks: int, block_size:
     dim = torch.arange(head_dim).view(1, 1, 1, 1, head_dim)
     for i, b in enumerate(blocks):
         tok = (i * block_size + torch.arange(block_size)).view(1, 1, block_size, 1, 1)
-        vals = ((((L * 2 + kv) * 4096 + tok) * total_heads + head) * head_dim + dim + 1).to(torch.float32)
+        vals = ((((L * 2 + kv) * 4096 + tok) * total_heads + head) * head_dim + dim + 1
+                + seed * SEED_STRIDE).to(torch.float32)
         n = min(block_size, ntokens - i * block_size)
         if n > 0:
             out[:, :, b, :n] = vals[:, :, :n]

@@ -19,7 +19,7 @@ from tests.transport.test_conformance import (  # noqa: F401  (collected here, w
     test_single_run_exact,
 )
 
-from .conftest import HOLDER_DEV, HOLDER_PREFIX, NOT_RDMA, READER_DEV, ucx_lane_lines
+from .conftest import HOLDER_DEV, HOLDER_PREFIX, NOT_RDMA, READER_DEV, START_S, guest_bound, ucx_lane_lines
 
 KINDS_OVER_RXE = ("nixl",)
 
@@ -31,9 +31,16 @@ def kind(request) -> str:
 
 @pytest.fixture(scope="module")
 def shared(kind):
-    peers = SharedPeers({"prefix_cmd": HOLDER_PREFIX, "timeout": 120}, connect_timeout=30)
+    peers = SharedPeers({"prefix_cmd": HOLDER_PREFIX, "timeout": START_S}, connect_timeout=guest_bound(30))
     yield peers
     peers.close()
+
+
+@pytest.fixture
+def freeze_holds_reads():
+    """None: rxe answers READs in the kernel, so a frozen holder still serves them; the kill case
+    keeps its read in flight by size instead (test_conformance._kill_during_a_long_read)."""
+    return None
 
 
 @pytest.fixture
@@ -41,7 +48,7 @@ def holder_factory():
     made: list[Holder] = []
 
     def make(k: str, sizes: tuple[int, ...] = HOLDER_SIZES) -> Holder:
-        h = start_holder(k, sizes=sizes, prefix_cmd=HOLDER_PREFIX, timeout=120)
+        h = start_holder(k, sizes=sizes, prefix_cmd=HOLDER_PREFIX, timeout=START_S)
         made.append(h)
         return h
 
@@ -62,11 +69,11 @@ def test_ucx_carried_the_reads_over_rc_verbs_on_rxe(tmp_path):
         holder = subprocess.Popen(base + ["hold", "--kind", "nixl", "--sizes", str(MiB)], cwd=REPO, text=True,
                                   stdout=subprocess.PIPE, stderr=herr, env=dict(env, UCX_NET_DEVICES=f"{HOLDER_DEV}:1"))
     try:
-        meta = read_line(holder, "META ", 120).split()[1]
+        meta = read_line(holder, "META ", START_S).split()[1]
         with open(logs["reader"], "w") as rerr:
             reader = subprocess.run(base + ["read", "--kind", "nixl", "--meta", meta, "--remote-size", str(MiB),
-                                            "--block", "4096", "--batch", "64", "--timeout", "30"],
-                                    cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=rerr, timeout=120,
+                                            "--block", "4096", "--batch", "64", "--timeout", str(guest_bound(30))],
+                                    cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=rerr, timeout=2 * START_S,
                                     env=dict(env, UCX_NET_DEVICES=f"{READER_DEV}:1"))
     finally:
         stop(holder)

@@ -17,18 +17,19 @@ from pdxfer.transport.base import ReadState, RegisteredRegion
 from tests.transport.conftest import REPO, child_env, read_line, stop
 
 from . import e2e_peer as peer
-from .conftest import HOLDER_PREFIX
+from .conftest import HOLDER_PREFIX, START_S, guest_bound
 
 
 def test_master_holder_reader_move_chunks_over_rxe():
-    master = start_local_master(timeout_s=60)
+    master = start_local_master(timeout_s=START_S)
     holder = None
     t = None
     try:
         holder = subprocess.Popen(HOLDER_PREFIX + [sys.executable, "-m", "tests.rdma.e2e_peer", "--master",
                                                    master.address, "--node-id", "holder-0"],
                                   cwd=REPO, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert read_line(holder, "READY ", 180).split()[1] == "3", "the master did not accept 3 chunks"
+        # This holder imports torch too: two process starts' worth.
+        assert read_line(holder, "READY ", 2 * START_S).split()[1] == "3", "the master did not accept 3 chunks"
         whole, caches = peer.kv_cache(None)
         local = peer.layout_of(caches)
         t = create_transport("nixl")
@@ -39,11 +40,11 @@ def test_master_holder_reader_move_chunks_over_rxe():
             assert res.hit_chunks == 3 and res.lock_id, res
             node = res.nodes[res.locations[0].node_id]
             remote = KVLayout.from_wire(node.layout)
-            conn = t.connect(node.transport_metadata, timeout=30)
+            conn = t.connect(node.transport_metadata, timeout=guest_bound(30))
             remote_blocks = [b for loc in res.locations for b in loc.block_ids]
             local_blocks = [b for i in range(3) for b in (50 - 2 * i, 51 - 2 * i)]  # reordered on purpose
             plan = build_plan(remote, remote_blocks, local, local_blocks)
-            assert t.read(conn, plan).wait(60) is ReadState.DONE
+            assert t.read(conn, plan).wait(guest_bound(60)) is ReadState.DONE
             assert client.release(res.lock_id), "the lock expired before the read finished"
         expected, _ = peer.kv_cache(7)
         for rb, lb in zip(remote_blocks, local_blocks):

@@ -87,6 +87,7 @@ class Holder:
     meta: bytes
     sizes: tuple[int, ...] = HOLDER_SIZES
     extra: list = field(default_factory=list)
+    seed: int = 0  # the pattern seed of its regions
 
 
 def freeze(pid: int, timeout: float = 10.0) -> None:
@@ -113,15 +114,18 @@ def spawn(args: list[str], prefix_cmd: list[str] | None = None) -> subprocess.Po
 
 
 def start_holder(kind: str, sizes: tuple[int, ...] = HOLDER_SIZES, opts: dict | None = None,
-                 prefix_cmd: list[str] | None = None, timeout: float = 60.0) -> Holder:
+                 prefix_cmd: list[str] | None = None, timeout: float = 60.0, seed: int = 0) -> Holder:
+    """A holder process serving ``sizes`` regions of :func:`pdxfer.probe.pattern.pattern` with
+    ``seed``; tests with two holders give each its own seed, so bytes from the wrong one show."""
     opts = transport_options(kind) if opts is None else opts
-    proc = spawn(["hold", "--kind", kind, "--sizes", ",".join(map(str, sizes)), *_opt_args(opts)], prefix_cmd)
+    proc = spawn(["hold", "--kind", kind, "--sizes", ",".join(map(str, sizes)), "--seed", str(seed),
+                  *_opt_args(opts)], prefix_cmd)
     try:
         line = read_line(proc, "META ", timeout)
     except BaseException:
         stop(proc)
         raise
-    return Holder(kind, proc, bytes.fromhex(line.split()[1]), sizes)
+    return Holder(kind, proc, bytes.fromhex(line.split()[1]), sizes, seed=seed)
 
 
 def spawn_reader(kind: str, holder: Holder, block: int, batch: int, seed: int = 1, loop: bool = False,
@@ -129,6 +133,7 @@ def spawn_reader(kind: str, holder: Holder, block: int, batch: int, seed: int = 
     opts = transport_options(kind) if opts is None else opts
     args = ["read", "--kind", kind, "--meta", holder.meta.hex(), "--remote-size", str(holder.sizes[0]),
             "--block", str(block), "--batch", str(batch), "--seed", str(seed), "--iters", str(iters),
+            "--pattern-seed", str(holder.seed),
             *_opt_args(opts)]
     if loop:
         args.append("--loop")
@@ -165,6 +170,28 @@ def kind(request) -> str:
     if reason:
         pytest.skip(reason)
     return request.param
+
+
+# What makes a frozen holder unable to finish a read, per kind. pdxfer's TCP holder serves every
+# byte itself. UCX's shared-memory and CMA lanes copy a frozen process's memory without it (a
+# 160 MiB NIXL READ from a SIGSTOPped holder completes here), so the tests that need a read held in
+# flight pin UCX to TCP, whose READs the holder's own progress serves. UCX reads the variable
+# when each context is created: this process's readers and the holder's command both get it.
+HOLD_READS_ENV: dict[str, dict[str, str]] = {"tcp": {}, "nixl": {"UCX_TLS": "tcp"}}
+
+
+@pytest.fixture
+def freeze_holds_reads(kind, monkeypatch) -> list[str] | None:
+    """Set up this process so that a frozen holder cannot finish a read of ``kind``; returns the
+    command prefix for the holder (pass it as ``prefix_cmd``). A suite where no setting does it
+    (one-sided RDMA, served without the holder's CPU) overrides this fixture to return None."""
+    if kind not in HOLD_READS_ENV:
+        pytest.fail(f"tests/transport/conftest.py HOLD_READS_ENV does not say how a frozen {kind} holder "
+                    f"is kept from finishing a read")
+    env = HOLD_READS_ENV[kind]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return ["env", *(f"{k}={v}" for k, v in env.items())]
 
 
 @pytest.fixture

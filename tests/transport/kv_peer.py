@@ -32,12 +32,13 @@ def main(argv: list[str] | None = None) -> int:
                  "--ntokens"):
         ap.add_argument(name, type=int, required=True)
     ap.add_argument("--opt", action="append", default=[])
+    ap.add_argument("--seed", type=int, default=0, help="pattern seed (tests.kv_pattern.pattern_value)")
     a = ap.parse_args(argv)
     _die_with_parent()
     heads = rank_heads(a.total_heads, a.tp, a.rank)
     blocks = [int(b) for b in a.blocks.split(",")]
     logical = pattern_logical(a.layers, blocks, a.num_blocks, a.block, heads.first, heads.count, a.total_heads,
-                              a.head_dim, a.ntokens)
+                              a.head_dim, a.ntokens, seed=a.seed)
     phys = encode(a.format, logical)
     layout = describe(a.format, phys, a.block)
     t = create_transport(a.kind, **_opts(a.opt))

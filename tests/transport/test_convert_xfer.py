@@ -51,21 +51,23 @@ class KVHolder:
     meta: bytes
     layout: KVLayout
     blocks: list[int]
+    seed: int = 0  # its pattern seed (tests.kv_pattern)
 
 
 @pytest.fixture
 def start_kv_holder(procs):
-    def start(kind: str, fmt: str, block: int, total_heads: int, tp: int = 1, rank: int = 0) -> KVHolder:
+    def start(kind: str, fmt: str, block: int, total_heads: int, tp: int = 1, rank: int = 0,
+              seed: int = 0) -> KVHolder:
         blocks = _seq_blocks(block, seed=100 + 10 * block)  # one block table for all TP ranks, as in vLLM
         args = ["--kind", kind, "--format", fmt, "--block", str(block), "--num-blocks", str(_nblocks(block)),
                 "--layers", str(LAYERS), "--total-heads", str(total_heads), "--tp", str(tp), "--rank", str(rank),
                 "--head-dim", str(D), "--ntokens", str(NTOK), "--blocks", ",".join(map(str, blocks)),
-                *_opt_args(transport_options(kind))]
+                "--seed", str(seed), *_opt_args(transport_options(kind))]
         proc = subprocess.Popen([sys.executable, "-m", "tests.transport.kv_peer", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=REPO, env=child_env())
         procs.append(proc)
         _, meta, layout = read_line(proc, "META ", 60.0).split(" ", 2)
-        return KVHolder(bytes.fromhex(meta), KVLayout.from_wire(json.loads(layout)), blocks)
+        return KVHolder(bytes.fromhex(meta), KVLayout.from_wire(json.loads(layout)), blocks, seed)
 
     return start
 
@@ -114,12 +116,14 @@ class KVReader:
         assert plan.total_bytes == len(plan.runs) * plan.runs[0].nbytes  # slices of blocks, no more
         assert self.t.read(peer, plan).wait(WAIT) is ReadState.DONE
 
-    def check(self, whole_blocks: bool = False) -> None:
-        """Tokens [START, END) hold the pattern, earlier ones the filler; ``whole_blocks``: the last
-        block came whole, so tokens [END, NTOK) hold the pattern and the rest the holder's -1."""
+    def check(self, whole_blocks: bool = False, seed: int = 0) -> None:
+        """Tokens [START, END) hold the pattern of holder ``seed``, earlier ones the filler;
+        ``whole_blocks``: the last block came whole, so tokens [END, NTOK) hold the pattern and the
+        rest the holder's -1."""
         got = decode(self.fmt, self.phys)
         want = pattern_logical(LAYERS, self.blocks, _nblocks(self.block), self.block, self.heads.first,
-                               self.heads.count, self.total_heads, D, NTOK if whole_blocks else END, filler=FILLER)
+                               self.heads.count, self.total_heads, D, NTOK if whole_blocks else END, filler=FILLER,
+                               seed=seed)
         seq = torch.as_tensor(self.blocks)
         before = torch.arange(START)
         want[:, :, seq[before // self.block], before % self.block] = FILLER
@@ -188,14 +192,15 @@ def test_tp1_holder_to_tp2_readers_each_read_their_slice(kind, start_kv_holder, 
 
 def test_mqa_replicated_head_tp2_to_tp2(kind, start_kv_holder, make_reader):
     # One KV head, TP 2 on both sides: each holder rank holds a copy; each reader takes its own.
-    holders = [start_kv_holder(kind, FLASH_NHD, 16, total_heads=1, tp=2, rank=r) for r in range(2)]
+    # The copies get different values (a seed per rank): a read from the other rank would show.
+    holders = [start_kv_holder(kind, FLASH_NHD, 16, total_heads=1, tp=2, rank=r, seed=r + 1) for r in range(2)]
     used = []
     for rank in range(2):
         reader = make_reader(kind, FLASH_HND, 32, total_heads=1, tp=2, rank=rank)
         (s,) = head_sources(1, holder_tp=2, reader_tp=2, reader_rank=rank)
         used.append(s.holder_rank)
         reader.load(holders[s.holder_rank], s)
-        reader.check()
+        reader.check(seed=holders[rank].seed)
     assert used == [0, 1]
 
 

@@ -351,10 +351,10 @@ def test_bad_run_in_small_and_large_plans_is_named(holder_factory, nixl_reader, 
 
 def test_concurrent_connects_and_reads_to_two_holders(holder_factory, nixl_reader):
     """Each holder has its own random cookie, so handshakes racing on the landing bytes would fail
-    as a cookie mismatch (the region bytes of both holders are the same pattern)."""
+    as a cookie mismatch; each serves its own pattern, so a read served by the wrong holder shows."""
     import threading
 
-    holders = [holder_factory("nixl", sizes=(8 * MiB,)) for _ in range(2)]
+    holders = [holder_factory("nixl", sizes=(8 * MiB,), seed=i) for i in range(2)]
     t, dst = nixl_reader(16 * MiB)
     peers: dict[int, str] = {}
     errors: list[BaseException] = []
@@ -379,5 +379,6 @@ def test_concurrent_connects_and_reads_to_two_holders(holder_factory, nixl_reade
     handles = [t.read(peers[i], plans[i]) for i in range(2)]
     for h in handles:
         assert h.wait(WAIT) is ReadState.DONE
-    for p in plans:
-        assert mismatches(p, {0: dst}, {0: 8 * MiB}) == []
+    for i, p in enumerate(plans):
+        assert mismatches(p, {0: dst}, {0: 8 * MiB}, seed=holders[i].seed) == [], f"holder {i}'s bytes"
+        assert mismatches(p, {0: dst}, {0: 8 * MiB}, seed=holders[1 - i].seed), "the two patterns must differ"

@@ -1,6 +1,7 @@
 """Soft-RoCE testbed: run a command inside a QEMU (TCG) guest that has two rxe devices.
 
     tools/softroce/run.sh [--repo DIR] [--venv DIR] [--timeout S] [--mem MiB] [--no-install] -- CMD...
+    tools/softroce/run.sh --install-only     (what scripts/setup.sh runs: the packages, nothing else)
 
 Installs the Debian packages it needs (when root and apt exists), builds and caches the guest
 (kernel package + busybox initramfs, under <repo>/.pdxfer-run/softroce or $PDXFER_SOFTROCE_CACHE),
@@ -220,8 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtu", type=int, default=9000, help="veth MTU (rxe's active MTU follows: 9000 -> 4096)")
     ap.add_argument("--no-install", action="store_true", help="never call apt-get; fail if something is missing")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (logs) on success too")
+    ap.add_argument("--install-only", action="store_true",
+                    help="install the Debian packages the testbed needs (root, apt-get), then exit")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="command to run inside (after --)")
     a = ap.parse_args(argv)
+    if a.install_only:
+        try:
+            ensure_packages(install=True)
+        except TestbedError as exc:
+            print(f"softroce: {exc}", file=sys.stderr)
+            return 125
+        return 0
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
         ap.error("no command given (tools/softroce/run.sh -- CMD ...)")
