@@ -87,7 +87,7 @@ class _FakeMaster:
         self.answer: LookupResult | None = None
         self.released: list[str] = []
 
-    def lookup_and_lock(self, keys, reader, lock_ttl_s=None, parties=1):
+    def lookup_and_lock(self, keys, reader, lock_ttl_s=None, parties=1, *, skip=None, transport=None):
         assert self.answer is not None
         res, self.answer = self.answer, None
         assert res.hit_chunks <= len(keys)
