@@ -120,6 +120,8 @@ def check_logprobs(got: Answer, ref: Answer, tol: float = LOGPROB_TOL) -> float:
     only as a near-tie at the k-th place (its logprob within ``tol`` of the other's k-th)."""
     if not ref.top or len(ref.top) != len(ref.tokens):
         raise ValueError("the reference answer has no logprobs: ask() it with logprobs")
+    if len(got.top) != len(got.tokens):
+        raise OracleMismatch("logprobs", f"the answer has logprobs for {len(got.top)} of {len(got.tokens)} tokens")
     worst = 0.0
     for i, (g, r) in enumerate(zip(got.top, ref.top)):
         for tok in set(g) | set(r):
@@ -210,7 +212,9 @@ def pair_oracle(pair: "PDPair", prompt: list[int], max_tokens: int, loaded: int 
     seen = wait_metric(pair.decode_port, EXTERNAL_HITS, hits + loaded) - hits
     if seen != loaded:
         raise OracleMismatch("cached", f"vLLM's {EXTERNAL_HITS} grew by {seen:.0f} for the request, expected {loaded}")
-    return got, assert_decode_right(pair, got, ref, loaded)
+    worst = assert_decode_right(pair, got, ref, loaded)
+    print(f"pair oracle: {len(prompt)}-token prompt, top-{TOP_K} logprobs within {worst:.2g} of plain")  # for -rA
+    return got, worst
 
 
 def assert_oracle_catches_corruption(pair: "PDPair", n_tokens: int, seed: int, max_tokens: int) -> None:
