@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import ask, assert_decode_right, make_pair, pair_oracle, prompt_of, through_pair
+from tests.vllm.conftest import (
+    ask, assert_decode_right, check_logprobs, make_pair, pair_oracle, prompt_of, through_pair,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -39,6 +41,7 @@ def test_prompts_sharing_one_chunk_of_a_holder_block_load_their_own_tokens(pair)
     ask(pair.prefill_port, first, 1)  # published; the decode never sees it
     ref = ask(pair.prefill_port, second, MAX_TOKENS)  # the producer computing all of it alone
     got = through_pair(pair, second, MAX_TOKENS)
+    check_logprobs(got, ref)  # first: wrong KV (hole 1) is the worse failure, name it if it happens
     assert_decode_right(pair, got, ref, loaded=len(second) - 1)
 
 
