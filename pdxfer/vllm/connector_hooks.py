@@ -26,3 +26,15 @@ def test_hook_float(name: str) -> float | None:
     except ValueError:
         return None
     return value if value > 0 else None
+
+
+def test_hook_text(name: str) -> str | None:
+    """The stripped text of hook file ``name`` (None when hooks are off, the file is absent or empty)."""
+    d = os.environ.get(TEST_HOOKS_ENV)
+    if not d:
+        return None
+    try:
+        text = (Path(d) / name).read_text().strip()
+    except OSError:
+        return None
+    return text or None

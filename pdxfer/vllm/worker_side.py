@@ -25,6 +25,7 @@ from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.load_corruption import maybe_corrupt_load
 from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
 from pdxfer.vllm.phase_times import PhaseTimes
@@ -430,6 +431,7 @@ class WorkerSide:
                     del self._inflight[req_id]
                     out.add(req_id)
                     continue
+                maybe_corrupt_load(self.layout, req_id, inf.spec.blocks)  # test hook; off in production
                 # The bytes are in; only the master can say whether the lock held throughout.
                 # Ask off the step path; a quick answer is still taken in this same step.
                 inf.validating_since = time.monotonic()

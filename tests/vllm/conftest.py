@@ -1,5 +1,14 @@
 """Real ``vllm serve`` pairs (prefill = kv_producer, decode = kv_consumer) of the tiny model on CPU,
 with a real pdxfer-master, started once per test module and always stopped (process groups).
+
+The pair oracle (:func:`assert_decode_right`): a decode that loaded its prefix must give the same
+top-k logprobs as the plain computation (the producer computing the prompt itself) within
+:data:`LOGPROB_TOL`, and the request's own load must be what the test expects, as counted by
+pdxfer (the decode's log line for that request) and by vLLM (the request's ``cached_tokens``,
+and ``vllm:external_prefix_cache_hits`` in sequential tests). Greedy text alone is no oracle
+with a random-weight model: wrong KV in a quarter of a prompt left 8 greedy tokens unchanged
+while moving the top-5 logprobs by 0.5. :func:`assert_oracle_catches_corruption` proves the
+oracle's power on each pair: loads corrupted on purpose (pdxfer.vllm.load_corruption) must fail it.
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ import random
 import re
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +37,17 @@ CHUNK = 256
 # Pairs run in float32: greedy answers of a random-weight tiny model in bf16 flip in about 1 of 16
 # requests between a batched run and a run alone, on one plain instance without any transfer, so a
 # bf16 comparison of concurrent answers measures batch noise, not whether the KV was right.
-PAIR_VLLM_ARGS = ("--dtype", "float32")
+# --enable-prompt-tokens-details: each answer carries vLLM's own count of the prompt tokens it
+# did not compute (usage.prompt_tokens_details.cached_tokens: local prefix cache + connector).
+PAIR_VLLM_ARGS = ("--dtype", "float32", "--enable-prompt-tokens-details")
+TOP_K = 5
+# Top-k logprobs (float32) of a decode that loaded its prefix vs the plain computation: correct
+# loads were measured within 2e-6 to 1e-5 of it (float32 sums in another order: another batch,
+# block size or chunking of the attention), wrong KV in one 64-token block of a 214-token prompt
+# 0.42-0.50 away, and every corruption mode of the mutation check at least 0.02 away. 1e-3 sits
+# two orders of magnitude from either side.
+LOGPROB_TOL = 1e-3
+LOG_WAIT_S = 5.0  # a load's log line is written in the step that concludes it: well before the answer
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +55,10 @@ def tiny_model() -> Path:
     return make_tiny_model(default_tiny_model_dir())
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def post_json(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S,
+              headers: dict[str, str] | None = None) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"{}")
 
@@ -46,16 +68,183 @@ def post_json(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S
 _HINTS: dict[tuple[int, ...], dict] = {}
 
 
-def complete(port: int, prompt: list[int], max_tokens: int, forward_hint: bool = True) -> str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+@dataclass
+class Answer:
+    """One completion: its text, per generated token its id and top-k logprobs, and vLLM's count
+    of the prompt tokens it did not compute."""
+
+    text: str
+    tokens: list[str]  # "token_id:N"
+    top: list[dict[str, float]]  # per generated token: {"token_id:N": logprob} of the top k
+    cached_tokens: int | None
+    request_id: str  # the X-Request-Id sent; vLLM's own id for it starts with "cmpl-<it>-"
+
+
+def ask(port: int, prompt: list[int], max_tokens: int, forward_hint: bool = True) -> Answer:
+    """A greedy completion of token ids ``prompt`` from the instance on ``port``, with the top-k
+    logprobs of each generated token; the prefill's publish hint is forwarded like a proxy does."""
+    return ask_url(f"http://127.0.0.1:{port}", prompt, max_tokens, forward_hint)
+
+
+def ask_url(base_url: str, prompt: list[int], max_tokens: int, forward_hint: bool = True) -> Answer:
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "logprobs": TOP_K, "return_tokens_as_token_ids": True}
     if forward_hint and tuple(prompt) in _HINTS:
         body["kv_transfer_params"] = _HINTS[tuple(prompt)]
-    out = post_json(f"http://127.0.0.1:{port}/v1/completions", body)
+    rid = f"t-{uuid.uuid4().hex[:16]}"
+    out = post_json(f"{base_url}/v1/completions", body, headers={"X-Request-Id": rid})
     if out.get("kv_transfer_params"):
         _HINTS[tuple(prompt)] = out["kv_transfer_params"]
-    return out["choices"][0]["text"]
+    choice = out["choices"][0]
+    lp = choice.get("logprobs") or {}
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return Answer(choice["text"], list(lp.get("tokens") or []), [dict(t or {}) for t in lp.get("top_logprobs") or []],
+                  details.get("cached_tokens"), rid)
 
 
+def complete(port: int, prompt: list[int], max_tokens: int, forward_hint: bool = True) -> str:
+    return ask(port, prompt, max_tokens, forward_hint).text
+
+
+class OracleMismatch(AssertionError):
+    """The pair oracle found a decode that differs from the plain computation; ``what`` says in
+    what: "loaded" / "cached" (the request's own load), "logprobs" or "text" (the KV was wrong)."""
+
+    def __init__(self, what: str, detail: str):
+        super().__init__(f"{what}: {detail}")
+        self.what = what
+
+
+def check_logprobs(got: Answer, ref: Answer, tol: float = LOGPROB_TOL) -> float:
+    """Raise OracleMismatch unless ``got``'s top-k logprobs are within ``tol`` of ``ref``'s at every
+    generated token; returns the largest difference seen. A token in one top-k only is allowed
+    only as a near-tie at the k-th place (its logprob within ``tol`` of the other's k-th)."""
+    if not ref.top or len(ref.top) != len(ref.tokens):
+        raise ValueError("the reference answer has no logprobs: ask() it with logprobs")
+    if len(got.top) != len(got.tokens):
+        raise OracleMismatch("logprobs", f"the answer has logprobs for {len(got.top)} of {len(got.tokens)} tokens")
+    worst = 0.0
+    for i, (g, r) in enumerate(zip(got.top, ref.top)):
+        for tok in set(g) | set(r):
+            if tok in g and tok in r:
+                d = abs(g[tok] - r[tok])
+            else:
+                mine, other = (g, r) if tok in g else (r, g)
+                d = max(0.0, mine[tok] - min(other.values()))
+            worst = max(worst, d)
+            if d > tol:
+                raise OracleMismatch("logprobs", f"generated token {i}: {tok} has logprob {g.get(tok)} in the "
+                                     f"decode, {r.get(tok)} plain; {d:.3g} apart (tolerance {tol})")
+        if got.tokens[i] != ref.tokens[i]:  # a near-tie went the other way: nothing to compare beyond
+            raise OracleMismatch("text", f"generated token {i} is {got.tokens[i]}, plain {ref.tokens[i]}")
+    if got.tokens != ref.tokens or got.text != ref.text:
+        raise OracleMismatch("text", f"{got.text!r} vs plain {ref.text!r}")
+    return worst
+
+
+_LOADED = re.compile(r"pdxfer: loaded (\d+) tokens \(.*\) for (\S+) in ")
+_FAILED = re.compile(r"pdxfer: load of (\d+) tokens for (\S+) failed")
+_CORRUPTED = re.compile(r"pdxfer test hook corrupt_load: corrupted the load of (\S+) ")
+
+
+@dataclass
+class RequestLoads:
+    """What the decode's pdxfer worker logged about one request's loads (tokens per load)."""
+
+    loaded: list[int]
+    failed: list[int]
+    corrupted: int
+
+
+def request_loads(log_path: Path, request_id: str) -> RequestLoads:
+    prefix = f"cmpl-{request_id}-"
+    out = RequestLoads([], [], 0)
+    for line in log_path.read_text(errors="replace").splitlines():
+        if prefix not in line:
+            continue
+        if (m := _LOADED.search(line)) and m.group(2).startswith(prefix):
+            out.loaded.append(int(m.group(1)))
+        elif (m := _FAILED.search(line)) and m.group(2).startswith(prefix):
+            out.failed.append(int(m.group(1)))
+        elif (m := _CORRUPTED.search(line)) and m.group(1).startswith(prefix):
+            out.corrupted += 1
+    return out
+
+
+def assert_decode_right(pair: "PDPair", got: Answer, ref: Answer, loaded: int | None,
+                        cached: int | None = None, tol: float = LOGPROB_TOL) -> float:
+    """The pair oracle for one decode answer ``got`` against the plain answer ``ref``.
+
+    ``loaded``: the tokens this request's own load must have brought (pdxfer's log line for it,
+    one successful load, no failed one); None: not checked here (a fault test checks the load).
+    ``cached``: vLLM's own count of prompt tokens the request did not compute (default:
+    ``loaded``; differs when part of the prompt was in the decode's local prefix cache).
+    Raises OracleMismatch; returns the largest logprob difference.
+    """
+    if loaded is not None:
+        own = pair.request_loads(got.request_id, until=lambda r: len(r.loaded) + len(r.failed) >= pair.decode_ranks)
+        # Each TP rank of the decode logs its share of the load.
+        if own.loaded != [loaded] * pair.decode_ranks or own.failed:
+            raise OracleMismatch("loaded", f"request {got.request_id}: loads of {own.loaded} tokens, failed "
+                                 f"{own.failed}; expected one load of {loaded} on each of "
+                                 f"{pair.decode_ranks} rank(s)")
+        want = loaded if cached is None else cached
+        if got.cached_tokens != want:
+            raise OracleMismatch("cached", f"request {got.request_id}: vLLM counts {got.cached_tokens} prompt "
+                                 f"tokens not computed, expected {want}")
+    return check_logprobs(got, ref, tol)
+
+
+def through_pair(pair: "PDPair", prompt: list[int], max_tokens: int) -> Answer:
+    """As a proxy sends it: the prefill step (publishes the prompt, tail included), then the decode."""
+    ask(pair.prefill_port, prompt, 1)
+    return ask(pair.decode_port, prompt, max_tokens)
+
+
+def pair_oracle(pair: "PDPair", prompt: list[int], max_tokens: int, loaded: int | None = None) -> tuple[Answer, float]:
+    """A fresh prompt through the pair, checked by the oracle against the producer computing it
+    alone, and vLLM's connector hit counter for it (sequential use only: the counter is global).
+    ``loaded`` defaults to every prompt token but the last. Returns the decode's answer and the
+    largest logprob difference; raises OracleMismatch."""
+    loaded = len(prompt) - 1 if loaded is None else loaded
+    ref = ask(pair.prefill_port, prompt, max_tokens)  # the producer alone (kv_producer never loads)
+    hits = pair.external_hits()
+    got = through_pair(pair, prompt, max_tokens)
+    seen = wait_metric(pair.decode_port, EXTERNAL_HITS, hits + loaded) - hits
+    if seen != loaded:
+        raise OracleMismatch("cached", f"vLLM's {EXTERNAL_HITS} grew by {seen:.0f} for the request, expected {loaded}")
+    worst = assert_decode_right(pair, got, ref, loaded)
+    print(f"pair oracle: {len(prompt)}-token prompt, top-{TOP_K} logprobs within {worst:.2g} of plain")  # for -rA
+    return got, worst
+
+
+def assert_oracle_catches_corruption(pair: "PDPair", n_tokens: int, seed: int, max_tokens: int) -> None:
+    """Mutation check of the oracle on this pair: loads corrupted on purpose in each mode, which
+    pdxfer and vLLM still count as full successes, must fail the oracle on the KV (logprobs or
+    text). Leaves the decode's prefix cache empty (the corrupted blocks were in it)."""
+    try:
+        # "other" takes a block that an earlier corrupted load filled: it comes last.
+        for i, mode in enumerate(("shift", "zero_layer", "other")):
+            prompt = prompt_of(n_tokens, seed=seed + i)
+            ref = ask(pair.prefill_port, prompt, max_tokens)
+            pair.set_hook("corrupt_load", mode)
+            try:
+                got = through_pair(pair, prompt, max_tokens)
+            finally:
+                pair.set_hook("corrupt_load", None)
+            ranks = pair.decode_ranks
+            own = pair.request_loads(got.request_id, until=lambda r: r.corrupted >= ranks and len(r.loaded) >= ranks)
+            assert own.corrupted == ranks and own.loaded == [n_tokens - 1] * ranks, f"mode {mode}: {own}"
+            with pytest.raises(OracleMismatch) as caught:
+                worst = assert_decode_right(pair, got, ref, n_tokens - 1)
+                pytest.fail(f"mode {mode}: the oracle passed a corrupted load (logprobs within {worst:.3g})")
+            assert caught.value.what in ("logprobs", "text"), f"mode {mode}: {caught.value}"
+            print(f"corruption mode {mode} caught: {caught.value}")  # the margin, for -rA
+    finally:
+        post_json(f"http://127.0.0.1:{pair.decode_port}/reset_prefix_cache", {})
+
+
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 _METRIC = re.compile(r"^(vllm:pdxfer_\w+|vllm:external_prefix_cache_\w+)\{[^}]*\} ([0-9.e+-]+)$")
 
 
@@ -109,16 +298,10 @@ def wait_until(done: Callable[[], Any], what: str, timeout: float = 10.0, poll: 
 
 
 def decode_loads_all_but_last(pair: "PDPair", prompts: list[tuple[int, int]], max_tokens: int) -> None:
-    """Each (length, seed) prompt through the pair as a proxy sends it: the decode's greedy answer
-    equals the producer's own, and it loaded every prompt token but the last."""
+    """Each (length, seed) prompt through the pair as a proxy sends it, checked by the pair
+    oracle: it loaded every prompt token but the last, and its logprobs equal the producer's own."""
     for n_tokens, seed in prompts:
-        prompt = prompt_of(n_tokens, seed=seed)
-        ref = complete(pair.prefill_port, prompt, max_tokens)  # the producer alone
-        complete(pair.prefill_port, prompt, 1)  # the proxy's prefill step: publishes the prompt's tail
-        before = pair.loaded_tokens()
-        assert complete(pair.decode_port, prompt, max_tokens) == ref
-        got = wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + n_tokens - 1) - before
-        assert got == n_tokens - 1
+        pair_oracle(pair, prompt_of(n_tokens, seed=seed), max_tokens)
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -180,7 +363,7 @@ class PDPair:
             if p is not None:
                 p.stop(15)
 
-    def set_hook(self, name: str, value: float | None) -> None:
+    def set_hook(self, name: str, value: float | str | None) -> None:
         path = self.hooks / name
         if value is None:
             path.unlink(missing_ok=True)
@@ -202,6 +385,25 @@ class PDPair:
             if n >= at_least or time.monotonic() > deadline:
                 return n
             time.sleep(0.05)
+
+    @property
+    def decode_ranks(self) -> int:
+        args = list(self.decode_args)
+        return int(args[args.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in args else 1
+
+    def request_loads(self, request_id: str, until: Callable[[RequestLoads], bool] = lambda r: True,
+                      timeout: float = LOG_WAIT_S) -> RequestLoads:
+        """The decode's log about ``request_id``'s loads; polls (bounded) until ``until`` holds."""
+        assert self.decode is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            got = request_loads(self.decode.log_path, request_id)
+            if until(got) or time.monotonic() > deadline:
+                return got
+            time.sleep(0.1)
+
+    def external_hits(self) -> float:
+        return metrics(self.decode_port).get(EXTERNAL_HITS, 0.0)
 
     def loaded_tokens(self) -> float:
         return metrics(self.decode_port).get("vllm:pdxfer_tokens_loaded_total", 0.0)

@@ -21,6 +21,7 @@ import pytest
 
 from pdxfer.vllm.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
 from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model
+from tests.vllm.conftest import PAIR_VLLM_ARGS, ask_url, check_logprobs, prompt_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +64,8 @@ def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdxfer.cli", "launch", str(model), "--port", "0",
-             "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "400"],
+             "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "400",
+             *(f"--vllm-arg={a}" for a in PAIR_VLLM_ARGS)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     pids: dict[str, int] = {}
     urls: dict[str, str] = {}
@@ -94,6 +96,14 @@ def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
         assert [int(n) - 1 for n, _ in pairs] == [int(k) for _, k in pairs]
         loaded = [int(k) for _, k in pairs]
         assert read_prom_counter(decode_url, TRANSFER_COUNTER) - before == sum(loaded)
+
+        # The pair oracle through the proxy (float32): top-k logprobs equal the prefill computing
+        # the prompt itself, and vLLM on the decode did not compute all but its last token.
+        prompt = prompt_of(700, seed=4500)
+        ref = ask_url(urls["prefill"], prompt, 12)
+        got = ask_url(proxy_url, prompt, 12, forward_hint=False)  # the proxy forwards the hint itself
+        assert got.cached_tokens == len(prompt) - 1
+        check_logprobs(got, ref)
 
         # Streaming chat through the proxy to the real instances: SSE events, then [DONE].
         body = {"model": "tiny", "messages": [{"role": "user", "content": "the data block"}],

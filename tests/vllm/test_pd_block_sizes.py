@@ -1,15 +1,16 @@
 """Issue 11: real prefill and decode instances with different KV block sizes, both directions.
 
 The decode reads the prefill's whole blocks into its staging area and scatters the tokens into
-its own blocks (pdxfer.convert, native kernels): its greedy answer equals the producer's own, and
-it loaded every prompt token but the last.
+its own blocks (pdxfer.convert, native kernels): its top-k logprobs equal the producer's own, and
+it loaded every prompt token but the last (the pair oracle, conftest); loads corrupted on purpose
+after the scatter fail that oracle.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import decode_loads_all_but_last, make_pair
+from tests.vllm.conftest import assert_oracle_catches_corruption, decode_loads_all_but_last, make_pair
 
 pytestmark = pytest.mark.vllm
 
@@ -26,3 +27,7 @@ def pair(request, tmp_path_factory, tiny_model):
 def test_decode_with_another_block_size_answers_like_plain(pair):
     decode_loads_all_but_last(pair, [(700, 31), (1500, 32)], MAX_TOKENS)
     assert pair.failed_loads() == 0
+
+
+def test_the_oracle_catches_corrupted_converted_loads(pair):
+    assert_oracle_catches_corruption(pair, 700, seed=3200, max_tokens=MAX_TOKENS)

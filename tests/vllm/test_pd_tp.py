@@ -3,15 +3,17 @@
 
 Keys name KV content, not TP (namespace v2), so a TP2 decode finds a TP1 prefill's chunks; each
 decode rank reads its own KV heads (TP1 -> TP2: a slice of the prefill's one rank; TP2 -> TP1:
-half from each prefill rank, two connections), through staging. Its greedy answer (float32)
-equals the prefill's own, and it loaded every prompt token but the last.
+half from each prefill rank, two connections), through staging. Its top-k logprobs (float32)
+equal the prefill's own, and it loaded every prompt token but the last (the pair oracle, conftest).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import complete, decode_loads_all_but_last, make_pair, prompt_of, wait_metric
+from tests.vllm.conftest import (
+    assert_oracle_catches_corruption, decode_loads_all_but_last, make_pair, pair_oracle, prompt_of,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -48,12 +50,12 @@ def pair(request, tmp_path_factory, tiny_model):
 def test_decode_of_another_tp_size_answers_like_the_prefill(pair):
     # Warm-up: the first load connects to every holder rank; it must load too (it failed at
     # connect_timeout_s on every rank while vLLM's sched_yield spin starved the holder, see ENV).
-    warm = prompt_of(100, seed=40)
-    complete(pair.prefill_port, warm, 1)
-    before = pair.loaded_tokens()
-    assert complete(pair.decode_port, warm, MAX_TOKENS) == complete(pair.prefill_port, warm, MAX_TOKENS)
-    assert wait_metric(pair.decode_port, "vllm:pdxfer_tokens_loaded_total", before + 99) - before == 99
+    pair_oracle(pair, prompt_of(100, seed=40), MAX_TOKENS)
     failed_before = pair.failed_loads()
     assert failed_before == 0
     decode_loads_all_but_last(pair, [(300, 41), (1100, 42)], MAX_TOKENS)
     assert pair.failed_loads() == failed_before
+
+
+def test_the_oracle_catches_corrupted_loads_on_every_rank(pair):
+    assert_oracle_catches_corruption(pair, 700, seed=3400, max_tokens=MAX_TOKENS)
