@@ -33,7 +33,6 @@ def test_whole_chunks_of_an_unshared_prompt_load_like_plain(pair):
     pair_oracle(pair, prompt_of(640, seed=4100), MAX_TOKENS)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 1 / tails: fixed in reader.py")
 def test_prompts_sharing_one_chunk_of_a_holder_block_load_their_own_tokens(pair):
     first = prompt_of(300, seed=4200)
     second = first[:CHUNK] + prompt_of(236, seed=4201)
@@ -45,7 +44,6 @@ def test_prompts_sharing_one_chunk_of_a_holder_block_load_their_own_tokens(pair)
     assert_decode_right(pair, got, ref, loaded=len(second) - 1)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 hole 1 / tails: fixed in reader.py")
 @pytest.mark.parametrize("n_tokens", [16, 99, 1499])
 def test_tails_move_with_a_holder_block_larger_than_the_chunk(pair, n_tokens):
     pair_oracle(pair, prompt_of(n_tokens, seed=4300 + n_tokens), MAX_TOKENS)
