@@ -14,15 +14,10 @@ from pdxfer.vllm.config import TEST_HOOKS_ENV
 
 
 def test_hook_float(name: str) -> float | None:
-    d = os.environ.get(TEST_HOOKS_ENV)
-    if not d:
-        return None
+    """The positive number in hook file ``name``, else None."""
+    text = test_hook_text(name)
     try:
-        text = (Path(d) / name).read_text().strip()
-    except OSError:
-        return None
-    try:
-        value = float(text)
+        value = float(text) if text is not None else 0.0
     except ValueError:
         return None
     return value if value > 0 else None

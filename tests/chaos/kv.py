@@ -22,6 +22,7 @@ import torch
 
 from pdxfer.keys import KEY_BYTES, IncrementalHasher
 from pdxfer.layout import BLOCKS_FIRST_NHD, CPU, CPU_AMX, FLASH_HND, FLASH_NHD, KVLayout, describe_kv_caches
+from tests import kv_pattern
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 DTYPE = torch.float32
@@ -115,41 +116,10 @@ def new_cache(side: Side, num_blocks: int) -> tuple[torch.Tensor, dict[str, torc
 
 
 def _encode(fmt: str, logical: torch.Tensor) -> torch.Tensor:
-    """``[L, 2, nb, B, H, D]`` -> ``[L, *per-layer shape with nb blocks]`` (permutes only)."""
-    k, v = logical[:, 0], logical[:, 1]
-    L, nb, b, h, d = k.shape
-    if fmt in (CPU, CPU_AMX):
-        if fmt == CPU_AMX:  # not the cpu token order: a reader taking these bytes as cpu sees wrong KV
-            k, v = k.flip(2), v.flip(2)
-        kt = k.permute(0, 1, 3, 4, 2).reshape(L, nb, h, d * b)
-        vv = v.permute(0, 1, 3, 2, 4).reshape(L, nb, h, b * d)
-        return torch.cat([kt, vv], dim=3).reshape(L, nb, h, b, 2 * d)
-    if fmt == FLASH_NHD:
-        return torch.stack([k, v], dim=1)
-    if fmt == FLASH_HND:
-        return torch.stack([k.permute(0, 1, 3, 2, 4), v.permute(0, 1, 3, 2, 4)], dim=1)
-    if fmt == BLOCKS_FIRST_NHD:
-        return torch.stack([k, v], dim=2)
-    raise ValueError(fmt)
-
-
-def _decode(fmt: str, phys: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_encode` for the readers' formats: ``[L, 2, nb, B, H, D]``."""
-    if fmt == CPU:
-        L, nb, h, b, d2 = phys.shape
-        d = d2 // 2
-        flat = phys.reshape(L, nb, h, 2 * b * d)
-        k = flat[..., : b * d].reshape(L, nb, h, d, b).permute(0, 1, 4, 2, 3)
-        v = flat[..., b * d:].reshape(L, nb, h, b, d).permute(0, 1, 3, 2, 4)
-    elif fmt == FLASH_NHD:
-        k, v = phys[:, 0], phys[:, 1]
-    elif fmt == FLASH_HND:
-        k, v = phys[:, 0].permute(0, 1, 3, 2, 4), phys[:, 1].permute(0, 1, 3, 2, 4)
-    elif fmt == BLOCKS_FIRST_NHD:
-        k, v = phys[:, :, 0], phys[:, :, 1]
-    else:
-        raise ValueError(fmt)
-    return torch.stack([k, v], dim=1)
+    """``[L, 2, nb, B, H, D]`` -> ``[L, *per-layer shape with nb blocks]``."""
+    if fmt == CPU_AMX:  # not the cpu token order: a reader taking these bytes as cpu sees wrong KV
+        return kv_pattern.encode(CPU, logical.flip(3))
+    return kv_pattern.encode(fmt, logical)
 
 
 def _block_dim(fmt: str) -> int:
@@ -173,7 +143,7 @@ def fill_blocks(phys: torch.Tensor, side: Side, blocks: list[int]) -> None:
 
 def read_tokens(phys: torch.Tensor, side: Side, blocks: list[int], t0: int, t1: int) -> torch.Tensor:
     """``[L, 2, t1 - t0, H, D]``: what a reader's blocks hold for positions [t0, t1)."""
-    logical = _decode(side.kv_format, phys)
+    logical = kv_pattern.decode(side.kv_format, phys)
     pos = torch.arange(t0, t1)
     b = torch.as_tensor(blocks, dtype=torch.int64)[pos // side.block_size]
     return logical[:, :, b, pos % side.block_size]
