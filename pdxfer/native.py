@@ -356,6 +356,41 @@ def _raise_code(op: str, code: int, bad: ctypes.c_int64) -> None:
                      "(passed pdxfer.native's checks; please report)")
 
 
+def _sizes(buf: Buffer, name: str) -> tuple[int, int]:
+    """(nbytes, element size) of a buffer on any device: what the checks need, no pointer."""
+    if isinstance(buf, RawBuffer):
+        return _span(buf, name)[1:]
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or RawBuffer, got {type(buf).__name__}")
+    if not buf.is_contiguous():
+        raise ValueError(f"{name}: tensor is not contiguous (strides {tuple(buf.stride())}); pass the "
+                         "flat region it lives in")
+    return buf.numel() * buf.element_size(), buf.element_size()
+
+
+def check_copy_runs(src: Buffer, dst: Buffer, runs: RunsLike) -> np.ndarray:
+    """Every check :func:`copy_runs` makes, on buffers of any device (the CUDA launches check
+    here first: the kernels do no bounds checks). Returns the run array."""
+    sn, _ = _sizes(src, "src")
+    dn, _ = _sizes(dst, "dst")
+    arr = _runs_array(runs, 3, "copy runs")
+    _check_copy_runs(arr, sn, dn)
+    return arr
+
+
+def check_scatter_tokens(src: Buffer, dst: Buffer, runs: RunsLike, src_geom: BlockGeometry,
+                         dst_geom: BlockGeometry, *, elem_size: int | None = None) -> tuple[np.ndarray, int]:
+    """Every check :func:`scatter_tokens` makes, on buffers of any device. Returns the run
+    array and the element size the kernel must use."""
+    sn, ses = _sizes(src, "src")
+    dn, des = _sizes(dst, "dst")
+    esize = _elem_size(ses, des, elem_size)
+    _check_geometries(src_geom, dst_geom)
+    arr = _runs_array(runs, len(TOK_RUN_FIELDS), "token runs")
+    _check_tok_runs(arr, src_geom, dst_geom, esize, sn, dn)
+    return arr, esize
+
+
 # --------------------------------------------------------------------------- public API
 
 def copy_runs(src: Buffer, dst: Buffer, runs: RunsLike, *, threads: int | None = None) -> None:
