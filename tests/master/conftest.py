@@ -85,3 +85,28 @@ def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.05):
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+def _recv_exact(s, n: int, what: str) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        assert chunk, f"master closed before the {what} was complete ({len(data)} of {n} bytes)"
+        data += chunk
+    return data
+
+
+def ping_speaking_version(address: str, version: int):
+    """Send one PING framed with protocol ``version`` over a raw socket; the answer's header and
+    JSON body (what a peer of another version meets)."""
+    import socket
+
+    from pdxfer.master import protocol as P
+
+    host, port = address.rsplit(":", 1)
+    frame = P.HEADER.pack(P.MAGIC, version, P.OP_PING, 1, 2, 0) + b"{}"
+    with socket.create_connection((host, int(port)), timeout=3) as s:
+        s.sendall(frame)
+        hdr = P.parse_header(_recv_exact(s, P.HEADER_BYTES, "header"))
+        body = _recv_exact(s, hdr.json_len, "body")
+    return hdr, P.decode_json(body)

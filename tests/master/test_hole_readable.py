@@ -9,7 +9,6 @@ others only.
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
@@ -17,7 +16,7 @@ from pdxfer.master import NodeInfo
 from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 
-from .conftest import keys_for, node_info
+from .conftest import keys_for, node_info, ping_speaking_version
 
 
 def _nixl_node(node_id: str) -> NodeInfo:
@@ -92,19 +91,6 @@ def test_lookup_skip_and_transport_round_trip_and_bad_ones_are_named():
 def test_a_version_3_client_is_refused_naming_both_versions(master):
     """A reader of protocol 3 would not say what it can read: refused, not served greedily."""
     assert P.PROTOCOL_VERSION == 4
-    host, port = master.address.rsplit(":", 1)
-    frame = P.HEADER.pack(P.MAGIC, 3, P.OP_PING, 1, 2, 0) + b"{}"
-    with socket.create_connection((host, int(port)), timeout=3) as s:
-        s.sendall(frame)
-        data = b""
-        while len(data) < P.HEADER_BYTES:
-            chunk = s.recv(P.HEADER_BYTES - len(data))
-            assert chunk, "master closed without an answer"
-            data += chunk
-        hdr = P.parse_header(data)
-        body = b""
-        while len(body) < hdr.json_len:
-            body += s.recv(hdr.json_len - len(body))
-    doc = P.decode_json(body)
+    hdr, doc = ping_speaking_version(master.address, 3)
     assert hdr.op == P.OP_ERROR and doc["err"] == P.ERR_VERSION
     assert "version 3" in doc["msg"] and "speaks 4" in doc["msg"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -11,7 +10,7 @@ from pdxfer.master import NodeInfo, RankEndpoint
 from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 
-from .conftest import keys_for
+from .conftest import keys_for, ping_speaking_version
 
 
 def tp_node(node_id: str, tp: int = 2) -> NodeInfo:
@@ -63,21 +62,7 @@ def test_master_serves_all_ranks_of_a_tp_node(master, masters):
 
 
 def test_a_version_2_peer_is_refused_naming_both_versions(master):
-    host, port = master.address.rsplit(":", 1)
-    body = json.dumps({}).encode()
-    frame = P.HEADER.pack(P.MAGIC, 2, P.OP_PING, 1, len(body), 0) + body
-    with socket.create_connection((host, int(port)), timeout=3) as s:
-        s.sendall(frame)
-        data = b""
-        while len(data) < P.HEADER_BYTES:
-            chunk = s.recv(P.HEADER_BYTES - len(data))
-            assert chunk, "master closed without an answer"
-            data += chunk
-        hdr = P.parse_header(data)
-        body = b""
-        while len(body) < hdr.json_len:
-            body += s.recv(hdr.json_len - len(body))
-    doc = json.loads(body)
+    hdr, doc = ping_speaking_version(master.address, 2)
     assert hdr.op == P.OP_ERROR and doc["err"] == P.ERR_VERSION
     assert "version 2" in doc["msg"] and f"speaks {P.PROTOCOL_VERSION}" in doc["msg"]
 
