@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from pdxfer.probe import gpu_topology
+from pdxfer.transport.nixl import vram_paths
 # Where Debian's python3-pyverbs lives. It is built for the system Python; a venv of the same
 # minor version can import it, but adding the whole directory to sys.path would also shadow the
 # venv's own packages with Debian's, so only the pyverbs package itself is loaded from there.
@@ -191,9 +192,17 @@ def ucx_view(timeout: float = 30.0) -> dict:
     return {"available": True, "version": version[0].strip("# ") if version else None, "transports": transports}
 
 
+def nixl_vram(root: Path = Path("/")) -> dict[str, Any]:
+    """What the NIXL transport would log at its first VRAM registration on this host."""
+    paths = vram_paths.vram_paths(vram_paths.nixl_api_file(), os.environ, root)
+    return {"info": paths.info_line(), "remote_direct": paths.remote_direct, "warnings": list(paths.warnings)}
+
+
 def report(with_ucx: bool = True, root: Path = Path("/")) -> dict:
     devices, reason = rdma_devices()
     out: dict[str, Any] = {"devices": devices, "topology": gpu_topology.topology(root)}
+    if out["topology"]["gpus"]:
+        out["nixl_vram"] = nixl_vram(root)
     if reason:
         out["reason"] = reason
         return out
@@ -205,6 +214,8 @@ def report(with_ucx: bool = True, root: Path = Path("/")) -> dict:
 
 def format_text(rep: dict) -> str:
     topo = gpu_topology.format_text(rep["topology"]) if "topology" in rep else []
+    if "nixl_vram" in rep:
+        topo += [f"  {rep['nixl_vram']['info']}"] + [f"  NIXL VRAM: {w}" for w in rep["nixl_vram"]["warnings"]]
     if not rep["devices"]:
         return "\n".join([f"pdxfer-probe: {rep.get('reason', 'no RDMA devices')}", *topo])
     lines = []

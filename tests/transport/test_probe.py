@@ -152,6 +152,9 @@ def test_devices_output_includes_the_topology_section(tmp_path):
     _fake_gpu_tree(tmp_path)
     r = run_probe("--devices", "--no-ucx", "--sysfs-root", str(tmp_path), timeout=60)
     assert "  GPU 0000:03:00.0" in r.stdout and "PIX   mlx5_0 0000:04:00.0  (RDMA)" in r.stdout, r.stdout
+    # where GPUs exist, what the NIXL transport would log at its first VRAM registration
+    assert "  NIXL VRAM: UCX transports carrying GPU memory here:" in r.stdout
+    assert "NIXL VRAM: reads of GPU memory from another host will bounce through host memory" in r.stdout
     j = run_probe("--devices", "--no-ucx", "--json", "--sysfs-root", str(tmp_path), timeout=60)
     topo = json.loads(j.stdout)["topology"]
     assert topo["affinity"] == [{"gpu": "0000:03:00.0", "nic": "0000:04:00.0", "names": ["mlx5_0"], "rdma": True,

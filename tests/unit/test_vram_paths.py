@@ -8,7 +8,6 @@ and RDMA transports that host lacks. None of this has run on a GPU host.
 from __future__ import annotations
 
 import logging
-import types
 from pathlib import Path
 
 import numpy as np
@@ -148,10 +147,9 @@ def test_bundled_ucx_is_found_next_to_the_nixl_package(tmp_path):
     (tmp_path / "nixl_cu12.libs" / "libucp-b39b3ed9.so.0.0.0").write_text("")
     for n in BUNDLED:
         (tmp_path / "nixl_cu12.libs" / "ucx" / n).write_text("")
-    api = types.ModuleType("nixl_cu12._api")
-    api.__file__ = str(pkg / "_api.py")
+    api = str(pkg / "_api.py")
     v = vp.ucx_view_for(api, {"UCX_MODULES": "^ib"})
-    assert v.cuda_built is True and not v.runtime and "bundled" in v.source
+    assert v.cuda_built is True and not v.runtime and "bundled" in v.source and "UCX_MODULES=^ib" in v.source
     assert "cuda_ipc" in v.transports and "rc_mlx5" not in v.transports
     (tmp_path / "nixl_cu12.libs" / "ucx" / "libuct_cuda.so.0.0.0").unlink()
     assert vp.ucx_view_for(api, {}).cuda_built is False

@@ -12,6 +12,7 @@ Nothing here has run on a host with a GPU: the rules follow UCX's documented tra
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -187,7 +188,7 @@ def decide(view: UcxView, ucx_tls: str | None, rdma_devices: Iterable[str], modu
         else:
             why = "UCX cannot touch GPU memory (see above)"
         carriers += [f"{t} (through host memory)" for t in rdma]
-        warnings.append(f"NIXL reads of GPU memory from another host will bounce through host memory{tls_note}: "
+        warnings.append(f"reads of GPU memory from another host will bounce through host memory{tls_note}: "
                         f"{why}")
     if cuda and "cuda_ipc" not in cuda:
         warnings.append("reads between GPUs on this host will bounce through host memory: "
@@ -197,22 +198,37 @@ def decide(view: UcxView, ucx_tls: str | None, rdma_devices: Iterable[str], modu
 
 # ------------------------------------------------------------------ gathering facts (impure)
 
-def bundled_ucx_dir(nixl_api: ModuleType) -> Path | None:
+def nixl_api_file() -> str | None:
+    """Where the NIXL Python API that :func:`~pdxfer.transport.nixl.env.load_nixl` would pick
+    lives, found without importing it (importing NIXL loads UCX)."""
+    for name in ("nixl_cu12", "nixl_cu13", "nixl"):
+        try:
+            spec = importlib.util.find_spec(f"{name}._api")
+        except ImportError:
+            continue
+        if spec is not None and spec.origin:
+            return spec.origin
+    return None
+
+
+def bundled_ucx_dir(nixl_file: str) -> Path | None:
     """The UCX module directory of a NIXL wheel that bundles its own UCX (``<pkg>.libs/ucx``)."""
-    pkg = Path(nixl_api.__file__).resolve().parent
+    pkg = Path(nixl_file).resolve().parent
     libs = pkg.parent / f"{pkg.name}.libs"
     if any(libs.glob("libucp*.so*")) and (libs / "ucx").is_dir():
         return libs / "ucx"
     return None
 
 
-def ucx_view_for(nixl_api: ModuleType | None, env: Mapping[str, str], timeout: float = 10.0) -> UcxView:
-    """UCX's view for the UCX that ``nixl_api`` loads (bundled modules, else ``ucx_info``)."""
-    mods = bundled_ucx_dir(nixl_api) if nixl_api is not None else None
+def ucx_view_for(nixl_file: str | None, env: Mapping[str, str], timeout: float = 10.0) -> UcxView:
+    """UCX's view for the UCX that the NIXL API at ``nixl_file`` loads (bundled modules, else
+    ``ucx_info``)."""
+    mods = bundled_ucx_dir(nixl_file) if nixl_file is not None else None
     if mods is not None:
         names = os.listdir(mods)
         tls = transports_from_modules(names, env.get("UCX_MODULES"))
-        return UcxView(f"modules of NIXL's bundled UCX in {mods}", tls,
+        filt = f", UCX_MODULES={env['UCX_MODULES']}" if env.get("UCX_MODULES") else ""
+        return UcxView(f"modules of NIXL's bundled UCX in {mods}{filt}", tls,
                        any(n.startswith("libuct_cuda.so") for n in names), runtime=False)
     exe = shutil.which("ucx_info")
     if not exe:
@@ -232,10 +248,10 @@ def rdma_device_names(root: Path = Path("/")) -> list[str]:
         return []
 
 
-def vram_paths(nixl_api: ModuleType | None, env: Mapping[str, str] = os.environ,
+def vram_paths(nixl_file: str | None, env: Mapping[str, str] = os.environ,
                root: Path = Path("/")) -> VramPaths:
-    """:func:`decide` over this host."""
-    return decide(ucx_view_for(nixl_api, env), env.get("UCX_TLS"), rdma_device_names(root),
+    """:func:`decide` over this host, for the NIXL API at ``nixl_file`` (see :func:`nixl_api_file`)."""
+    return decide(ucx_view_for(nixl_file, env), env.get("UCX_TLS"), rdma_device_names(root),
                   loaded_modules(root), gpudirect(root))
 
 
@@ -249,7 +265,7 @@ def log_once(nixl_api: ModuleType | None) -> VramPaths | None:
         return None
     _logged.set()
     try:
-        paths = vram_paths(nixl_api)
+        paths = vram_paths(getattr(nixl_api, "__file__", None))
     except Exception as exc:  # noqa: BLE001 - best effort, said so
         log.warning("NIXL VRAM: could not work out which UCX transports carry GPU memory: %r", exc)
         return None
