@@ -186,9 +186,10 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
                     row["transport"] = args.label or kind
                     row["memory"] = f"{args.memory}<-{hello.get('memory', 'cpu')}"
                     if args.check:
-                        row["check"] = (sweep.check_point(t, peer, plan, dst, region, int(hello["seed"]), args.timeout)
+                        seed = int(hello["seed"])
+                        row["check"] = (sweep.check_point(t, peer, plan, dst, region, seed, args.timeout)
                                         if dst is not None else
-                                        check_device_point(t, peer, plan, buf, region, int(hello["seed"]), args.timeout))
+                                        check_device_point(t, peer, plan, buf, region, seed, args.timeout))
                         failed |= row["check"] != "ok"
                     if args.baseline:
                         _baselines(row, kind, p, raw, nixl_base, dst, scratch, iters)
@@ -204,6 +205,8 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
         if raw is not None:
             raw.close()
     live.done(rows)
+    if not rows and fits and kinds and buf.device != "cpu":
+        raise TransportError(f"no transport could register {buf.device} memory here (see the skips above)")
     if failed:
         print("pdxfer-probe: --check found wrong bytes", file=sys.stderr)
     return rows
