@@ -1,9 +1,13 @@
 """pdxfer-probe: bandwidth/latency of pdxfer transports, in the spirit of nixlbench/ib_read_bw.
 
   pdxfer-probe --loopback [--transport tcp] [--block-sizes 32KiB,16MiB] [--batches 1,4096]
-               [--baseline] [--check] [--json FILE] [--plot FILE.png]
-  pdxfer-probe serve --host 0.0.0.0 --port 7555          # on the holder node
-  pdxfer-probe read --peer HOST:7555 [same sweep options]  # on the reader node
+               [--baseline] [--check] [--json FILE] [--plot FILE.png] [--memory cpu|cuda:N]
+  pdxfer-probe serve --host 0.0.0.0 --port 7555 [--memory cuda:0]  # on the holder node
+  pdxfer-probe read --peer HOST:7555 [same sweep options]            # on the reader node
+  pdxfer-probe --devices                                             # RDMA devices, GPU <-> NIC topology
+
+``--memory cuda:N`` puts the regions on that GPU (host memory is the default); a host without
+it is refused at once. Transports that serve host memory only (tcp) are skipped then.
 
 Prints one nixlbench-like line per point as it completes. Points whose block x batch exceeds
 the holder's region are skipped (said so on stderr).
@@ -21,7 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pdxfer.probe import report, server, sweep
+from pdxfer.probe import regions, report, server, sweep
+from pdxfer.probe.pattern import mismatches
 from pdxfer.transport import KINDS, create_transport, transport_options
 from pdxfer.transport.base import RegisteredRegion, TransportError
 from pdxfer.transport.nixl.env import prepare_ucx_env
@@ -70,6 +75,8 @@ def _add_sweep_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quiet", action="store_true", help="no live lines, only the final table")
     ap.add_argument("--cpu", action="store_true",
                     help="also measure CPU seconds per GB on reader and holder (and raw socket baseline)")
+    ap.add_argument("--memory", type=regions.parse_memory, default="cpu",
+                    help="where the reader's region lives: cpu (default) or cuda:N (and the loopback holder's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--advertise", help="address readers should use (default: --host)")
     s.add_argument("--region-size", type=parse_size, default=parse_size("256MiB"))
     s.add_argument("--transport", action="append", choices=KINDS)
+    s.add_argument("--memory", type=regions.parse_memory, default="cpu", help="cpu (default) or cuda:N")
     r = sub.add_parser("read", help="sweep against a running `pdxfer-probe serve`")
     r.add_argument("--peer", required=True, help="HOST:PORT of the serve control port")
     _add_sweep_args(r)
@@ -91,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def spawn_loopback(region_size: int, kinds: list[str] | None, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+def spawn_loopback(region_size: int, kinds: list[str] | None, timeout: float = 120.0,
+                   memory: str = "cpu") -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pdxfer.probe.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--region-size", str(region_size)]
+           "--region-size", str(region_size), "--memory", memory]
     for k in kinds or []:
         cmd += ["--transport", k]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -125,10 +134,8 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
             why = hello.get("unavailable", {}).get(k, "not served")
             print(f"pdxfer-probe: skipping {k}: holder does not serve it ({why})", file=sys.stderr)
     kinds = [k for k in kinds if k in hello["kinds"]]
-    # Touch every page now: np.zeros only maps them, and a first write into fresh memory costs
-    # ~0.35 s per 128 MiB in this VM (10x a warm READ), which must never land in a timed read.
-    dst = np.empty(region, dtype=np.uint8)
-    dst.fill(0)
+    buf = regions.ProbeBuffer(args.memory, region)
+    dst = buf.host  # None for GPU regions: the baselines need host memory (refused earlier)
     scratch = np.ones(region, dtype=np.uint8) if args.baseline or args.cpu else None
     points = [sweep.Point(b, n) for b in args.block_sizes for n in args.batches]
     fits = [p for p in points if p.total <= region]
@@ -148,7 +155,13 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
         for kind in kinds:
             t = create_transport(kind, **transport_options(kind, connections=args.tcp_connections))
             try:
-                t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+                try:
+                    t.register([RegisteredRegion(0, buf.ptr, buf.nbytes, buf.device)])
+                except TransportError as exc:
+                    if buf.device == "cpu":
+                        raise
+                    print(f"pdxfer-probe: skipping {kind}: {exc}", file=sys.stderr)
+                    continue
                 meta = bytes.fromhex(server.control_request(addr, {"op": "meta", "kind": kind})["meta"])
                 peer = t.connect(meta, timeout=args.timeout)
                 for p in fits:
@@ -165,14 +178,18 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
                     if raw_nixl is not None:
                         inter["raw_nixl"] = lambda b=raw_nixl: sum(b.once())
                     try:
-                        row = sweep.measure_transport(t, peer, p, region, dst.nbytes, iters, args.timeout, inter)
+                        row = sweep.measure_transport(t, peer, p, region, buf.nbytes, iters, args.timeout, inter)
                     finally:
                         if raw_nixl is not None:
                             raw_nixl.close()
                     plan = row.pop("_plan")
                     row["transport"] = args.label or kind
+                    row["memory"] = f"{args.memory}<-{hello.get('memory', 'cpu')}"
                     if args.check:
-                        row["check"] = sweep.check_point(t, peer, plan, dst, region, int(hello["seed"]), args.timeout)
+                        seed = int(hello["seed"])
+                        row["check"] = (sweep.check_point(t, peer, plan, dst, region, seed, args.timeout)
+                                        if dst is not None else
+                                        check_device_point(t, peer, plan, buf, region, seed, args.timeout))
                         failed |= row["check"] != "ok"
                     if args.baseline:
                         _baselines(row, kind, p, raw, nixl_base, dst, scratch, iters)
@@ -188,9 +205,21 @@ def run_sweep(args: argparse.Namespace, peer_addr: str) -> list[dict[str, Any]]:
         if raw is not None:
             raw.close()
     live.done(rows)
+    if not rows and fits and kinds and buf.device != "cpu":
+        raise TransportError(f"no transport could register {buf.device} memory here (see the skips above)")
     if failed:
         print("pdxfer-probe: --check found wrong bytes", file=sys.stderr)
     return rows
+
+
+def check_device_point(t: Any, peer: str, plan: Any, buf: regions.ProbeBuffer, region_size: int, seed: int,
+                       timeout: float = 60.0) -> str:
+    """:func:`sweep.check_point` for a GPU region: zero it, read once more, copy it to host memory
+    and compare every byte with the holder's pattern."""
+    buf.zero()
+    t.read(peer, plan).wait(timeout)
+    bad = mismatches(plan, {0: buf.to_host()}, {0: region_size}, seed)
+    return "ok" if not bad else f"FAILED ({len(bad)} runs differ; {bad[0]})"
 
 
 def _baselines(row: dict, kind: str, p: "sweep.Point", raw, nixl_base, dst: np.ndarray, scratch, iters: int) -> None:
@@ -253,8 +282,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return devices.main(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    try:
+        regions.require(args.memory)
+    except regions.MemoryUnavailable as exc:
+        print(f"pdxfer-probe: {exc}", file=sys.stderr)
+        return 2
     if args.mode == "serve":
-        return server.run_server(args.host, args.port, args.region_size, args.transport, args.advertise)
+        return server.run_server(args.host, args.port, args.region_size, args.transport, args.advertise,
+                                 args.memory)
+    if args.memory != "cpu" and (args.baseline or args.cpu):
+        print(f"pdxfer-probe: --baseline and --cpu measure host-memory baselines; they cannot run with "
+              f"--memory {args.memory}", file=sys.stderr)
+        return 2
     for name in ("block_sizes", "batches"):
         if isinstance(getattr(args, name), str):
             setattr(args, name, parse_list(getattr(args, name), parse_size if name == "block_sizes" else int))
@@ -263,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.mode == "read":
             peer = args.peer
         else:
-            proc, peer = spawn_loopback(args.region_size, args.transport)
+            proc, peer = spawn_loopback(args.region_size, args.transport, memory=args.memory)
         rows = run_sweep(args, peer)
     except (TransportError, RuntimeError, ConnectionError, OSError) as exc:
         print(f"pdxfer-probe: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """pdxfer-probe --devices: what to check before blaming pdxfer for an RDMA problem.
 
-    pdxfer-probe --devices [--json [FILE]] [--no-ucx]
+    pdxfer-probe --devices [--json [FILE]] [--no-ucx] [--sysfs-root DIR]
 
 Lists every RDMA device through pyverbs: per port its state, link layer, active and max MTU, and
 its GIDs with their RoCE version and address (plus the netdev behind each GID, from sysfs); UCX's
@@ -8,9 +8,13 @@ view of the devices when ``ucx_info`` is installed; and warnings for the set-up 
 RDMA users days: a port that is not ACTIVE, an Ethernet port without a RoCE v2 GID, and active
 MTUs that differ between devices (two ends negotiating different MTUs fail at QP set-up).
 
+It also reports GPU <-> NIC affinity from the PCIe tree (PIX/PXB/PHB/NODE/SYS, as
+``nvidia-smi topo -m`` names them) and whether GPUDirect RDMA is possible (:mod:`pdxfer.probe.gpu_topology`).
+
 On a host without RDMA, pyverbs raises instead of returning an empty list; this prints one line
-(``{"devices": [], "reason": ...}`` with --json) and exits 0, since "no RDMA here" is an answer.
-Exit 1 means devices exist but a warning was raised.
+for RDMA (``{"devices": [], "reason": ...}`` with --json) then the topology section, and exits 0,
+since "no RDMA here" is an answer. Exit 1 means RDMA devices exist but a warning was raised
+(including GPUs whose closest RDMA NIC is across host bridges, or no GPUDirect RDMA).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from pdxfer.probe import gpu_topology
+from pdxfer.transport.nixl import vram_paths
 # Where Debian's python3-pyverbs lives. It is built for the system Python; a venv of the same
 # minor version can import it, but adding the whole directory to sys.path would also shadow the
 # venv's own packages with Debian's, so only the pyverbs package itself is loaded from there.
@@ -186,21 +192,32 @@ def ucx_view(timeout: float = 30.0) -> dict:
     return {"available": True, "version": version[0].strip("# ") if version else None, "transports": transports}
 
 
-def report(with_ucx: bool = True) -> dict:
+def nixl_vram(root: Path = Path("/")) -> dict[str, Any]:
+    """What the NIXL transport would log at its first VRAM registration on this host."""
+    paths = vram_paths.vram_paths(vram_paths.nixl_api_file(), os.environ, root)
+    return {"info": paths.info_line(), "remote_direct": paths.remote_direct, "warnings": list(paths.warnings)}
+
+
+def report(with_ucx: bool = True, root: Path = Path("/")) -> dict:
     devices, reason = rdma_devices()
-    out: dict[str, Any] = {"devices": devices}
+    out: dict[str, Any] = {"devices": devices, "topology": gpu_topology.topology(root)}
+    if out["topology"]["gpus"]:
+        out["nixl_vram"] = nixl_vram(root)
     if reason:
         out["reason"] = reason
         return out
-    out["warnings"] = warnings_for(devices)
+    out["warnings"] = warnings_for(devices) + gpu_topology.warnings_for(out["topology"])
     if with_ucx:
         out["ucx"] = ucx_view()
     return out
 
 
 def format_text(rep: dict) -> str:
+    topo = gpu_topology.format_text(rep["topology"]) if "topology" in rep else []
+    if "nixl_vram" in rep:
+        topo += [f"  {rep['nixl_vram']['info']}"] + [f"  NIXL VRAM: {w}" for w in rep["nixl_vram"]["warnings"]]
     if not rep["devices"]:
-        return f"pdxfer-probe: {rep.get('reason', 'no RDMA devices')}"
+        return "\n".join([f"pdxfer-probe: {rep.get('reason', 'no RDMA devices')}", *topo])
     lines = []
     for d in rep["devices"]:
         lines.append(f"{d['name']}" + (f"  ERROR {d['error']}" if "error" in d else ""))
@@ -217,6 +234,7 @@ def format_text(rep: dict) -> str:
                 lines.append(f"UCX {dev}: {', '.join(tls)}")
         else:
             lines.append(f"UCX: {ucx['reason']}")
+    lines += topo
     lines += [f"WARNING: {w}" for w in rep.get("warnings", [])]
     return "\n".join(lines)
 
@@ -226,8 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--devices", action="store_true", required=True)
     ap.add_argument("--json", nargs="?", const="-", metavar="FILE", help="JSON to FILE (default: stdout)")
     ap.add_argument("--no-ucx", action="store_true", help="skip UCX's view (ucx_info)")
+    ap.add_argument("--sysfs-root", type=Path, default=Path("/"), metavar="DIR",
+                    help="read the PCIe topology and kernel facts under DIR instead of / (a copied tree)")
     a = ap.parse_args(argv)
-    rep = report(with_ucx=not a.no_ucx)
+    rep = report(with_ucx=not a.no_ucx, root=a.sysfs_root)
     if a.json:
         text = json.dumps(rep, indent=1)
         if a.json == "-":

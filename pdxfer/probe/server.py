@@ -4,6 +4,10 @@ Registers one region filled with the shared pattern with every transport that wo
 answers a tiny JSON-lines control protocol (``hello``, ``meta``) so a reader on another host
 needs only ``host:port``. It also runs the raw-socket baseline server: a reader sends a u64
 byte count and gets that many bytes of the region (wrapping) with plain ``sendall``.
+
+With ``memory="cuda:N"`` the region lives on that GPU (filled through a host copy); transports
+that cannot register it are listed as unavailable with their reason, and there is no raw-socket
+baseline (it streams host memory).
 """
 
 from __future__ import annotations
@@ -17,12 +21,10 @@ import socket
 import struct
 import threading
 
-import numpy as np
-
 from pdxfer import netio
-from pdxfer.probe.pattern import fill
+from pdxfer.probe.regions import ProbeBuffer
 from pdxfer.transport import available_kinds, create_transport, transport_options
-from pdxfer.transport.base import RegisteredRegion, Transport
+from pdxfer.transport.base import RegisteredRegion, Transport, TransportError
 
 _U64 = struct.Struct("<Q")
 SEED = 0
@@ -43,10 +45,12 @@ def _serve_raw(sock: socket.socket, view: memoryview) -> None:
 
 class ProbeServer:
     def __init__(self, host: str, port: int, region_size: int, kinds: list[str] | None = None,
-                 advertise: str | None = None) -> None:
-        self.buf = np.empty(region_size, dtype=np.uint8)
-        fill(self.buf, 0, SEED)
-        self.view = memoryview(self.buf).cast("B")
+                 advertise: str | None = None, memory: str = "cpu") -> None:
+        self.region = ProbeBuffer(memory, region_size)
+        self.region.fill_pattern(0, SEED)
+        self.memory = memory
+        host_buf = self.region.host
+        self.view = memoryview(host_buf).cast("B") if host_buf is not None else None
         avail = available_kinds()
         self.unavailable = {k: why for k, why in avail.items() if why}
         wanted = kinds or [k for k, why in avail.items() if why is None]
@@ -55,7 +59,14 @@ class ProbeServer:
             if avail.get(k):
                 continue
             t = create_transport(k, **transport_options(k, listen_host=host, advertise_host=advertise))
-            t.register([RegisteredRegion(0, self.buf.ctypes.data, self.buf.nbytes)])
+            try:
+                t.register([RegisteredRegion(0, self.region.ptr, self.region.nbytes, memory)])
+            except TransportError as exc:
+                t.close()
+                if memory == "cpu":
+                    raise
+                self.unavailable[k] = f"cannot register {memory} memory: {exc}"
+                continue
             self.transports[k] = t
         self.meta = {k: t.metadata().hex() for k, t in self.transports.items()}
         self.ctl = socket.create_server((host, port))
@@ -76,6 +87,9 @@ class ProbeServer:
             threading.Thread(target=handler, args=(conn,), daemon=True).start()
 
     def _raw(self, conn: socket.socket) -> None:
+        if self.view is None:
+            conn.close()  # GPU region: no host bytes to stream; readers refuse baselines first
+            return
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         _serve_raw(conn, self.view)
@@ -88,7 +102,8 @@ class ProbeServer:
                     op = req.get("op")
                     if op == "hello":
                         resp = {"kinds": sorted(self.transports), "unavailable": self.unavailable,
-                                "region_size": self.buf.nbytes, "seed": SEED, "raw_port": self.raw_port}
+                                "region_size": self.region.nbytes, "seed": SEED, "raw_port": self.raw_port,
+                                "memory": self.memory}
                     elif op == "cpu":
                         # Process CPU seconds (all threads): lets a reader put a load-independent
                         # cost per byte next to the wall-clock bandwidth.
@@ -116,13 +131,14 @@ class ProbeServer:
             t.close()
 
 
-def run_server(host: str, port: int, region_size: int, kinds: list[str] | None, advertise: str | None) -> int:
-    server = ProbeServer(host, port, region_size, kinds, advertise)
+def run_server(host: str, port: int, region_size: int, kinds: list[str] | None, advertise: str | None,
+               memory: str = "cpu") -> int:
+    server = ProbeServer(host, port, region_size, kinds, advertise, memory)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(f"PROBE-SERVE {host}:{server.port} kinds={','.join(sorted(server.transports))} "
-          f"region={region_size} pid={os.getpid()}", flush=True)
+          f"region={region_size} memory={memory} pid={os.getpid()}", flush=True)
     while not stop.wait(1.0):
         pass
     server.close()

@@ -65,3 +65,98 @@ def test_two_host_mode_serve_then_read(tmp_path):
         assert "skipping nixl" in bad.stderr
     finally:
         stop(serve)
+
+
+# ---------------------------------------------------------------- GPU memory and topology
+
+def _cuda_here() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(_cuda_here(), reason="this host has a GPU: the refusal cannot be shown")
+@pytest.mark.parametrize("mode", [("--loopback", "--transport", "nixl"), ("serve", "--port", "0")])
+def test_memory_cuda_is_refused_at_once_without_a_gpu(mode):
+    r = run_probe(*mode, "--memory", "cuda:0", timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    (line,) = r.stderr.splitlines()  # one clear line, no traceback
+    assert line.startswith("pdxfer-probe: --memory cuda:0: no CUDA device on this host")
+
+
+def test_memory_spec_is_checked_and_cpu_stays_the_default():
+    bad = run_probe("--memory", "gpu0", timeout=60)
+    assert bad.returncode == 2 and "bad --memory 'gpu0'; use cpu or cuda:N" in bad.stderr
+    from pdxfer.probe.cli import build_parser
+
+    assert build_parser().parse_args([]).memory == "cpu"
+    assert build_parser().parse_args(["--memory", "CUDA"]).memory == "cuda:0"
+
+
+def test_device_check_zeroes_reads_then_compares_a_host_copy():
+    """check_device_point over a host region standing in for a GPU one (to_host returns a copy):
+    a read that lands nothing must fail even after an earlier good read left the right bytes."""
+    from pdxfer.plan import TransferPlan
+    from pdxfer.probe import regions, server
+    from pdxfer.probe.cli import check_device_point
+    from pdxfer.probe.pattern import scattered_plan
+    from pdxfer.transport import create_transport, transport_options
+    from pdxfer.transport.base import RegisteredRegion
+
+    size = 1 << 20
+    holder = server.ProbeServer("127.0.0.1", 0, size, ["tcp"])
+    t = create_transport("tcp", **transport_options("tcp"))
+    try:
+        buf = regions.ProbeBuffer("cpu", size)
+        buf.to_host = lambda: buf.host.copy()  # type: ignore[method-assign]
+        t.register([RegisteredRegion(0, buf.ptr, buf.nbytes)])
+        peer = t.connect(bytes.fromhex(holder.meta["tcp"]), timeout=10)
+        plan = scattered_plan(4096, 16, size, size, seed=3)
+        assert check_device_point(t, peer, plan, buf, size, server.SEED, 30) == "ok"
+
+        class NoOp:
+            def read(self, peer, plan):
+                return t.read(peer, TransferPlan((), 0))  # lands nothing
+
+        assert check_device_point(NoOp(), peer, plan, buf, size, server.SEED, 30).startswith("FAILED (16 runs")
+    finally:
+        t.close()
+        holder.close()
+
+
+def _fake_gpu_tree(root) -> None:
+    """One NVIDIA GPU and one RDMA NIC under the same PCIe switch, as sysfs lays them out."""
+    import os
+
+    sw = "pci0000:00/0000:00:01.0/0000:01:00.0"
+    for path, cls, vendor in ((f"{sw}/0000:02:08.0/0000:03:00.0", "0x030200", "0x10de"),
+                              (f"{sw}/0000:02:10.0/0000:04:00.0", "0x020700", "0x15b3")):
+        d = root / "sys/devices" / path
+        d.mkdir(parents=True)
+        (d / "class").write_text(cls)
+        (d / "vendor").write_text(vendor)
+        bus = root / "sys/bus/pci/devices"
+        bus.mkdir(parents=True, exist_ok=True)
+        (bus / path.rsplit("/", 1)[1]).symlink_to(os.path.relpath(d, bus))
+    (root / "sys/class/infiniband/mlx5_0").mkdir(parents=True)
+    (root / "sys/class/infiniband/mlx5_0/device").symlink_to(root / "sys/devices" / sw / "0000:02:10.0/0000:04:00.0")
+
+
+def test_devices_output_includes_the_topology_section(tmp_path):
+    here = run_probe("--devices", "--no-ucx", timeout=60)
+    assert "Traceback" not in here.stderr, here.stderr
+    assert "GPU <-> NIC topology (PCIe, from sysfs):" in here.stdout and "GPUDirect RDMA:" in here.stdout
+    _fake_gpu_tree(tmp_path)
+    r = run_probe("--devices", "--no-ucx", "--sysfs-root", str(tmp_path), timeout=60)
+    assert "  GPU 0000:03:00.0" in r.stdout and "PIX   mlx5_0 0000:04:00.0  (RDMA)" in r.stdout, r.stdout
+    # where GPUs exist, what the NIXL transport would log at its first VRAM registration
+    assert "  NIXL VRAM: UCX transports carrying GPU memory here:" in r.stdout
+    assert "NIXL VRAM: reads of GPU memory from another host will bounce through host memory" in r.stdout
+    j = run_probe("--devices", "--no-ucx", "--json", "--sysfs-root", str(tmp_path), timeout=60)
+    topo = json.loads(j.stdout)["topology"]
+    assert topo["affinity"] == [{"gpu": "0000:03:00.0", "nic": "0000:04:00.0", "names": ["mlx5_0"], "rdma": True,
+                                 "link": "PIX"}]
+    assert topo["gpudirect"]["possible"] is False  # the fake tree has no /proc: no peermem, no driver

@@ -25,15 +25,28 @@ SMALL_INDICES = 4096  # a few-run plan maps to lists in plain Python up to this 
 MAX_INDICES = 1 << 21  # above this many prepared descriptors per READ, one descriptor per run is cheaper
 
 
-def mem_of(device: str) -> tuple[str, int]:
-    """NIXL memory type and device id for a torch device string."""
-    dev = str(device)
+def mem_of(device: object) -> tuple[str, int]:
+    """NIXL memory type and device id for a torch device (or its string): ``cpu`` -> DRAM 0,
+    ``cuda:N`` -> VRAM N.
+
+    NIXL's UCX backend checks a VRAM registration against the CUDA device that owns the pointer,
+    so the id must be the process-visible ordinal torch uses (``tensor.device.index``). A bare
+    ``cuda`` names whatever device is current, which this module cannot know: it is refused.
+    """
+    dev = str(device).strip()
     if dev == "cpu":
         return "DRAM", 0
-    if dev.startswith("cuda"):
-        # UNTESTED: no GPU here. NIXL's UCX plugin lists VRAM; GPUDirect needs a CUDA-enabled UCX.
-        return "VRAM", int(dev.split(":", 1)[1]) if ":" in dev else 0
-    raise TransportError(f"NIXL transport cannot register memory on device {device!r} (cpu or cuda only)")
+    kind, sep, index = dev.partition(":")
+    if kind == "cuda":
+        if not sep:
+            raise TransportError(f"NIXL transport needs a device index for GPU memory: got {device!r}, "
+                                 "expected cuda:N (str(tensor.device) of a CUDA tensor)")
+        if not index.isdigit():
+            raise TransportError(f"NIXL transport cannot parse the device index of {device!r}: "
+                                 "expected cuda:N with N a non-negative integer")
+        # Registration of real GPU memory has never run here (no GPU on the development machines).
+        return "VRAM", int(index)
+    raise TransportError(f"NIXL transport cannot register memory on device {device!r} (cpu or cuda:N only)")
 
 
 @dataclass

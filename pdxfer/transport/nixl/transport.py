@@ -1,7 +1,8 @@
 """NIXL transport: one NIXL agent with the UCX backend per pdxfer transport.
 
 Memory: CPU tensors register as NIXL ``DRAM``; CUDA tensors as ``VRAM`` with their device id.
-The VRAM path is written but UNTESTED here (no GPU on the development machines).
+The VRAM path has never run on a GPU (none on the development machines); the first VRAM
+registration logs which UCX transports will carry it (``vram_paths.py``).
 
 Design decisions (measured on a 2-core host, see docs/nixl.md):
 * NIXL's progress thread is off (it costs 2-4x bandwidth on small hosts). The holder side is
@@ -50,6 +51,7 @@ from pdxfer.transport.nixl.descriptors import Peer, RegionTable, XferBuilder, me
 from pdxfer.transport.nixl.env import load_bindings, load_nixl
 from pdxfer.transport.nixl.handle import NixlReadHandle
 from pdxfer.transport.nixl.progress import TargetProgress
+from pdxfer.transport.nixl.vram_paths import log_once as log_vram_paths
 from pdxfer.transport.runs import Run, check_array, check_small_runs, plan_array
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,7 @@ class NixlTransport(Transport):
         for g in prep_granules:
             if g < min_granule or g & (g - 1):
                 raise ValueError(f"prep_granules must be powers of two >= min_granule, got {g}")
-        api = load_nixl()
+        api = self._api = load_nixl()
         self._bind = load_bindings()
         self.name = name or f"pdxfer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._hot_window = hot_window_s
@@ -144,8 +146,17 @@ class NixlTransport(Transport):
         table = RegionTable.build(rows, "local")
         if not rows:
             return
+        if table.mem_type == "VRAM":
+            log_vram_paths(self._api)
         with self._lock:
-            self._reg_dlist = self._agent.register_memory([(p, n, d, "") for _, p, n, _, d in rows], table.mem_type)
+            try:
+                self._reg_dlist = self._agent.register_memory([(p, n, d, "") for _, p, n, _, d in rows],
+                                                              table.mem_type)
+            except self._bind.nixlBackendError as exc:
+                devs = sorted({r.device for r in regions})
+                raise TransportError(f"NIXL could not register {len(rows)} {table.mem_type} region(s) on {devs}: "
+                                     f"{exc} (for VRAM: is the memory really on that GPU, and is UCX built "
+                                     "with CUDA? see the NIXL VRAM log lines)") from exc
         self._regions = list(regions)
         self._xfers.local = table
         if self._progress is not None:
