@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.corrupt = {c for c in a.corrupt_for_test.split(",") if c}
     if a.corrupt - set(CORRUPTIBLE):
         ap.error(f"--corrupt-for-test takes {','.join(CORRUPTIBLE)}")
+    a.kinds = [k for k in a.transports.split(",") if k]
+    if not set(a.kinds) <= {"nixl", "tcp"}:
+        ap.error(f"--transports takes nixl,tcp; got {a.transports!r}")
     if min(a.mib, a.repeats) <= 0 or a.random < 0 or a.kv_mib <= 0:
         ap.error("--mib, --repeats and --kv-mib must be positive, --random not negative")
     return a
@@ -121,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             rep, t, a.mib, a.repeats, "kernel" in a.corrupt))
         _section(rep, "kernels: seeded random cases", lambda: kernels.run_random_cases(rep, t, a.seed, a.random))
         _section(rep, "kernels: bad run lists", lambda: kernels.run_bad_runs(rep, t))
+        _section(rep, "device copies", lambda: kernels.run_copies(rep, t, a.seed))
     if "moves" in only:
-        kinds = [k for k in a.transports.split(",") if k]
         _section(rep, "moves: vLLM-shaped KV between two processes", lambda: moves.run_moves(
-            rep, t, kinds, a.kv_mib, a.repeats, "move" in a.corrupt, fetch_hint()))
+            rep, t, a.kinds, a.kv_mib, a.repeats, "move" in a.corrupt, fetch_hint()))
     rep.summary()
     rep.close()
     t.ops.close()

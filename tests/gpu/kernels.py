@@ -347,3 +347,33 @@ def run_bad_runs(rep: Report, t: Target) -> None:
             continue
         t.finish(stream, name)
         rep.failed(f"kernel bad run list refused: {name}", "the call enqueued it without raising")
+
+
+def run_copies(rep: Report, t: Target, seed: int) -> None:
+    """``DeviceOps.copy`` at odd offsets in every direction the bounce buffers and staging use:
+    device -> pinned host -> device, and device -> device, on one stream in order."""
+    n = 3 * (1 << 20) + 77
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    stream = t.ops.new_stream()
+    try:
+        dev = t.ops.alloc(n + 64)
+        host = t.ops.alloc_host_pinned(n + 64)
+        dev2 = t.ops.alloc(n + 64)
+        dev[5:5 + n].copy_(data.to(t.device))
+        t.sync()
+        t.ops.copy(host, 11, dev, 5, n, stream)  # device -> pinned host
+        t.ops.copy(dev2, 3, host, 11, n, stream)  # pinned host -> device, queued behind it
+        t.ops.copy(dev, 40, dev2, 3, 1000, stream)  # device -> device
+        t.finish(stream, "copies")
+    except Exception as exc:  # noqa: BLE001 - any failure is this check's FAIL
+        rep.failed("device copy host <-> device <-> device", f"{type(exc).__name__}: {exc}")
+        return
+    got_host = host[11:11 + n].cpu()
+    got_dev2 = dev2[3:3 + n].cpu()
+    got_dev = dev[40:1040].cpu()
+    why = next((f"{name}: {first_difference(got, want)}" for name, got, want in (
+        ("pinned host", got_host, data), ("device after host round trip", got_dev2, data),
+        ("device to device", got_dev, data[:1000])) if not torch.equal(got, want)), None)
+    rep.check("device copy host <-> device <-> device", why is None,
+              why or f"{size_text(n)} at odd offsets, three copies queued on one stream, byte-equal")
