@@ -48,7 +48,8 @@ print(f"sm_{major}{minor}")
 PY
   ) || {
     if ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
-      echo "gpu check: FAIL: this machine has an NVIDIA device, but $py cannot use it (${probe:-no answer}); set PYTHON to a python with CUDA torch" >&2
+      echo "gpu check: FAIL: this machine has an NVIDIA device, but $py cannot use it" \
+        "(${probe:-no answer}); set PYTHON to a python with CUDA torch" >&2
       exit 1
     fi
     echo "gpu check skipped: no GPU here ($py: ${probe:-did not answer})"

@@ -221,7 +221,10 @@ def random_sequence(r: random.Random, i: int, device: str) -> Scatter:
                             s0=s0, d0=d0, shuffle_src=True, spare_blocks=1)
 
 
-def random_copy(r: random.Random, i: int, device: str) -> tuple[str, torch.Tensor, torch.Tensor, np.ndarray, torch.Tensor]:
+CopyCase = tuple[str, torch.Tensor, torch.Tensor, np.ndarray, torch.Tensor]  # name, src, dst, runs, want
+
+
+def random_copy(r: random.Random, i: int, device: str) -> CopyCase:
     big = r.random() < 0.2  # some runs long enough to span many GPU thread blocks
     src_n, dst_n = r.randint(0, 1 << (20 if big else 10)), r.randint(0, 1 << (20 if big else 10))
     g = torch.Generator().manual_seed(r.randrange(1 << 30))

@@ -11,6 +11,7 @@ import glob
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,23 @@ def test_bad_arguments_exit_2(tmp_path):
                            "--results", str(tmp_path / "r.txt")], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2 and "--corrupt-for-test takes" in proc.stderr
+
+
+def test_carried_wheels_go_on_sys_path_for_this_python_only(tmp_path):
+    # Two wheels of one made-up package: one for this interpreter, one for another CPython. Only
+    # the first may be unpacked, and the children (holders) must see it through PYTHONPATH.
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    for tag, value in ((here, "this python"), ("cp27", "another python")):
+        with zipfile.ZipFile(tmp_path / f"pdxfer_fake_wheel-1.0-{tag}-{tag}-manylinux_2_28_x86_64.whl", "w") as z:
+            z.writestr("pdxfer_fake_wheel/__init__.py", f"WHO = {value!r}\n")
+    code = ("import os, subprocess, sys; from tests.gpu.wheels import unpack_wheels; print(unpack_wheels()); "
+            "import pdxfer_fake_wheel as m; print(m.WHO); "
+            "print(subprocess.run([sys.executable, '-c', 'import pdxfer_fake_wheel as m; print(m.WHO)'], "
+            "capture_output=True, text=True, env=os.environ).stdout.strip())")
+    env = {**_env(), "PDXFER_GPU_WHEELS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    names, who, child = proc.stdout.splitlines()
+    assert names == repr([f"pdxfer_fake_wheel-1.0-{here}-{here}-manylinux_2_28_x86_64.whl"])
+    assert who == child == "this python"
