@@ -103,23 +103,30 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # noqa: PLC0415 - after the wheels are on sys.path
 
     from tests.gpu import kernels, moves  # noqa: PLC0415
-    from tests.gpu.target import make_target  # noqa: PLC0415
+    from tests.gpu.target import Target, make_target  # noqa: PLC0415
 
-    t = make_target(a.standin)
+    if not a.standin and not torch.cuda.is_available():
+        print("gpu check: torch sees no CUDA device (--standin checks the harness on CPU)", file=sys.stderr)
+        return 2
     rep = Report(results_path(a.results, a.standin), a.budget_s)
+    try:
+        t = make_target(a.standin)
+    except Exception as exc:  # noqa: BLE001 - no device ops: the kernel checks FAIL, the moves still run
+        rep.failed("device operations for cuda:0 (pdxfer.device.device_ops_for)", f"{type(exc).__name__}: {exc}")
+        t = Target(None, "cuda:0", False)
     rep.line(f"pdxfer gpu check on {t.name()}")
     rep.info(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, python {platform.python_version()}, "
              f"torch {torch.__version__}, {os.cpu_count()} CPUs, seed {a.seed}, kernel cases {a.mib} MiB, "
              f"moves {a.kv_mib:g} MiB per layer")
     rep.info("wheels: " + (", ".join(wheels) if wheels else f"none carried ({fetch_hint()})"))
-    if not a.standin:
-        from pdxfer.device import device_ops_for  # noqa: PLC0415
-
-        rep.info(f"device ops: {type(device_ops_for('cuda:0')).__name__}")
+    if t.ops is not None:
+        rep.info(f"device ops: {type(t.ops).__name__}")
     if a.build_log:
         _build_result(rep, a.build_log, a.build_rc)
     only = a.only or list(SECTIONS)
-    if "kernels" in only:
+    if "kernels" in only and t.ops is None:
+        rep.failed("kernels", "not run: no device operations (see the first FAIL line)")
+    elif "kernels" in only:
         _section(rep, "kernels: bench/native.py layout pairs", lambda: kernels.run_bench_cases(
             rep, t, a.mib, a.repeats, "kernel" in a.corrupt))
         _section(rep, "kernels: seeded random cases", lambda: kernels.run_random_cases(rep, t, a.seed, a.random))
@@ -130,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             rep, t, a.kinds, a.kv_mib, a.repeats, "move" in a.corrupt, fetch_hint()))
     rep.summary()
     rep.close()
-    t.ops.close()
+    if t.ops is not None:
+        t.ops.close()
     return 0 if rep.ok else 1
 
 

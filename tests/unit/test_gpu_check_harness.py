@@ -99,3 +99,11 @@ def test_carried_wheels_go_on_sys_path_for_this_python_only(tmp_path):
     names, who, child = proc.stdout.splitlines()
     assert names == repr([f"pdxfer_fake_wheel-1.0-{here}-{here}-manylinux_2_28_x86_64.whl"])
     assert who == child == "this python"
+
+
+def test_without_standin_on_a_machine_without_cuda_it_says_so_and_exits_2(tmp_path):
+    env = {**_env(), "CUDA_VISIBLE_DEVICES": ""}  # hides a GPU, should the machine have one
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.check", "--results", str(tmp_path / "r.txt")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2 and "torch sees no CUDA device" in proc.stderr, proc.stderr
+    assert not (tmp_path / "r.txt").exists()
