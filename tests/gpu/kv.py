@@ -14,6 +14,7 @@ import torch
 
 from pdxfer import layout as L
 from pdxfer.device import flat_bytes
+from pdxfer.plan import TransferPlan
 from pdxfer.transport.base import RegisteredRegion
 
 Shape = Callable[[int, int, int, int], tuple[int, ...]]  # (num_blocks, block_size, heads, head_dim)
@@ -80,16 +81,30 @@ def has_tensor_field() -> bool:
     return any(f.name == "tensor" for f in dataclasses.fields(RegisteredRegion))
 
 
-def registered_regions(layout: L.KVLayout, kv: dict[str, torch.Tensor]) -> list[RegisteredRegion]:
-    """The layout's regions for ``Transport.register``, each with its flat tensor where the
-    interface takes one."""
+def format_seed(seed: int, position: int) -> int:
+    """Each format of a holder gets its own bytes, so a read served from the wrong one shows."""
+    return seed + 101 * position
+
+
+def registered_regions(layout: L.KVLayout, kv: dict[str, torch.Tensor],
+                       first_index: int = 0) -> list[RegisteredRegion]:
+    """The layout's regions for ``Transport.register`` as indices ``first_index...`` (several
+    layouts share one transport), each with its flat tensor where the interface takes one."""
     by_ptr = {t.untyped_storage().data_ptr(): t for t in kv.values()}
     with_tensor = has_tensor_field()
     out = []
     for r in layout.regions:
         extra = {"tensor": flat_bytes(by_ptr[r.ptr])} if with_tensor else {}
-        out.append(RegisteredRegion(r.index, r.ptr, r.nbytes, r.device, **extra))
+        out.append(RegisteredRegion(first_index + r.index, r.ptr, r.nbytes, r.device, **extra))
     return out
+
+
+def shift_plan(plan: TransferPlan, remote_first: int, local_first: int) -> TransferPlan:
+    """``plan`` (made between two layouts' own region indices) for transports on which those
+    layouts' regions start at ``remote_first`` / ``local_first``."""
+    runs = tuple(dataclasses.replace(r, remote_region=r.remote_region + remote_first,
+                                     local_region=r.local_region + local_first) for r in plan.runs)
+    return TransferPlan(runs, plan.uncoalesced_runs)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,11 @@ from tests.gpu.kv import (
     byte_view,
     describe,
     expected_after_read,
+    format_seed,
     has_tensor_field,
     make_kv,
     registered_regions,
+    shift_plan,
 )
 from tests.gpu.report import Report
 from tests.gpu.target import Target, d2d_copy_seconds, first_difference, size_text
@@ -103,14 +105,15 @@ def _stop(proc: subprocess.Popen) -> None:
             f.close()
 
 
-def _start_holder(v: Variant, spec: KVSpec, device: str) -> subprocess.Popen:
+def _start_holder(v: Variant, specs: list[KVSpec], device: str) -> subprocess.Popen:
     env = dict(os.environ)
     env.update(v.env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "tests.gpu.holder", "--kind", v.kind, "--format", spec.kv_format,
-           "--layers", str(spec.layers), "--num-blocks", str(spec.num_blocks), "--block-size", str(spec.block_size),
-           "--heads", str(spec.heads), "--head-dim", str(spec.head_dim), "--seed", str(HOLDER_SEED),
-           "--device", device]
+    s = specs[0]
+    cmd = [sys.executable, "-m", "tests.gpu.holder", "--kind", v.kind,
+           "--formats", ",".join(f"{x.kv_format}:{x.num_blocks}" for x in specs),
+           "--layers", str(s.layers), "--block-size", str(s.block_size), "--heads", str(s.heads),
+           "--head-dim", str(s.head_dim), "--seed", str(HOLDER_SEED), "--device", device]
     # stderr to a pipe read only after exit: a holder is quiet unless it fails.
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=REPO, env=env)
@@ -159,53 +162,89 @@ def move_once(t: Target, reader: Transport, peer: str, plan: object, local: dict
     return secs
 
 
-def run_one(rep: Report, t: Target, v: Variant, spec: KVSpec, repeats: int, corrupt: bool) -> None:
-    label = f"move {spec.kv_format} {v.label}"
+@dataclass
+class _Side:
+    """One format on this side: its tensors, where its regions start, what a read must leave."""
+
+    spec: KVSpec
+    remote_first: int
+    remote_layout: L.KVLayout
+    local_first: int = 0
+    local: dict[str, torch.Tensor] | None = None
+    local_layout: L.KVLayout | None = None
+
+
+def _move_format(rep: Report, t: Target, label: str, side: _Side, reader: Transport, peer: str, position: int,
+                 repeats: int, corrupt: bool) -> None:
+    spec, local = side.spec, side.local
+    assert local is not None and side.local_layout is not None
+    remote = make_kv(spec, t.device, format_seed(HOLDER_SEED, position))  # the holder's bytes, rebuilt here
+    initial = {n: byte_view(x).clone() for n, x in local.items()}
+    rng = np.random.default_rng(HOLDER_SEED + position)
+    n = spec.num_blocks // 2
+    rblocks = [int(b) for b in rng.permutation(spec.num_blocks)[:n]]
+    lblocks = [int(b) for b in rng.permutation(spec.num_blocks)[:n]]
+    want = expected_after_read(spec, remote, local, rblocks, lblocks)
+    del remote
+    plan = shift_plan(build_plan(side.remote_layout, rblocks, side.local_layout, lblocks),
+                      side.remote_first, side.local_first)
+    times = []
+    for i in range(repeats + 1):  # the first read (connection warm-up) is checked, not timed
+        secs = move_once(t, reader, peer, plan, local, initial)
+        if corrupt and i == 0:  # --corrupt-for-test: prove a wrong byte is reported
+            byte_view(next(iter(local.values()))).view(-1)[7] ^= 0x5A
+        why = _compare(local, want)
+        if why:
+            rep.failed(label, f"read {i}: {why}")
+            return
+        if i:
+            times.append(secs)
+    secs = float(np.median(times))
+    nbytes = plan.total_bytes
+    base = d2d_copy_seconds(t, nbytes, repeats)
+    rep.passed(label, f"{size_text(nbytes)} in {len(plan)} runs ({n} of {spec.num_blocks} blocks x "
+                      f"{spec.layers} layers), every byte checked {repeats + 1} times; "
+                      f"{nbytes / secs / 1e9:.2f} GB/s = {base / secs:.3f}x a device torch copy_ "
+                      f"of the same bytes ({nbytes / base / 1e9:.2f} GB/s)")
+
+
+def run_variant(rep: Report, t: Target, v: Variant, specs: list[KVSpec], repeats: int, corrupt: bool) -> None:
+    """One holder process and one reader transport for every format, then each format's move."""
+    labels = [f"move {s.kv_format} {v.label}" for s in specs]
     if v.kind == "tcp" and not t.standin and not has_tensor_field():
-        rep.failed(label, "pdxfer.transport.base.RegisteredRegion has no 'tensor' field: this checkout lacks the "
-                          "TCP transport's bounce-buffer path for CUDA memory")
+        for label in labels:
+            rep.failed(label, "pdxfer.transport.base.RegisteredRegion has no 'tensor' field: this checkout lacks "
+                              "the TCP transport's bounce-buffer path for CUDA memory")
         return
-    holder = _start_holder(v, spec, t.device)
+    holder = _start_holder(v, specs, t.device)
     reader = None
+    done = 0
     try:
-        line = _read_meta(holder, HOLDER_START_S)
-        _, meta_hex, layout_json = line.split(" ", 2)
-        remote_layout = L.KVLayout.from_wire(json.loads(layout_json))
-        remote = make_kv(spec, t.device, HOLDER_SEED)  # the holder's bytes, rebuilt here
-        local = make_kv(spec, t.device, LOCAL_SEED)
-        local_layout = describe(spec, local)
-        initial = {n: byte_view(x).clone() for n, x in local.items()}
-        rng = np.random.default_rng(HOLDER_SEED)
-        n = spec.num_blocks // 2
-        rblocks = [int(b) for b in rng.permutation(spec.num_blocks)[:n]]
-        lblocks = [int(b) for b in rng.permutation(spec.num_blocks)[:n]]
-        want = expected_after_read(spec, remote, local, rblocks, lblocks)
-        del remote
-        plan = build_plan(remote_layout, rblocks, local_layout, lblocks)
+        _, meta_hex, table_json = _read_meta(holder, HOLDER_START_S).split(" ", 2)
+        sides = [_Side(spec, int(first), L.KVLayout.from_wire(doc))
+                 for spec, (_fmt, first, doc) in zip(specs, json.loads(table_json))]
+        regions = []
+        for i, side in enumerate(sides):
+            side.local = make_kv(side.spec, t.device, format_seed(LOCAL_SEED, i))
+            side.local_layout = describe(side.spec, side.local)
+            side.local_first = len(regions)
+            regions += registered_regions(side.local_layout, side.local, first_index=len(regions))
         with _Env(v.env):
             reader = create_transport(v.kind, **transport_options(v.kind, listen_host="127.0.0.1"))
-        reader.register(registered_regions(local_layout, local))
+        reader.register(regions)
         peer = reader.connect(bytes.fromhex(meta_hex), timeout=CONNECT_S)
-        times = []
-        for i in range(repeats + 1):  # the first read (connection warm-up) is checked, not timed
-            secs = move_once(t, reader, peer, plan, local, initial)
-            if corrupt and i == 0:  # --corrupt-for-test: prove a wrong byte is reported
-                byte_view(next(iter(local.values()))).view(-1)[7] ^= 0x5A
-            why = _compare(local, want)
-            if why:
-                rep.failed(label, f"read {i}: {why}")
-                return
-            if i:
-                times.append(secs)
-        secs = float(np.median(times))
-        nbytes = plan.total_bytes
-        base = d2d_copy_seconds(t, nbytes, repeats)
-        rep.passed(label, f"{size_text(nbytes)} in {len(plan)} runs ({n} of {spec.num_blocks} blocks x "
-                          f"{spec.layers} layers), every byte checked {repeats + 1} times; "
-                          f"{nbytes / secs / 1e9:.2f} GB/s = {base / secs:.3f}x a device torch copy_ "
-                          f"of the same bytes ({nbytes / base / 1e9:.2f} GB/s)")
-    except Exception as exc:  # noqa: BLE001 - whatever broke is this move's FAIL; the others still run
-        rep.failed(label, f"{type(exc).__name__}: {exc}")
+        for i, (label, side) in enumerate(zip(labels, sides)):
+            done = i
+            if rep.out_of_time(label):
+                continue
+            try:
+                _move_format(rep, t, label, side, reader, peer, i, repeats, corrupt and i == 0)
+            except Exception as exc:  # noqa: BLE001 - this format's FAIL; the next formats still run
+                rep.failed(label, f"{type(exc).__name__}: {exc}")
+        done = len(labels)
+    except Exception as exc:  # noqa: BLE001 - the holder or the connection broke: every format not run FAILs
+        for label in labels[done:]:
+            rep.failed(label, f"{type(exc).__name__}: {exc}")
     finally:
         if reader is not None:
             reader.close()
@@ -239,8 +278,7 @@ def run_moves(rep: Report, t: Target, kinds: list[str], kv_mib: float, repeats: 
         if v.kind == "tcp" and t.standin and not has_tensor_field():
             rep.info("RegisteredRegion has no 'tensor' field yet: the stand-in TCP moves take the host-memory path, "
                      "not the bounce buffer")
-        for spec in specs:
-            if rep.out_of_time(f"move {spec.kv_format} {v.label}"):
-                continue
-            run_one(rep, t, v, spec, repeats, corrupt and first)
-            first = False
+        if rep.out_of_time(f"move * {v.label}"):
+            continue
+        run_variant(rep, t, v, specs, repeats, corrupt and first)
+        first = False
