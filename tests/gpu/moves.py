@@ -1,9 +1,10 @@
 """Check 2: KV tensors shaped like vLLM's moved between two processes, every byte checked.
 
-For each VRAM layout (tests/gpu/kv.py) and transport: a holder process registers its tensors, this
-process registers its own (other bytes), reads a shuffled half of the holder's blocks into
-shuffled blocks of its own through the transport, and compares all of its memory with what
-tensor indexing says it must hold (moved blocks equal the holder's, every other byte unchanged).
+For each transport, one holder process registers tensors of every VRAM layout (tests/gpu/kv.py),
+each with its own seeded bytes, and this process registers its own (other bytes). Per layout it
+reads a shuffled half of the holder's blocks into shuffled blocks of its own through the
+transport, and compares all of its memory with what tensor indexing says it must hold (moved
+blocks equal the holder's, every other byte unchanged).
 Throughput is the median read and is printed against a device-to-device torch ``copy_`` of the
 same number of bytes in this run (absolute numbers vary between machines; the ratio less).
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from pdxfer import layout as L
-from pdxfer.plan import build_plan
+from pdxfer.plan import TransferPlan, build_plan
 from pdxfer.transport import create_transport, transport_options, unavailable_reason
 from pdxfer.transport.base import ReadState, Transport
 from tests.gpu.kv import (
@@ -147,14 +148,14 @@ def _compare(local: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> s
     return None
 
 
-def move_once(t: Target, reader: Transport, peer: str, plan: object, local: dict[str, torch.Tensor],
+def move_once(t: Target, reader: Transport, peer: str, plan: TransferPlan, local: dict[str, torch.Tensor],
               initial: dict[str, torch.Tensor]) -> float:
     """Reset this side's KV to its initial bytes, read the plan, return the read's seconds."""
     for name, lt in local.items():
         byte_view(lt).copy_(initial[name])
     t.sync()  # the reset must have landed before the transport writes (another stream, or another process)
     t0 = time.perf_counter()
-    h = reader.read(peer, plan)  # type: ignore[arg-type]
+    h = reader.read(peer, plan)
     state = h.wait(READ_S)
     secs = time.perf_counter() - t0
     if state is not ReadState.DONE:
@@ -164,7 +165,7 @@ def move_once(t: Target, reader: Transport, peer: str, plan: object, local: dict
 
 @dataclass
 class _Side:
-    """One format on this side: its tensors, where its regions start, what a read must leave."""
+    """One layout of a move: the holder's (where its regions start there) and this side's."""
 
     spec: KVSpec
     remote_first: int

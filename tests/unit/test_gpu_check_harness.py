@@ -107,3 +107,10 @@ def test_without_standin_on_a_machine_without_cuda_it_says_so_and_exits_2(tmp_pa
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2 and "torch sees no CUDA device" in proc.stderr, proc.stderr
     assert not (tmp_path / "r.txt").exists()
+
+
+def test_ci_pytest_run_collects_nothing_from_tests_gpu():
+    # The check's scripts need a GPU (or --standin) and run from scripts/test.sh gpu, not pytest.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/gpu"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 5, proc.stdout + proc.stderr  # 5: no tests collected
