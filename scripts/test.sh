@@ -7,16 +7,85 @@
 #   scripts/test.sh vllm       real `vllm serve` prefill/decode pairs on CPU (minutes)
 #   scripts/test.sh rdma       soft-RoCE QEMU guest: NIXL/UCX rc_verbs READs between two rxe devices (root)
 #   scripts/test.sh chaos      holders, readers, masters, etcd under injected faults + history checker (~4 min)
-# Extra arguments go to pytest, e.g. scripts/test.sh unit -k plan
+#   scripts/test.sh gpu        the prepared GPU check (tests/gpu/check.py; not part of `all`): on a machine
+#                              with an NVIDIA GPU, builds the CUDA kernels and checks them and VRAM KV moves
+#                              (< 8 min); elsewhere prints one line and exits 0. No setup, no venv, no
+#                              network: it runs ${PYTHON:-python3} (.venv/bin/python when that has CUDA
+#                              torch) and takes NIXL from .gpu-wheels/ (scripts/fetch_gpu_wheels.sh).
+# Extra arguments go to pytest, e.g. scripts/test.sh unit -k plan (for gpu: to tests/gpu/check.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
 tier=${1:-all}
 [ $# -gt 0 ] && shift
+
+gpu_python() {
+  if [ -n "${PYTHON:-}" ]; then
+    echo "$PYTHON"
+  elif [ -x .venv/bin/python ] && timeout 60 .venv/bin/python -c \
+      'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' >/dev/null 2>&1; then
+    echo .venv/bin/python
+  else
+    echo python3
+  fi
+}
+
+gpu_tier() {
+  local py probe arch log rc
+  py=$(gpu_python)
+  # One bounded probe: the GPU's compute capability (sm_XY), or why there is none to use.
+  probe=$(timeout 120 "$py" - 2>/dev/null <<'PY'
+import sys
+try:
+    import torch
+except Exception as exc:
+    print(f"no torch ({type(exc).__name__})")
+    sys.exit(1)
+if not torch.cuda.is_available():
+    print(f"torch {torch.__version__} sees no CUDA GPU")
+    sys.exit(1)
+major, minor = torch.cuda.get_device_capability(0)
+print(f"sm_{major}{minor}")
+PY
+  ) || {
+    if ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
+      echo "gpu check: FAIL: this machine has an NVIDIA device, but $py cannot use it" \
+        "(${probe:-no answer}); set PYTHON to a python with CUDA torch" >&2
+      exit 1
+    fi
+    echo "gpu check skipped: no GPU here ($py: ${probe:-did not answer})"
+    exit 0
+  }
+  arch=${CUDA_ARCH:-$probe}
+  if [ -z "${NVCC:-}" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x .venv/bin/nvcc ]; then
+    export NVCC=.venv/bin/nvcc
+  fi
+  # Under 8 minutes in all: the build gets at most half, the check what is left; the check keeps
+  # to its own budget (--budget-s, FAIL lines for what it could not start) and `timeout` only
+  # stops a hang.
+  local total=${PDXFER_GPU_CHECK_S:-470} start=$SECONDS left budget rc_check=0
+  log=$(mktemp -t pdxfer-gpu-build.XXXXXX)
+  rc=0
+  echo "building the native kernels for $arch (native/build.sh --cuda)"
+  CUDA_ARCH="$arch" timeout $((total / 2)) bash native/build.sh --cuda >"$log" 2>&1 || rc=$?
+  left=$((total - (SECONDS - start)))
+  budget=$((left - 90))
+  [ "$budget" -ge 1 ] || budget=1  # 0 would mean no budget at all
+  export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  timeout -k 10 "$left" "$py" -m tests.gpu.check --build-log "$log" --build-rc "$rc" \
+    --budget-s "$budget" "$@" || rc_check=$?
+  rm -f "$log"
+  if [ "$rc_check" = 124 ] || [ "$rc_check" = 137 ]; then
+    echo "gpu check: FAIL: stopped after $total s in all (the results file holds what it printed)" >&2
+  fi
+  exit "$rc_check"
+}
+
 case "$tier" in
+  gpu) gpu_tier "$@" ;;  # exits: no setup.sh, no pytest
   all) paths=(tests) ;;
   unit|transport|master|vllm|rdma|chaos) paths=("tests/$tier") ;;
-  *) echo "unknown tier '$tier' (all|unit|transport|master|vllm|rdma|chaos)" >&2; exit 2 ;;
+  *) echo "unknown tier '$tier' (all|unit|transport|master|vllm|rdma|chaos|gpu)" >&2; exit 2 ;;
 esac
+bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
 exec .venv/bin/python -m pytest "${paths[@]}" -q -rs --durations=15 -p no:cacheprovider "$@"
