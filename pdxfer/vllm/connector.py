@@ -27,7 +27,7 @@ from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetric
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
 from pdxfer.vllm.publish_hint import hinted_tokens, publish_hint
-from pdxfer.vllm.write_fence import FenceWriter, device_ops_or_none
+from pdxfer.vllm.write_fence import FenceWriter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,7 +125,7 @@ class PdxferConnector(KVConnectorBase_V1):
         assert self.worker_side is not None
         self._handshake = self.worker_side.register_kv_caches(kv_caches)
         device = str(next(iter(kv_caches.values())).device) if kv_caches else "cpu"
-        self._fence_writer = FenceWriter(self._rank, device_ops_or_none(device))
+        self._fence_writer = FenceWriter(self._rank, device=device)
 
     def get_handshake_metadata(self) -> PdxferHandshake | None:
         return getattr(self, "_handshake", None)

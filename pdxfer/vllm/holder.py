@@ -53,6 +53,7 @@ class HolderPath:
                  stats: SchedulerStats, fence: WriteFence | None = None) -> None:
         self.cfg = cfg
         self._fence = fence  # None: every write is complete when its request finishes (no device)
+        self._awaiting_fence: set[bytes] = set()  # held, queued, writes not yet confirmed: never re-published
         self.block_size = block_size
         self._hot = hot  # publishes and pressure unpublishes, in order, on the publisher thread
         self._bg = bg  # reaper and re-publish
@@ -209,6 +210,8 @@ class HolderPath:
             self._pool.hold(b)
         # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
         with self._lock:
+            if write_seq > 0 and self._fence is not None:
+                self._awaiting_fence.update(k for k, _ in new)
             for k, b in new:
                 self._held[k] = _Held(b, now + retain)
                 for x in b:
@@ -235,7 +238,10 @@ class HolderPath:
     def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
                       retain: float, seq: int, epoch: int | None, req_id: str = "", write_seq: int = 0) -> None:
         assert self.node_id is not None
-        if not self._fenced(req_id, write_seq):
+        fenced = self._fenced(req_id, write_seq)
+        with self._lock:
+            self._awaiting_fence.difference_update(new_keys)
+        if not fenced:
             self._due_now(new_keys)  # never published: the reaper frees them at once
             return
         delay = test_hook_float("publish_delay_s")  # tests: a publish slower than the decode's lookup
@@ -492,6 +498,8 @@ class HolderPath:
         with self._lock:
             for k, h in self._held.items():
                 if h.retention_end:  # already past retention: must not be served again
+                    continue
+                if k in self._awaiting_fence:  # its own publish follows once the writes are confirmed
                     continue
                 left = int(h.retain_until - now)  # rounded down to whole seconds: few calls
                 # Only chunks the reaper cannot pick up while this publish may still be in flight.

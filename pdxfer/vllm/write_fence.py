@@ -182,9 +182,12 @@ class FenceWriter:
     When the event has completed at record (the synchronous CPU stand-in) the number is stored
     inline and no thread is ever started."""
 
-    def __init__(self, rank: int, ops: DeviceOps | None) -> None:
+    def __init__(self, rank: int, ops: DeviceOps | None = None, *, device: str | None = None) -> None:
+        """``ops``: the operations of the KV's device; or ``device``, resolved at the first step
+        that needs a fence (an instance that holds nothing never loads them)."""
         self.rank = rank
         self._ops = ops  # None: no device operations for this KV (stored at once, as before fences)
+        self._device = device if ops is None else None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._pending: deque[tuple[WriteFence, int, DeviceEvent]] = deque()
@@ -204,6 +207,8 @@ class FenceWriter:
         f = self._fence_for(fence)
         if f is None:
             return
+        if self._device is not None:
+            self._ops, self._device = device_ops_or_none(self._device), None
         if self._ops is None:
             self._store(f, step_seq)
             return

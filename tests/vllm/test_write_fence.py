@@ -242,3 +242,57 @@ def test_the_connector_reports_each_bound_step_at_wait_for_save(standin):
         conn._fence_writer.close()
     finally:
         fence.close()
+
+
+def test_a_re_registration_does_not_publish_chunks_still_awaiting_their_fence(pair):
+    """The master forgot the node while a publish waits for its step: re-publishing what is held
+    must leave that publish's chunks to it (their bytes may not be written yet)."""
+    holder, reader = pair(publish_wait_s=0.0, publish_fence_wait_s=1.5)
+    writer = FenceWriter(0, _HungDevice())
+    toks = _tokens(2 * C + 5, 37)
+    blocks = holder.pool.get_new_blocks(-(-len(toks) // BS))
+    _step(holder, None, writer, ["p"], None)
+    holder.sched.request_finished("p", toks, [b.block_id for b in blocks], None)
+    holder.pool.free_blocks(blocks)
+    holder.sched.holder._republish()  # what the node session runs after a re-registration
+    assert reader.sched.get_num_new_matched_tokens("d", toks, len(toks), 0, None)[0] == 0
+    wait_until(lambda: holder.sched.stats.publishes_unfenced == 1, "the publish was never dropped", timeout=5)
+    writer.close()
+
+
+def test_the_fence_wait_is_a_positive_number():
+    from pdxfer.vllm.config import ConnectorConfigError, parse_extra_config
+
+    assert parse_extra_config({"master": "h:1"}).publish_fence_wait_s == 2.0
+    assert parse_extra_config({"master": "h:1", "publish_fence_wait_s": 0.5}).publish_fence_wait_s == 0.5
+    for bad in (0, -1, "1", True):
+        with pytest.raises(ConnectorConfigError, match="publish_fence_wait_s"):
+            parse_extra_config({"master": "h:1", "publish_fence_wait_s": bad})
+
+
+def test_a_worker_loads_device_operations_only_for_a_fenced_step(monkeypatch, standin):
+    """A worker of an instance that holds nothing never touches its device for the fence; a
+    holder's worker waits on the device it was given by name."""
+    import pdxfer.vllm.write_fence as wf
+
+    asked: list[str] = []
+    ops = standin(asynchronous=True, delay_s=0.3)
+
+    def device_ops(device: str) -> DeviceOps:
+        asked.append(device)
+        return ops
+
+    monkeypatch.setattr(wf, "device_ops_or_none", device_ops)
+    writer = FenceWriter(0, device="cuda:3")
+    writer.step_enqueued("", 1)  # a scheduler without a fence (a decode-only instance)
+    assert asked == []
+    fence = WriteFence.create("engine-lazy", tp_size=1)
+    try:
+        ops.copy(torch.zeros(8, dtype=torch.uint8), 0, torch.ones(8, dtype=torch.uint8), 0, 8, ops.current_stream())
+        writer.step_enqueued(fence.name, 1)
+        assert asked == ["cuda:3"]
+        assert fence.completed() == 0, "completed before the device ran the step"
+        assert fence.wait_for(1, 5.0)
+    finally:
+        writer.close()
+        fence.close()
