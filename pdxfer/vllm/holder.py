@@ -290,6 +290,8 @@ class HolderPath:
             return True
         if self._fence.wait_for(write_seq, self.cfg.publish_fence_wait_s):
             return True
+        if self._closing:  # shutting down: the fence closed under the wait, nothing to report
+            return False
         self.stats.publishes_unfenced += 1
         log.warning("pdxfer: not publishing %s: the device did not confirm the KV writes of its step %d "
                     "within %.2f s (steps completed per TP rank: %s); readers compute it themselves",

@@ -212,7 +212,11 @@ class FenceWriter:
         if self._ops is None:
             self._store(f, step_seq)
             return
-        ev = self._ops.record_event(self._ops.current_stream())
+        try:
+            ev = self._ops.record_event(self._ops.current_stream())
+        except Exception as exc:  # never fail vLLM's step; the stalled fence drops the publishes
+            self._report_failure(step_seq, f"recording its event failed: {exc}")
+            return
         with self._lock:
             if not self._pending and ev.query() and ev.error is None:
                 self._store_locked(f, step_seq)
@@ -230,6 +234,9 @@ class FenceWriter:
             return None
         try:
             f = WriteFence.attach(name)
+            if self.rank >= f.tp_size:
+                f.close()
+                raise WriteFenceError(f"write fence {name} has {f.tp_size} rank slots, this is rank {self.rank}")
         except (WriteFenceError, OSError) as exc:
             # The scheduler then never sees this rank's steps complete and drops its publishes
             # (each with a warning there): safe, and loud.
@@ -269,12 +276,15 @@ class FenceWriter:
                 if ev.error is not None:
                     # The step's work failed: its KV may be garbage, so the fence stays where it
                     # is and the scheduler drops the publishes waiting on it.
-                    if not self._failed_reported:
-                        self._failed_reported = True
-                        log.error("pdxfer: TP rank %d: the device work of step %d failed (%s); its KV is "
-                                  "not published", self.rank, seq, ev.error)
+                    self._report_failure(seq, ev.error)
                     continue
                 self._store_locked(f, seq)
+
+    def _report_failure(self, seq: int, why: str) -> None:
+        if not self._failed_reported:  # once: every later step of a failed device fails alike
+            self._failed_reported = True
+            log.error("pdxfer: TP rank %d: step %d: %s; KV written from then on is not published",
+                      self.rank, seq, why)
 
     def close(self, timeout: float = 2.0) -> None:
         with self._lock:
@@ -283,9 +293,10 @@ class FenceWriter:
             t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
-        if self._fence is not None:
-            self._fence.close()
-            self._fence = None
+        with self._lock:  # a thread that outlived the join stores under this lock: not mid-close
+            if self._fence is not None:
+                self._fence.close()
+                self._fence = None
 
 
 def device_ops_or_none(device: str) -> DeviceOps | None:

@@ -296,3 +296,26 @@ def test_a_worker_loads_device_operations_only_for_a_fenced_step(monkeypatch, st
     finally:
         writer.close()
         fence.close()
+
+
+class _BrokenDevice(CpuStandIn):
+    def record_event(self, stream: DeviceStream) -> DeviceEvent:
+        raise RuntimeError("device lost")
+
+
+def test_a_failing_device_or_a_foreign_rank_never_fails_the_step_and_never_completes(caplog):
+    fence = WriteFence.create("engine-broken", tp_size=1)
+    try:
+        caplog.set_level(logging.ERROR, logger="pdxfer")
+        broken = FenceWriter(0, _BrokenDevice())
+        broken.step_enqueued(fence.name, 1)  # must not raise into vLLM's wait_for_save
+        broken.step_enqueued(fence.name, 2)
+        stranger = FenceWriter(1, CpuStandIn())  # a rank the scheduler has no slot for
+        stranger.step_enqueued(fence.name, 1)
+        assert fence.completed() == 0
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2 and "device lost" in errors[0] and "rank 1" in errors[1], errors
+        broken.close()
+        stranger.close()
+    finally:
+        fence.close()
