@@ -41,6 +41,10 @@ class ConnectorConfig:
     # by the proxy) waits at most this long for those chunks to reach the master before it
     # computes without them: the publish no longer races the decode's lookup.
     publish_hint_wait_s: float = 0.25
+    # A holder publishes a finished request only once every TP rank saw the device complete the
+    # KV writes of the last step that computed it; waiting longer than this (off the step path,
+    # on the publisher thread), it drops that publish with a warning (publishes_unfenced).
+    publish_fence_wait_s: float = 2.0
     lock_ttl_s: float = 10.0
     retention_s: float = 60.0  # how long a holder keeps published chunks after the request ends
     max_held_fraction: float = 0.5  # cap on the share of KV blocks held for readers
@@ -79,7 +83,7 @@ class ConnectorConfig:
 
 
 _FLOATS = {"lookup_timeout_s", "master_timeout_s", "lock_ttl_s", "retention_s", "load_timeout_s",
-           "read_timeout_floor_s", "connect_timeout_s", "lease_ttl_s"}
+           "read_timeout_floor_s", "connect_timeout_s", "lease_ttl_s", "publish_fence_wait_s"}
 _NONNEG_FLOATS = {"publish_wait_s", "publish_hint_wait_s"}  # 0 turns the wait off
 # Keys vLLM's own connectors read from the same dict; harmless to carry, so not an error.
 _IGNORED = {"backends"}

@@ -27,6 +27,7 @@ from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetric
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
 from pdxfer.vllm.publish_hint import hinted_tokens, publish_hint
+from pdxfer.vllm.write_fence import FenceWriter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,6 +64,7 @@ class PdxferConnector(KVConnectorBase_V1):
         self.block_size = kv_block_size(vllm_config, kv_cache_config)
         self.scheduler_side = None
         self.worker_side = None
+        self._fence_writer: FenceWriter | None = None
         # Not None: no key can name this instance's KV (unprobed blocks, run-time KV scales). It
         # then serves as a plain instance: every hook below answers "nothing to move".
         self.refusal = kv_refusal(vllm_config, kv_cache_config)
@@ -99,6 +101,7 @@ class PdxferConnector(KVConnectorBase_V1):
             from pdxfer.vllm.worker_side import WorkerSide
 
             rank = get_tensor_model_parallel_rank()
+            self._rank = rank
             # One node per engine: every rank names it alike, the rank tells its endpoint apart.
             self.worker_side = WorkerSide(self.cfg, node_id=self.engine_id, rank=rank,
                                           expected_fingerprint=self.fingerprint, block_size=self.block_size,
@@ -121,6 +124,8 @@ class PdxferConnector(KVConnectorBase_V1):
             return  # nothing is registered, so nothing can be read from this instance
         assert self.worker_side is not None
         self._handshake = self.worker_side.register_kv_caches(kv_caches)
+        device = str(next(iter(kv_caches.values())).device) if kv_caches else "cpu"
+        self._fence_writer = FenceWriter(self._rank, device=device)
 
     def get_handshake_metadata(self) -> PdxferHandshake | None:
         return getattr(self, "_handshake", None)
@@ -144,7 +149,12 @@ class PdxferConnector(KVConnectorBase_V1):
         return  # holders serve reads from vLLM's own blocks: nothing is copied out
 
     def wait_for_save(self) -> None:
-        return
+        # vLLM calls this on the forward and the no-forward path alike, after the step's forward
+        # (and, with speculative decoding, the drafter's) is enqueued: an event recorded here
+        # follows every KV write of the step on the compute stream.
+        meta = self._connector_metadata
+        if self._fence_writer is not None and isinstance(meta, PdxferConnectorMetadata):
+            self._fence_writer.step_enqueued(meta.write_fence, meta.step_seq)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_side is None:
@@ -187,6 +197,8 @@ class PdxferConnector(KVConnectorBase_V1):
         return PdxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._fence_writer is not None:
+            self._fence_writer.close()
         if self.worker_side is not None:
             self.worker_side.close()
         if self.scheduler_side is not None:
@@ -231,7 +243,8 @@ class PdxferConnector(KVConnectorBase_V1):
         if self.refusal is not None:
             return PdxferConnectorMetadata()
         assert self.scheduler_side is not None
-        return self.scheduler_side.build_connector_meta()
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+        return self.scheduler_side.build_connector_meta(None if scheduled is None else scheduled.keys())
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler_side is not None:

@@ -14,7 +14,7 @@ from pdxfer.vllm.phase_times import PHASES, stats_key
 _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
              "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes",
              "unkeyable_requests", "background_errors", "publish_hint_waits", "publish_hint_timeouts",
-             "kv_transfer_refused", "staging_waits", "staging_full", "reads_unstopped")
+             "kv_transfer_refused", "staging_waits", "staging_full", "reads_unstopped", "publishes_unfenced")
 _LISTS = ("transfer_s",) + tuple(stats_key(p) for p in PHASES)
 _PHASE_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 
@@ -56,6 +56,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Freed chunks": d["freed_chunks"],
             "Master errors": d["master_errors"],
             "Late publishes": d["late_publishes"],
+            "Publishes dropped (KV writes not confirmed)": d["publishes_unfenced"],
             "Lookups that waited for a hinted publish": d["publish_hint_waits"],
             "Unkeyable requests (kept out)": d["unkeyable_requests"],
             "Background errors": d["background_errors"],
@@ -92,6 +93,8 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
                             "raise staging_mib or staging_max_mib)",
             "reads_unstopped": "Reads that had not stopped long after their load failed: the holder was "
                                "disconnected before vLLM got the blocks back",
+            "publishes_unfenced": "Publishes dropped because the device did not confirm the request's KV "
+                                  "writes within publish_fence_wait_s (see the log)",
         }
         for key, doc in docs.items():
             c = self._counter_cls(name=f"vllm:pdxfer_{key}", documentation=doc, labelnames=labelnames)

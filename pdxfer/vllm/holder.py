@@ -31,6 +31,7 @@ from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.block_pool import BlockPoolHolder
 from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
+from pdxfer.vllm.write_fence import WriteFence
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
 
@@ -49,8 +50,10 @@ _ROOM_DECAY = 0.95
 
 class HolderPath:
     def __init__(self, cfg: ConnectorConfig, *, block_size: int, hot: Any, bg: Any,
-                 stats: SchedulerStats) -> None:
+                 stats: SchedulerStats, fence: WriteFence | None = None) -> None:
         self.cfg = cfg
+        self._fence = fence  # None: every write is complete when its request finishes (no device)
+        self._awaiting_fence: set[bytes] = set()  # held, queued, writes not yet confirmed: never re-published
         self.block_size = block_size
         self._hot = hot  # publishes and pressure unpublishes, in order, on the publisher thread
         self._bg = bg  # reaper and re-publish
@@ -113,10 +116,11 @@ class HolderPath:
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
                          hasher: IncrementalHasher | None,
-                         new_hasher: Callable[[], IncrementalHasher]) -> int:
+                         new_hasher: Callable[[], IncrementalHasher], write_seq: int = 0) -> int:
         """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
         tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
-        ``hasher``: the request's own, if the reader path made one; ``new_hasher()`` makes one.
+        ``hasher``: the request's own, if the reader path made one; ``new_hasher()`` makes one;
+        ``write_seq``: the step whose completion on the device the publish waits for (0: none).
         Returns how many leading tokens the queued publish covers (0: none), the decode's hint."""
         try:
             self.drain_frees()
@@ -145,7 +149,7 @@ class HolderPath:
                     keys.append(tail)
                     chunk_blocks.append(tail_blocks)
             t1 = time.perf_counter()
-            covered = self._publish(keys, chunk_blocks)
+            covered = self._publish(keys, chunk_blocks, req_id, write_seq)
             t2 = time.perf_counter()
             if t2 - t0 > 0.02:
                 log.warning("pdxfer: publishing %d chunks of %s took %.1f ms (hash %.1f ms)", n_chunks,
@@ -176,7 +180,8 @@ class HolderPath:
             return None
         return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
 
-    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]]) -> int:
+    def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]], req_id: str = "",
+                 write_seq: int = 0) -> int:
         """Hold and queue the publish of ``keys``; how many leading keys it covers (the cap may
         let only a prefix of the new ones through), 0 when nothing was queued."""
         assert self._pool is not None and self.node_id is not None
@@ -205,6 +210,8 @@ class HolderPath:
             self._pool.hold(b)
         # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
         with self._lock:
+            if write_seq > 0 and self._fence is not None:
+                self._awaiting_fence.update(k for k, _ in new)
             for k, b in new:
                 self._held[k] = _Held(b, now + retain)
                 for x in b:
@@ -216,7 +223,7 @@ class HolderPath:
         seq = self._hot.next_publish_seq(self.node_id)
         reg = self._hot.registration(self.node_id)
         fut = self._publisher.submit(self._send_publish, entries, [k for k, _ in new], len(refresh), retain,
-                                     seq, reg.epoch if reg is not None else None)
+                                     seq, reg.epoch if reg is not None else None, req_id, write_seq)
         # The decode's lookup must not race this publish. By default nothing waits here: the
         # request's kv_transfer_params carry a hint and the decode waits for the chunks instead
         # (bounded), so the prefill's answer is never delayed by a master round trip.
@@ -229,8 +236,14 @@ class HolderPath:
         return next((i for i, k in enumerate(keys) if k not in covered), len(keys))
 
     def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
-                      retain: float, seq: int, epoch: int | None) -> None:
+                      retain: float, seq: int, epoch: int | None, req_id: str = "", write_seq: int = 0) -> None:
         assert self.node_id is not None
+        fenced = self._fenced(req_id, write_seq)
+        with self._lock:
+            self._awaiting_fence.difference_update(new_keys)
+        if not fenced:
+            self._due_now(new_keys)  # never published: the reaper frees them at once
+            return
         delay = test_hook_float("publish_delay_s")  # tests: a publish slower than the decode's lookup
         if delay:
             time.sleep(delay)
@@ -268,6 +281,22 @@ class HolderPath:
         # Entries the master did not accept stay held until retention: freeing them early would
         # be unsafe if the master accepted a different subset than we think.
         self.stats.published_chunks += max(int(accepted) - n_refresh, 0)
+
+    def _fenced(self, req_id: str, write_seq: int) -> bool:
+        """Whether the device completed the KV writes of step ``write_seq`` on every rank, waiting
+        at most ``publish_fence_wait_s`` (here, on the publisher thread: never on the step path).
+        A publish of blocks whose writes may still be in flight would let a reader copy garbage."""
+        if self._fence is None or write_seq <= 0:
+            return True
+        if self._fence.wait_for(write_seq, self.cfg.publish_fence_wait_s):
+            return True
+        if self._closing:  # shutting down: the fence closed under the wait, nothing to report
+            return False
+        self.stats.publishes_unfenced += 1
+        log.warning("pdxfer: not publishing %s: the device did not confirm the KV writes of its step %d "
+                    "within %.2f s (steps completed per TP rank: %s); readers compute it themselves",
+                    req_id, write_seq, self.cfg.publish_fence_wait_s, self._fence.slots())
+        return False
 
     def _due_now(self, keys: Iterable[bytes]) -> None:
         with self._lock:
@@ -471,6 +500,8 @@ class HolderPath:
         with self._lock:
             for k, h in self._held.items():
                 if h.retention_end:  # already past retention: must not be served again
+                    continue
+                if k in self._awaiting_fence:  # its own publish follows once the writes are confirmed
                     continue
                 left = int(h.retain_until - now)  # rounded down to whole seconds: few calls
                 # Only chunks the reaper cannot pick up while this publish may still be in flight.

@@ -26,7 +26,9 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
 #   4  LoadSpec carries looked_up_at (wall clock of the lookup) for the per-phase TTFT stats
 #   5  each LoadSpec carries the holder descriptions its own lookup returned (``holders``); the
 #      step-wide node map is gone: two loads of one step may name two registrations of one node
-METADATA_VERSION = 5
+#   6  the step's number (``step_seq``) and the holder's write fence segment (``write_fence``):
+#      workers report each step's KV writes complete there (pdxfer.vllm.write_fence)
+METADATA_VERSION = 6
 
 
 class MetadataVersionError(RuntimeError):
@@ -124,6 +126,8 @@ class LoadSpec:
 @dataclass
 class PdxferConnectorMetadata(_MetaBase):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
+    step_seq: int = 0  # 1, 2, ... per built step; 0: this scheduler has no write fence
+    write_fence: str = ""  # shared-memory name where workers store completed step numbers
     version: int = METADATA_VERSION
 
     def check(self) -> None:

@@ -22,6 +22,7 @@ from pdxfer.vllm.holder import HolderPath
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
 from pdxfer.vllm.reader import ReaderPath
 from pdxfer.vllm.scheduler_state import SchedulerStats
+from pdxfer.vllm.write_fence import WriteFence
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
 
@@ -71,7 +72,13 @@ class SchedulerSide:
         self.reader = ReaderPath(cfg, block_size=block_size, tp_size=tp_size, total_kv_heads=total_kv_heads,
                                  reader_id=f"{engine_id}-reader", hot=self._hot, bg=self._bg, stats=self.stats,
                                  hasher=self._hasher, own_node=lambda: self.node_id)
-        self.holder = HolderPath(cfg, block_size=block_size, hot=self._hot, bg=self._bg, stats=self.stats)
+        # Only a holder publishes, so only a holder needs to know when the device wrote its KV.
+        self.fence: WriteFence | None = WriteFence.create(engine_id, tp_size) if producer else None
+        self._step_seq = 0  # of the newest step built
+        self._req_step: dict[str, int] = {}  # request -> the newest step that scheduled it
+        self._opaque_step = 0  # the newest step built without the list of what it scheduled
+        self.holder = HolderPath(cfg, block_size=block_size, hot=self._hot, bg=self._bg, stats=self.stats,
+                                 fence=self.fence)
 
     # ------------------------------------------------------------------ setup
 
@@ -159,9 +166,27 @@ class SchedulerSide:
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self.reader.update_state_after_alloc(req_id, block_ids, num_external_tokens)
 
-    def build_connector_meta(self) -> PdxferConnectorMetadata:
+    def build_connector_meta(self, scheduled: Iterable[str] | None = None) -> PdxferConnectorMetadata:
+        """The step's metadata; ``scheduled``: the ids of the requests it computes (None:
+        unknown, then every request finishing later waits for this step's writes)."""
         self.holder.drain_frees()
-        return self.reader.take_metadata()
+        meta = self.reader.take_metadata()
+        if self.fence is not None:
+            self._step_seq += 1
+            meta.step_seq, meta.write_fence = self._step_seq, self.fence.name
+            if scheduled is None:
+                self._opaque_step = self._step_seq
+            else:
+                for req_id in scheduled:
+                    self._req_step[req_id] = self._step_seq
+        return meta
+
+    def _write_seq(self, req_id: str) -> int:
+        """The step whose completion on the device makes every KV write into ``req_id``'s blocks
+        visible: the newest one that scheduled it (blocks it shares through the prefix cache were
+        written in steps no later). A request never seen scheduled waits for the newest built."""
+        step = self._req_step.pop(req_id, None)
+        return max(self._step_seq if step is None else step, self._opaque_step)
 
     # ------------------------------------------------------------------ holder (producer) path
 
@@ -173,6 +198,7 @@ class SchedulerSide:
         Returns the leading tokens the queued publish covers (0: none)."""
         self.reader.finish_request(req_id)
         hasher = self._hashers.pop(req_id, None)
+        write_seq = self._write_seq(req_id)
         if unkeyable is not None and self.producer and tokens is not None:
             self._keep_out(req_id, unkeyable)
             tokens = None
@@ -180,7 +206,7 @@ class SchedulerSide:
             self.holder.drain_frees()
             return 0
         return self.holder.request_finished(req_id, tokens, block_ids, hasher,
-                                            lambda: self._new_hasher(cache_salt))
+                                            lambda: self._new_hasher(cache_salt), write_seq=write_seq)
 
     def _keep_out(self, req_id: str, reason: str) -> None:
         self.stats.unkeyable_requests += 1
@@ -208,6 +234,8 @@ class SchedulerSide:
     def close(self) -> None:
         self.holder.close()
         self.reader.close()
+        if self.fence is not None:
+            self.fence.close()
         for c in (self._hot, self._bg):
             try:
                 c.close()

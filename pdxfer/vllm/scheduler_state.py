@@ -24,6 +24,7 @@ class SchedulerStats:
     background_errors: int = 0  # unexpected errors in the reaper or publisher (logged, survived)
     publish_hint_waits: int = 0  # lookups that waited for chunks a prefill's hint announced
     publish_hint_timeouts: int = 0  # ... and went on without some of them
+    publishes_unfenced: int = 0  # dropped: the device did not confirm their KV writes in time
     phases: PhaseTimes = field(default_factory=PhaseTimes)  # not a counter: taken, not diffed
 
     def counters(self) -> dict[str, int]:
