@@ -1,0 +1,275 @@
+"""The device interface: the CPU stand-in's stream semantics (what GPU-shaped code is tested
+against), and what of the CUDA implementation can be checked without a GPU (import, refusal,
+finding the kernel library). Nothing here has run on a GPU."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import pdxfer.device as device
+import pdxfer.device.cpu as cpu_mod
+from pdxfer import native
+from pdxfer.blockgeom import segment_geometry
+from pdxfer.device import CpuStandIn, DeviceError, device_ops_for
+from pdxfer.device import cuda_lib
+from pdxfer.layout import CPU
+from tests.kv_pattern import describe, encode
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT = 5.0
+
+
+def _bytes(n: int, value: int) -> torch.Tensor:
+    return torch.full((n,), value, dtype=torch.uint8)
+
+
+@pytest.fixture
+def slow():
+    ops = CpuStandIn(asynchronous=True, delay_s=0.05)
+    yield ops
+    ops.close()
+
+
+# --------------------------------------------------------------------------- the CPU stand-in
+
+def test_ops_on_one_stream_run_in_the_order_they_were_enqueued(slow):
+    a, b, c = _bytes(64, 1), _bytes(64, 0), _bytes(64, 0)
+    st = slow.new_stream()
+    slow.copy(b, 0, a, 0, 64, st)  # b = a
+    slow.copy(c, 0, b, 0, 64, st)  # c = b: right only if the first copy ran before
+    slow.copy(b, 0, _bytes(64, 9), 0, 32, st)  # then half of b overwritten
+    ev = slow.record_event(st)
+    assert ev.wait(WAIT)
+    assert torch.equal(c, _bytes(64, 1))
+    assert b[:32].eq(9).all() and b[32:].eq(1).all()
+
+
+def test_an_event_completes_only_after_the_ops_before_it(slow):
+    src, dst = _bytes(4096, 7), _bytes(4096, 0)
+    st = slow.new_stream()
+    slow.copy(dst, 0, src, 0, 4096, st)
+    ev = slow.record_event(st)
+    assert not ev.query()  # the op sleeps 0.05 s first
+    assert not ev.wait(0.0)
+    assert ev.wait(WAIT) and ev.query() and ev.error is None
+    assert dst.eq(7).all()
+    later = slow.record_event(st)  # nothing after the first event: completes on its own
+    assert later.wait(WAIT)
+
+
+def test_async_results_are_late_a_read_before_the_event_sees_old_bytes(slow):
+    src, dst = _bytes(256, 5), _bytes(256, 1)
+    st = slow.new_stream()
+    slow.copy_runs(src, dst, [[0, 0, 256]], st)
+    ev = slow.record_event(st)
+    assert dst.eq(1).all()  # what code that skips the event would see
+    assert ev.wait(WAIT)
+    assert dst.eq(5).all()
+
+
+def test_streams_are_independent_queues(slow):
+    s1, s2 = slow.new_stream(), slow.new_stream()
+    dst = _bytes(8, 0)
+    for _ in range(4):  # 0.2 s of work on s1
+        slow.copy(dst, 0, _bytes(8, 3), 0, 8, s1)
+    t0 = time.monotonic()
+    assert slow.record_event(s2).wait(WAIT)
+    assert time.monotonic() - t0 < 0.15  # an empty stream does not wait behind another
+
+
+def test_bad_runs_raise_on_the_callers_thread_and_enqueue_nothing(slow):
+    src, dst = _bytes(128, 4), _bytes(128, 0)
+    st = slow.new_stream()
+    with pytest.raises(ValueError, match="writes past the end of dst"):
+        slow.copy_runs(src, dst, [[0, 0, 64], [0, 100, 64]], st)
+    geom = segment_geometry(describe(CPU, encode(CPU, torch.zeros(1, 2, 2, 4, 1, 2)), 4))
+    with pytest.raises(ValueError, match="token run 0"):
+        slow.scatter_tokens(src, dst, geom, geom, [[0, 0, 0, 0, 9, 0, 0, 1]], st, elem_size=4)
+    with pytest.raises(DeviceError, match="outside its 128-byte buffer"):
+        slow.copy(dst, 100, src, 0, 64, st)
+    with pytest.raises(DeviceError, match="flat uint8 host tensors"):
+        slow.copy(torch.zeros(32), 0, src, 0, 16, st)
+    ev = slow.record_event(st)
+    assert ev.wait(WAIT) and ev.error is None
+    assert dst.eq(0).all()  # not even the good first run of the refused list was copied
+
+
+def test_an_op_failing_on_the_stream_shows_on_the_next_events_error(slow, monkeypatch):
+    src, dst = _bytes(64, 2), _bytes(64, 0)
+    st = slow.new_stream()
+    before = slow.record_event(st)
+
+    def broken(*_a, **_kw):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(cpu_mod.native, "copy_runs", broken)
+    slow.copy_runs(src, dst, [[0, 0, 64]], st)  # passes the checks, fails when it runs
+    ev = slow.record_event(st)
+    assert ev.wait(WAIT)
+    assert before.error is None
+    assert ev.error is not None and "the device fell over" in ev.error
+    slow.copy(dst, 0, src, 0, 64, st)
+    sticky = slow.record_event(st)  # like a CUDA error: later work on the stream reports it too
+    assert sticky.wait(WAIT) and "the device fell over" in sticky.error
+
+
+def test_the_synchronous_stand_in_runs_inline_with_no_thread():
+    threads = set(threading.enumerate())
+    ops = CpuStandIn()
+    st = ops.new_stream()
+    src, dst = _bytes(64, 6), _bytes(64, 0)
+    ops.copy_runs(src, dst, [[0, 0, 64]], st)
+    assert dst.eq(6).all()  # done before the call returned
+    assert ops.record_event(st).query()
+    assert set(threading.enumerate()) <= threads  # started none
+
+
+def test_device_ops_for_reads_the_stand_in_mode_from_the_environment(monkeypatch):
+    monkeypatch.setattr(device, "_cache", {})
+    monkeypatch.setenv("PDXFER_DEVICE_STANDIN", "async:0.01")
+    ops = device_ops_for("cpu")
+    try:
+        assert isinstance(ops, CpuStandIn) and ops.asynchronous and ops.delay_s == 0.01
+        assert device_ops_for("cpu") is ops  # one per device
+    finally:
+        ops.close()
+    monkeypatch.setattr(device, "_cache", {})
+    monkeypatch.setenv("PDXFER_DEVICE_STANDIN", "later")
+    with pytest.raises(DeviceError, match="PDXFER_DEVICE_STANDIN='later'"):
+        device_ops_for("cpu")
+    with pytest.raises(DeviceError, match="no device operations for 'tpu:0'"):
+        device_ops_for("tpu:0")
+
+
+# --------------------------------------------------------------------------- CUDA without a GPU
+
+def test_the_cuda_module_imports_without_a_gpu():
+    code = "import pdxfer.device.cuda as c; print(c.CudaDevice.__name__)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES=""))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "CudaDevice"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_cuda_device_without_cuda_is_refused_naming_why(monkeypatch):
+    from pdxfer.device.cuda import CudaDevice
+
+    with pytest.raises(DeviceError, match=r"cuda:0: CUDA is not available to torch"):
+        CudaDevice(0)
+    monkeypatch.setattr(device, "_cache", {})
+    with pytest.raises(DeviceError, match=r"cuda:1: CUDA is not available"):
+        device_ops_for("cuda:1")
+    with pytest.raises(DeviceError, match="index must be an int"):
+        CudaDevice("0")  # type: ignore[arg-type]
+
+
+def test_a_missing_cuda_library_names_the_file_and_the_build_command(monkeypatch, tmp_path):
+    monkeypatch.delenv("PDXFER_NATIVE_CUDA_LIB", raising=False)
+    monkeypatch.setattr(cuda_lib, "_PKG_DIR", tmp_path)
+    with pytest.raises(DeviceError, match=r"libpdxfer_native_cuda.so is not built; build it with "
+                                          r"bash native/build.sh --cuda"):
+        cuda_lib.find_library()
+    monkeypatch.setenv("PDXFER_NATIVE_CUDA_LIB", str(tmp_path / "nowhere.so"))
+    with pytest.raises(DeviceError, match=r"nowhere.so does not exist; build it with bash native/build.sh --cuda"):
+        cuda_lib.open_library(cuda_lib.find_library())
+
+
+def test_a_cuda_library_older_than_its_sources_is_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv("PDXFER_NATIVE_CUDA_LIB", raising=False)
+    (tmp_path / "pkg" / "_native").mkdir(parents=True)
+    (tmp_path / "native").mkdir()
+    lib = tmp_path / "pkg" / "_native" / cuda_lib.LIB_NAME
+    lib.write_bytes(b"")
+    src = tmp_path / "native" / "pdx_cuda.cu"
+    src.write_text("// newer")
+    os.utime(lib, (1000, 1000))
+    monkeypatch.setattr(cuda_lib, "_PKG_DIR", tmp_path / "pkg")
+    monkeypatch.setattr(cuda_lib, "_SRC_DIR", tmp_path / "native")
+    with pytest.raises(DeviceError, match=r"is older than native/pdx_cuda.cu; rebuild it with bash native/build.sh"):
+        cuda_lib.find_library()
+    os.utime(lib, None)
+    os.utime(src, (1000, 1000))
+    assert cuda_lib.find_library() == lib
+
+
+def test_a_library_that_is_not_the_cuda_kernels_is_refused():
+    cpu_lib = native.library_path()
+    if cpu_lib is None:
+        pytest.skip(f"no CPU native library: {native.backend_reason()}")
+    with pytest.raises(DeviceError, match=r"is not pdxfer's CUDA kernel library: it lacks pdx_cuda_abi_version"):
+        cuda_lib.open_library(Path(cpu_lib))
+    junk = Path(cpu_lib).parent / "not-a-library.txt"
+    try:
+        junk.write_text("hello")
+        with pytest.raises(DeviceError, match="cannot load the CUDA kernel library"):
+            cuda_lib.open_library(junk)
+    finally:
+        junk.unlink(missing_ok=True)
+
+
+def _nvcc() -> str | None:
+    for p in (shutil.which("nvcc"), os.path.join(sys.prefix, "bin", "nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if p and os.path.isfile(p):
+            return p
+    return None
+
+
+@pytest.fixture(scope="module")
+def built_cuda_lib(tmp_path_factory) -> Path:
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc to build the CUDA twins")
+    out = tmp_path_factory.mktemp("cudalib")
+    res = subprocess.run(["bash", str(REPO / "native" / "build.sh"), "--cuda"], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, NVCC=nvcc, PDXFER_NATIVE_OUT=str(out)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out / cuda_lib.LIB_NAME
+
+
+def test_the_built_cuda_library_opens_with_its_abi_version(built_cuda_lib, monkeypatch):
+    lib = cuda_lib.open_library(built_cuda_lib)  # dlopen needs no GPU; launching would
+    assert lib.pdx_cuda_abi_version() == native.ABI_VERSION
+    monkeypatch.setenv("PDXFER_NATIVE_CUDA_LIB", str(built_cuda_lib))
+    cuda_lib.reset()
+    try:
+        assert cuda_lib.cuda_library() is cuda_lib.cuda_library()  # opened once
+    finally:
+        cuda_lib.reset()
+    monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION + 1)
+    with pytest.raises(DeviceError, match=rf"has ABI version {native.ABI_VERSION - 1}, this pdxfer needs "
+                                          rf"{native.ABI_VERSION}; rebuild"):
+        cuda_lib.open_library(built_cuda_lib)
+
+
+def test_run_arrays_match_the_c_structs_the_cuda_kernels_read():
+    # The launches pass run arrays as raw memory: an [n, 3] / [n, 8] int64 row must be one
+    # pdx_run / pdx_tok_run, field for field.
+    import ctypes
+
+    from pdxfer.blockgeom import TOK_RUN_FIELDS
+
+    class Run(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_int64) for f in ("src_off", "dst_off", "len")]
+
+    class TokRun(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_int64) for f in TOK_RUN_FIELDS]
+
+    header = (REPO / "native" / "pdx_native.h").read_text()
+    tok = header[header.index("typedef struct {\n    int64_t src_off;\n    int64_t dst_off;\n    int64_t src_tok"):]
+    tok = tok[: tok.index("} pdx_tok_run;")]
+    assert [line.split()[1].rstrip(";") for line in tok.splitlines()[1:]] == list(TOK_RUN_FIELDS)
+    arr = np.arange(16, dtype=np.int64).reshape(2, 8)
+    got = (TokRun * 2).from_buffer_copy(arr.tobytes())
+    assert [getattr(got[1], f) for f in TOK_RUN_FIELDS] == list(range(8, 16))
+    assert ctypes.sizeof(Run) == 3 * 8 and ctypes.sizeof(TokRun) == 8 * 8
