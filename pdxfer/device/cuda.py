@@ -172,7 +172,7 @@ class CudaDevice(DeviceOps):
         d, v = dst[dst_off:dst_off + nbytes], src[src_off:src_off + nbytes]
         with torch.cuda.stream(s.torch):
             d.copy_(v, non_blocking=True)
-        s.keep(d, v)
+        self._hold(s, d, v)
 
     def copy_runs(self, src: torch.Tensor, dst: torch.Tensor, runs: Any, stream: DeviceStream) -> None:
         s = self._stream(stream)
@@ -184,7 +184,7 @@ class CudaDevice(DeviceOps):
         lib = self._library()
         runs_dev = self._upload(arr, s)
         rc = lib.pdx_cuda_copy_runs(src.data_ptr(), dst.data_ptr(), runs_dev.data_ptr(), arr.shape[0], s.handle)
-        s.keep(src, dst, runs_dev)
+        self._hold(s, src, dst, runs_dev)
         self._check_rc("pdx_cuda_copy_runs", rc)
 
     def scatter_tokens(self, src: torch.Tensor, dst: torch.Tensor, src_geom: BlockGeometry,
@@ -201,7 +201,7 @@ class CudaDevice(DeviceOps):
         rc = lib.pdx_cuda_scatter_tokens(src.data_ptr(), dst.data_ptr(), native._geom_struct(src_geom),
                                          native._geom_struct(dst_geom), esize, runs_dev.data_ptr(),
                                          arr.shape[0], s.handle)
-        s.keep(src, dst, runs_dev)
+        self._hold(s, src, dst, runs_dev)
         self._check_rc("pdx_cuda_scatter_tokens", rc)
 
     # ------------------------------------------------------------------ helpers
@@ -218,6 +218,16 @@ class CudaDevice(DeviceOps):
             dev = host.to(self._torch_device, non_blocking=True)
         s.keep(host)
         return dev
+
+    @staticmethod
+    def _hold(s: CudaStream, *tensors: torch.Tensor) -> None:
+        """Keep ``tensors`` for the next event on ``s``; and tell torch's caching allocator
+        their device memory is in use on ``s``, so it is not reused under the queued work even
+        if that event is dropped unseen."""
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(s.torch)
+        s.keep(*tensors)
 
     def _check_rc(self, op: str, rc: int) -> None:
         if rc:

@@ -37,7 +37,7 @@ from pdxfer.convert import ConvertingPlanner, StagedRead, StagingArea, planner_f
 from pdxfer.device import CpuStandIn, DeviceError, DeviceEvent, DeviceOps, device_ops_for, flat_bytes
 from pdxfer.layout import KVLayout
 from pdxfer.plan import PeerPlanner
-from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion
+from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion, TransferTimeout
 
 log = logging.getLogger("pdxfer.vllm.worker")
 
@@ -170,8 +170,11 @@ class ScatterHandle(ReadHandle):
         return ReadState.FAILED if self.event.error is not None else ReadState.DONE
 
     def wait(self, timeout: float) -> ReadState:
-        self.event.wait(timeout)
-        return self.poll()
+        if not self.event.wait(timeout):
+            raise TransferTimeout(f"scatter from staging on {self.device} still running after {timeout:.2f} s")
+        if self.error is not None:
+            raise self.error
+        return ReadState.DONE
 
     def cancel(self) -> None:
         pass  # enqueued device work cannot be taken back; poll says when it ended

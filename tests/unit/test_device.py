@@ -22,8 +22,12 @@ from pdxfer import native
 from pdxfer.blockgeom import segment_geometry
 from pdxfer.device import CpuStandIn, DeviceError, device_ops_for
 from pdxfer.device import cuda_lib
-from pdxfer.layout import CPU
-from tests.kv_pattern import describe, encode
+from pdxfer.layout import CPU, describe_kv_caches
+from pdxfer.vllm.metadata import NodeRead
+from pdxfer.vllm.worker_staging import ReaderStaging, region_tensors
+from tests.kv_pattern import as_cache, describe, encode
+from tests.unit.test_staging import CASES as STAGING_CASES
+from tests.unit.test_staging import _route as staging_route
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT = 5.0
@@ -273,3 +277,96 @@ def test_run_arrays_match_the_c_structs_the_cuda_kernels_read():
     got = (TokRun * 2).from_buffer_copy(arr.tobytes())
     assert [getattr(got[1], f) for f in TOK_RUN_FIELDS] == list(range(8, 16))
     assert ctypes.sizeof(Run) == 3 * 8 and ctypes.sizeof(TokRun) == 8 * 8
+
+
+# --------------------------------------------------------------------------- on a GPU (never run here)
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="needs a CUDA GPU; the development machines have none")
+
+
+@pytest.fixture
+def gpu(built_cuda_lib, monkeypatch):
+    from pdxfer.device.cuda import CudaDevice
+
+    monkeypatch.setenv("PDXFER_NATIVE_CUDA_LIB", str(built_cuda_lib))
+    cuda_lib.reset()
+    yield CudaDevice(0)
+    cuda_lib.reset()
+
+
+@needs_gpu
+def test_cuda_copies_between_pinned_host_and_device_memory_in_stream_order(gpu):
+    host = gpu.alloc_host_pinned(1 << 20)
+    host.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
+    a, b, back = gpu.alloc(1 << 20), gpu.alloc(1 << 20), gpu.alloc_host_pinned(1 << 20)
+    st = gpu.new_stream()
+    gpu.copy(a, 0, host, 0, 1 << 20, st)
+    gpu.copy(b, 4096, a, 0, (1 << 20) - 4096, st)
+    gpu.copy(back, 0, b, 0, 1 << 20, st)
+    ev = gpu.record_event(st)
+    assert ev.wait(WAIT) and ev.error is None
+    assert torch.equal(back[4096:], host[: (1 << 20) - 4096])
+
+
+@needs_gpu
+def test_cuda_bad_runs_raise_before_anything_is_launched(gpu):
+    src, dst = gpu.alloc(128), gpu.alloc(128)
+    st = gpu.new_stream()
+    with pytest.raises(ValueError, match="writes past the end of dst"):
+        gpu.copy_runs(src, dst, [[0, 100, 64]], st)
+    with pytest.raises(DeviceError, match="flat contiguous uint8 tensor on cuda:0"):
+        gpu.copy_runs(torch.zeros(128, dtype=torch.uint8), dst, [[0, 0, 64]], st)
+    assert gpu.record_event(st).wait(WAIT)
+
+
+def _staged_through(ops, where: str, case) -> torch.Tensor:
+    """The reader's block bytes after a staged read of ``case`` (tests/unit/test_staging.py
+    CASES) with staging and KV on ``where``, the READ played as ``ops.copy`` of each run from the
+    holder's host memory, then scattered on the worker's stream."""
+    src_fmt, dst_fmt, hb, lb, hr, hl, nheads, sh, dh = case
+    g = torch.Generator().manual_seed(7)
+    n_seq, start = 61, 5
+    h_nb, l_nb = -(-n_seq // hb) + 2, -(-n_seq // lb) + 2
+    hold = encode(src_fmt, torch.randn(2, 2, h_nb, hb, hr, 8, generator=g))
+    hold_bytes = hold.view(torch.uint8).reshape(-1)
+    phys = encode(dst_fmt, torch.randn(2, 2, l_nb, lb, hl, 8, generator=g)).to(where)
+    rl = describe(src_fmt, hold, hb)
+    h_blocks = [int(b) for b in torch.randperm(h_nb, generator=g)[: -(-n_seq // hb)]]
+    l_blocks = [int(b) for b in torch.randperm(l_nb, generator=g)[: -(-n_seq // lb)]]
+    read = (NodeRead("h", tuple(h_blocks), tuple(l_blocks)) if hb == lb else
+            NodeRead("h", tuple(h_blocks[start // hb:]), tuple(l_blocks[start // lb:]), hb, start // hb * hb,
+                     start // lb * lb, start, n_seq - start))
+    cache = as_cache(phys)
+    ll = describe_kv_caches(cache, block_size=lb, kv_format=dst_fmt)
+    unit = -(-rl.bytes_per_block // 4096) * 4096
+    staging = ReaderStaging(3 * unit, ll, region_tensors(cache, ll), ops=ops)  # several pieces
+    assert staging.device == where
+    planner = staging.planner_for(rl, staging_route(sh, dh, nheads))
+    s = staging.stream(planner, read, "peer")
+    copy_stream = ops.new_stream()
+    while not s.finished:
+        job = staging.next_piece(s)
+        for r in job.plan.runs:
+            ops.copy(staging._mem_t, r.local_offset, hold_bytes, r.remote_offset, r.nbytes, copy_stream)
+        assert ops.record_event(copy_stream).wait(WAIT)
+        if not staging.scatter(s):
+            assert s.scatter_event.wait(WAIT)
+            staging.finish_scatter(s)
+    assert staging.area.in_use == 0
+    return phys.cpu().view(torch.uint8)
+
+
+@pytest.mark.parametrize("case", STAGING_CASES[:2], ids=lambda c: f"{c[0]}{c[2]}-{c[1]}{c[3]}")
+def test_the_gpu_staging_check_itself_runs_on_the_async_stand_in(slow, case):
+    """The harness of the GPU test below, with the asynchronous stand-in in the GPU's place, so
+    its logic is exercised where there is no GPU."""
+    assert torch.equal(_staged_through(slow, "cpu", case), _staged_through(CpuStandIn(), "cpu", case))
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", STAGING_CASES, ids=lambda c: f"{c[0]}{c[2]}-{c[1]}{c[3]}-h{c[6]}")
+def test_cuda_staging_scatter_gives_the_bytes_the_cpu_path_gives(gpu, case):
+    """Staging in VRAM, pieces copied in from host memory (standing in for the READ), scattered
+    by the CUDA twins on the worker's stream: the reader's blocks equal the CPU path's."""
+    assert torch.equal(_staged_through(gpu, "cuda:0", case), _staged_through(CpuStandIn(), "cpu", case))

@@ -230,3 +230,34 @@ def test_region_tensors_must_be_the_layouts_regions():
         ReaderStaging(1 << 20, describe_kv_caches(two, block_size=32), tensors)
     with pytest.raises(ValueError, match="none of the KV tensors' storage"):
         region_tensors(cpu_cache(4, 32, seed=None), ll)
+
+
+def test_a_scatter_handle_reads_its_event_like_a_read():
+    from pdxfer.device import DeviceError
+    from pdxfer.transport.base import ReadState, TransferTimeout
+    from pdxfer.vllm.worker_staging import ScatterHandle
+
+    slow = CpuStandIn(asynchronous=True, delay_s=0.2)
+    try:
+        st = slow.new_stream()
+        src, dst = torch.ones(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+        slow.copy(dst, 0, src, 0, 64, st)
+        h = ScatterHandle(slow.record_event(st), "cpu")
+        assert h.poll() is ReadState.PENDING and h.error is None
+        with pytest.raises(TransferTimeout, match="still running after 0.01 s"):
+            h.wait(0.01)
+        assert h.wait(5.0) is ReadState.DONE and dst.eq(1).all()
+
+        def broken():
+            raise RuntimeError("planted")
+
+        import pdxfer.device.cpu as cpu_mod
+
+        st2 = slow.new_stream()
+        cpu_mod.CpuStream.submit(st2, broken)  # an op that fails on the stream
+        bad = ScatterHandle(slow.record_event(st2), "cpu")
+        with pytest.raises(DeviceError, match="scatter from staging on cpu failed: RuntimeError: planted"):
+            bad.wait(5.0)
+        assert bad.poll() is ReadState.FAILED
+    finally:
+        slow.close()
