@@ -279,6 +279,81 @@ def test_run_arrays_match_the_c_structs_the_cuda_kernels_read():
     assert ctypes.sizeof(Run) == 3 * 8 and ctypes.sizeof(TokRun) == 8 * 8
 
 
+class _FakeTorchStream:
+    cuda_stream = 0  # the default stream's handle: what a launch without a GPU is given
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+        self.fail: str | None = None
+
+    def record(self, _stream) -> None:
+        pass
+
+    def query(self) -> bool:
+        if self.fail:
+            raise RuntimeError(self.fail)
+        return self.done
+
+
+def _bare_cuda_device(monkeypatch, lib=None):
+    """A CudaDevice past its CUDA check, its tensors on the host: what the bookkeeping and the
+    ctypes launch code do can be checked without a GPU (a launch then fails with PDX_ECUDA)."""
+    from pdxfer.device import cuda as cuda_mod
+
+    dev = object.__new__(cuda_mod.CudaDevice)
+    dev.index, dev.device, dev._torch_device = 0, "cuda:0", torch.device("cpu")
+    dev._lib, dev._wrappers, dev._wrappers_lock = lib, {}, threading.Lock()
+    monkeypatch.setattr(dev, "_flat", lambda *a, **kw: None)
+    monkeypatch.setattr(dev, "_upload", lambda arr, s: torch.from_numpy(np.ascontiguousarray(arr)))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    return dev, dev._wrap(_FakeTorchStream())
+
+
+def test_cuda_work_keeps_what_it_uses_until_its_event_is_seen_complete(monkeypatch):
+    import weakref
+
+    dev, st = _bare_cuda_device(monkeypatch)
+    used = torch.zeros(8, dtype=torch.uint8)
+    gone = weakref.ref(used)
+    st.keep(used)
+    del used
+    ev = dev.record_event(st)
+    assert gone() is not None and st.take_refs() == []  # moved to the event, not left on the stream
+    assert not ev.query() and gone() is not None  # the queued work may still read it
+    t0 = time.monotonic()
+    assert not ev.wait(0.05)  # bounded
+    assert time.monotonic() - t0 < 0.5
+    ev._event.done = True
+    assert ev.wait(1.0) and ev.error is None
+    assert gone() is None  # dropped once the event was seen complete
+    assert dev._wrap(_FakeTorchStream()) is st  # one wrapper per stream: refs and events meet
+
+
+def test_a_cuda_error_at_an_event_shows_on_its_error(monkeypatch):
+    dev, st = _bare_cuda_device(monkeypatch)
+    ev = dev.record_event(st)
+    ev._event.fail = "CUDA error: an illegal memory access was encountered"
+    assert ev.query() and ev.wait(0.0)
+    assert ev.error == "cuda:0: CUDA error: an illegal memory access was encountered"
+
+
+def test_a_failed_cuda_launch_raises_naming_the_kernel(monkeypatch, built_cuda_lib):
+    """The real library, through the real ctypes signatures (geometries by value); with no GPU
+    the launch itself fails, as a launch error on a GPU would."""
+    dev, st = _bare_cuda_device(monkeypatch, cuda_lib.open_library(built_cuda_lib))
+    src, dst = torch.zeros(256, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)
+    with pytest.raises(DeviceError, match=r"pdx_cuda_copy_runs on cuda:0 failed: CUDA launch error"):
+        dev.copy_runs(src, dst, [[0, 0, 64]], st)
+    geom = segment_geometry(describe(CPU, encode(CPU, torch.zeros(1, 2, 2, 4, 1, 2)), 4))
+    with pytest.raises(DeviceError, match=r"pdx_cuda_scatter_tokens on cuda:0 failed: CUDA launch error"):
+        dev.scatter_tokens(src, dst, geom, geom, [[0, 0, 0, 0, 4, 0, 0, 1]], st, elem_size=4)
+    with pytest.raises(ValueError, match="writes past the end of dst"):  # checked before the library
+        dev.copy_runs(src, dst, [[0, 250, 64]], st)
+    assert len(st.take_refs()) == 6  # src, dst and the runs of each launch, until an event
+
+
 # --------------------------------------------------------------------------- on a GPU (never run here)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
