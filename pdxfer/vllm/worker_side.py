@@ -20,7 +20,8 @@ from typing import Any, Mapping
 from pdxfer.layout import KVLayout, describe_kv_caches
 from pdxfer.convert import ConvertingPlanner
 from pdxfer.plan import PeerPlanner
-from pdxfer.vllm.worker_staging import ReaderStaging, StagedStream, StagingFull, StagingTooSmall, auto_staging_bytes
+from pdxfer.vllm.worker_staging import (ReaderStaging, ScatterHandle, StagedStream, StagingFull, StagingTooSmall,
+                                        auto_staging_bytes, region_tensors)
 from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion
 from pdxfer.vllm.config import ConnectorConfig
@@ -167,7 +168,7 @@ class WorkerSide:
         transport = create_transport(self.cfg.transport, **opts)
         if not self.total_kv_heads:
             self.total_kv_heads = layout.kv_heads * self.tp_size
-        self._staging = ReaderStaging(self._staging_bytes(layout), layout)
+        self._staging = ReaderStaging(self._staging_bytes(layout), layout, region_tensors(kv_caches, layout))
         regions = [RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions]
         transport.register(regions + ([self._staging.region()] if self._staging.enabled else []))
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
@@ -327,14 +328,24 @@ class WorkerSide:
         assert self._staging is not None
         done = True
         for i, s in enumerate(inf.staged):
-            h = inf.handles[inf.stream_slots[i]]
+            slot = inf.stream_slots[i]
+            h = inf.handles[slot]
             if s.job is not None and h is not _NOT_POSTED:
-                if h.poll() is not ReadState.DONE:
+                if h.poll() is not ReadState.DONE:  # the read, or the scatter after it, still runs
                     done = False
                     continue
                 try:
-                    self._staging.scatter(s)
+                    if s.scatter_event is None and not self._staging.start_scatter(s).query():
+                        # Enqueued on the worker's stream: the range is freed, and the load can
+                        # finish, only once the event after it completed (seen in a later step).
+                        inf.handles[slot] = ScatterHandle(s.scatter_event, self._staging.device)
+                        inf.read_deadline = max(inf.read_deadline, time.monotonic() + self.cfg.load_timeout_s)
+                        done = False
+                        continue
+                    self._staging.finish_scatter(s)
                 except Exception as exc:
+                    if s.scatter_event is not None and not isinstance(inf.handles[slot], ScatterHandle):
+                        inf.handles[slot] = ScatterHandle(s.scatter_event, self._staging.device)  # wait for it
                     inf.error = f"scatter from staging failed: {type(exc).__name__}: {exc}"
                     return False
             if s.finished:
@@ -505,8 +516,15 @@ class WorkerSide:
         return None
 
     def _disconnect_unstopped(self, inf: _Inflight) -> None:
+        # A scatter still running on the device is no read: disconnecting cannot stop it.
         keys = sorted({key for h, key in zip(inf.handles, inf.handle_nodes)
-                       if h is not _NOT_POSTED and not self._handle_stopped(h)})
+                       if h is not _NOT_POSTED and not isinstance(h, ScatterHandle) and not self._handle_stopped(h)})
+        if not keys:  # only scatters on the device are still running: nothing to disconnect
+            log.error("pdxfer: the scatter from staging for %s on %s has not completed %.0f s after the load "
+                      "failed (%s); reporting the load failed: its blocks may still be written by it, its staging "
+                      "stays out of use until it completes", inf.spec.req_id,
+                      self._staging.device if self._staging is not None else "?", self._stop_bound_s, inf.error)
+            return
         self.stats.reads_unstopped += len(keys)
         failed = []
         for key in keys:

@@ -12,6 +12,13 @@ cannot (:class:`StagingTooSmall`).
 A failed load whose read never stopped (its transport broke its own bound) leaves its ranges
 quarantined: out of use until the read stops, or a grace period after the worker disconnected
 its holder, so a late byte of it can never land in the next load's staged bytes.
+
+The area lives where the KV blocks do (:func:`pdxfer.device.device_ops_for` of their device):
+device memory on a GPU, host memory on CPU. A piece's scatter is enqueued on the worker's own
+stream with an event after it; the piece's range is given back, and its load can finish, only
+once that event completed (a :class:`ScatterHandle` stands in the load's handles meanwhile).
+With the default, synchronous CPU stand-in the scatter runs at once on the caller's thread, as
+it always did.
 """
 
 from __future__ import annotations
@@ -19,15 +26,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch
 
 from pdxfer import native
+from pdxfer.blockgeom import BlockGeometry, token_runs
 from pdxfer.convert import ConvertingPlanner, StagedRead, StagingArea, planner_for
+from pdxfer.device import CpuStandIn, DeviceError, DeviceEvent, DeviceOps, device_ops_for, flat_bytes
 from pdxfer.layout import KVLayout
 from pdxfer.plan import PeerPlanner
-from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion
+from pdxfer.transport.base import ReadHandle, ReadState, RegisteredRegion, TransferTimeout
 
 log = logging.getLogger("pdxfer.vllm.worker")
 
@@ -85,6 +95,7 @@ class StagedStream:
     end: int  # one past the last such block
     next: int  # first block not yet staged
     job: StagedRead | None = None
+    scatter_event: DeviceEvent | None = None  # after the job's scatter; its range is busy until it completed
     waiting_since: float = 0.0  # monotonic; 0: not waiting for room
     pieces: int = 0
 
@@ -123,6 +134,8 @@ class _Quarantined:
     what: str
 
     def releasable(self, now: float) -> bool:
+        if any(isinstance(h, ScatterHandle) and not _stopped(h) for h in self.handles):
+            return False  # a kernel still reads the range: no grace period makes it stop
         if all(_stopped(h) for h in self.handles):
             return True
         return self.disconnected and now - self.since >= QUARANTINE_GRACE_S
@@ -142,27 +155,149 @@ def _check_not_empty(r: Any) -> None:
                          f"({len(r.remote_blocks)} and {len(r.local_blocks)})")
 
 
+class ScatterHandle(ReadHandle):
+    """Stands in a load's handles for a staged piece whose scatter was enqueued and has not been
+    seen complete: the load is not finished, and a failed one not reported, while it runs (the
+    kernel still writes into our blocks and reads the piece's range)."""
+
+    def __init__(self, event: DeviceEvent, device: str) -> None:
+        self.event = event
+        self.device = device
+
+    def poll(self) -> ReadState:
+        if not self.event.query():
+            return ReadState.PENDING
+        return ReadState.FAILED if self.event.error is not None else ReadState.DONE
+
+    def wait(self, timeout: float) -> ReadState:
+        if not self.event.wait(timeout):
+            raise TransferTimeout(f"scatter from staging on {self.device} still running after {timeout:.2f} s")
+        if self.error is not None:
+            raise self.error
+        return ReadState.DONE
+
+    def cancel(self) -> None:
+        pass  # enqueued device work cannot be taken back; poll says when it ended
+
+    @property
+    def error(self) -> DeviceError | None:
+        why = self.event.error if self.event.query() else None
+        return None if why is None else DeviceError(f"scatter from staging on {self.device} failed: {why}")
+
+
+def _device_of(layout: KVLayout) -> str:
+    devices = sorted({r.device for r in layout.regions}) or ["cpu"]
+    if len(devices) > 1:
+        raise ValueError(f"the KV regions are on several devices ({', '.join(devices)}); one staging area "
+                         "cannot serve them")
+    return devices[0]
+
+
+def region_tensors(kv_caches: Mapping[str, Any], layout: KVLayout) -> list[torch.Tensor]:
+    """Each of ``layout``'s regions as the flat uint8 tensor of its storage (what device
+    operations address), from the KV tensors it was described from."""
+    by_ptr = {}
+    for t in kv_caches.values():
+        by_ptr.setdefault(t.untyped_storage().data_ptr(), t)
+    out = []
+    for r in layout.regions:
+        t = by_ptr.get(r.ptr)
+        if t is None:
+            raise ValueError(f"region {r.index} ({r.nbytes} bytes at {r.ptr:#x}) is none of the KV tensors' storage")
+        out.append(flat_bytes(t))
+    return out
+
+
+def _scatter_calls(planner: ConvertingPlanner, job: StagedRead
+                   ) -> list[tuple[int, np.ndarray, BlockGeometry, BlockGeometry]]:
+    """(reader region, token runs, holder geometry, reader geometry) of each kernel call that
+    ``planner.scatter(job, ...)`` makes, for device operations to enqueue. It builds the same
+    runs from the planner's groups (tests/unit/test_staging.py checks the bytes agree for block
+    size, format and head-slice conversions)."""
+    seg_bytes = planner._seg_bytes
+    n = job.staging_bytes // sum(seg_bytes)
+    proto = token_runs(np.arange(n, dtype=np.int64), planner.remote.block_size,
+                       np.arange(len(job.local_blocks), dtype=np.int64), planner.local.block_size, job.ntokens,
+                       src_start=job.start - job.remote_first_token, dst_start=job.start - job.local_first_token,
+                       src_head=planner._staged_src_head, dst_head=planner.dst_head, nheads=planner.nheads)
+    src_idx, dst_idx = proto[:, 0].copy(), proto[:, 1].copy()
+    local_blocks = np.asarray(job.local_blocks, dtype=np.int64)
+    calls = []
+    for (region, part_r, part_l), pairs in planner._groups.items():
+        chunks = []
+        for seg_r, seg_l in pairs:
+            runs = proto.copy()
+            runs[:, 0] = job.staging_offset + planner._stage_base[seg_r] * n + src_idx * seg_bytes[seg_r]
+            ls = planner.local.segments[seg_l]
+            runs[:, 1] = ls.base + local_blocks[dst_idx] * ls.block_stride
+            chunks.append(runs)
+        src_geom = planner._src_geom if part_r is None else planner._src_geom.select(part_r)
+        dst_geom = planner._dst_geom if part_l is None else planner._dst_geom.select(part_l)
+        calls.append((region, np.concatenate(chunks), src_geom, dst_geom))
+    return calls
+
+
 class ReaderStaging:
-    def __init__(self, nbytes: int, layout: KVLayout) -> None:
+    """``kv_regions``: the layout's regions as flat uint8 tensors (:func:`region_tensors`),
+    needed on a GPU; on CPU they default to views of the regions' memory. ``ops``: the device
+    operations (default: those of the regions' device)."""
+
+    def __init__(self, nbytes: int, layout: KVLayout, kv_regions: Sequence[torch.Tensor] | None = None,
+                 ops: DeviceOps | None = None) -> None:
         self.layout = layout
         self.region_index = len(layout.regions)
-        # np.zeros maps lazily: untouched staging costs no memory.
-        self._mem = np.zeros(max(nbytes, 0), dtype=np.uint8)
-        self._buf = native.RawBuffer(self._mem.ctypes.data, self._mem.nbytes)
+        self.ops = ops if ops is not None else device_ops_for(_device_of(layout))
+        nbytes = max(int(nbytes), 0)
+        self._mem: np.ndarray | None = None
+        if self.ops.is_gpu:
+            self._mem_t = self.ops.alloc(nbytes) if nbytes else torch.empty(0, dtype=torch.uint8,
+                                                                            device=self.ops.device)
+        else:
+            # np.zeros maps lazily: untouched staging costs no memory.
+            self._mem = np.zeros(nbytes, dtype=np.uint8)
+            self._mem_t = torch.from_numpy(self._mem)
+        self._buf = native.RawBuffer(self._mem_t.data_ptr() if nbytes else 0, nbytes)
         self._regions = [native.RawBuffer(r.ptr, r.nbytes) for r in layout.regions]
-        self.area = StagingArea(self._mem.nbytes)
+        self._region_t = self._checked_regions(kv_regions) if kv_regions is not None else None
+        if self.ops.is_gpu and self._region_t is None:
+            raise ValueError(f"staging on {self.ops.device} needs the KV regions as tensors (kv_regions)")
+        # The synchronous stand-in scatters on the caller's thread exactly as before devices
+        # existed; everything else enqueues on a stream of the worker's own.
+        self._inline = isinstance(self.ops, CpuStandIn) and not self.ops.asynchronous
+        self._stream = None if self._inline or not nbytes else self.ops.new_stream()
+        self.area = StagingArea(nbytes)
         self._quarantine: list[_Quarantined] = []
+
+    def _checked_regions(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = list(tensors)
+        if len(tensors) != len(self.layout.regions):
+            raise ValueError(f"{len(tensors)} region tensors for {len(self.layout.regions)} KV regions")
+        for r, t in zip(self.layout.regions, tensors):
+            if (t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != r.nbytes or t.data_ptr() != r.ptr
+                    or str(t.device) != r.device):
+                raise ValueError(f"region tensor {r.index} ({t.dtype} {tuple(t.shape)} on {t.device}) is not "
+                                 f"region {r.index} ({r.nbytes} bytes on {r.device}) as flat bytes")
+        return tensors
+
+    def _region_tensors(self) -> list[torch.Tensor]:
+        if self._region_t is None:  # CPU: the regions' own memory
+            self._region_t = [native._bytes_view(r.ptr, r.nbytes) for r in self.layout.regions]
+        return self._region_t
 
     @property
     def enabled(self) -> bool:
-        return self._mem.nbytes > 0
+        return self.nbytes > 0
 
     @property
     def nbytes(self) -> int:
-        return self._mem.nbytes
+        return int(self._mem_t.numel())
+
+    @property
+    def device(self) -> str:
+        return self.ops.device
 
     def region(self) -> RegisteredRegion:
-        return RegisteredRegion(self.region_index, self._mem.ctypes.data, self._mem.nbytes)
+        return RegisteredRegion(self.region_index, self._buf.ptr, self.nbytes, self.ops.device)
 
     def planner_for(self, remote: KVLayout, route: Any) -> PeerPlanner | ConvertingPlanner:
         """Checked once per holder rank at connect, for ``route``'s heads
@@ -223,19 +358,52 @@ class ReaderStaging:
         s.job, s.next, s.pieces = job, s.next + n, s.pieces + 1
         return job
 
-    def scatter(self, s: StagedStream) -> None:
-        """The stream's piece landed: copy its tokens into our blocks, then give its range back."""
-        assert s.job is not None
-        s.planner.scatter(s.job, self._buf, self._regions)
+    def start_scatter(self, s: StagedStream) -> DeviceEvent:
+        """The stream's piece landed: enqueue the copy of its tokens into our blocks; returns
+        the event after it (also ``s.scatter_event``, set even when enqueuing failed part way,
+        so whatever was enqueued is waited for). The range stays reserved until
+        :meth:`finish_scatter`."""
+        assert s.job is not None and s.scatter_event is None
+        if self._inline:
+            s.planner.scatter(s.job, self._buf, self._regions)
+            s.scatter_event = self.ops.record_event(self.ops.current_stream())
+            return s.scatter_event
+        regions = self._region_tensors()
+        calls = _scatter_calls(s.planner, s.job)
+        elem = s.planner._elem
+        for region, runs, sg, dg in calls:  # all checked before any is enqueued
+            native.check_scatter_tokens(self._mem_t, regions[region], runs, sg, dg, elem_size=elem)
+        try:
+            for region, runs, sg, dg in calls:
+                self.ops.scatter_tokens(self._mem_t, regions[region], sg, dg, runs, self._stream, elem_size=elem)
+        finally:
+            s.scatter_event = self.ops.record_event(self._stream)
+        return s.scatter_event
+
+    def finish_scatter(self, s: StagedStream) -> None:
+        """Once ``s.scatter_event`` completed: give the piece's range back. DeviceError when the
+        device reported the scatter failed (the range is then released with the load)."""
+        ev = s.scatter_event
+        assert s.job is not None and ev is not None and ev.query()
+        if ev.error is not None:
+            raise DeviceError(f"scatter from staging on {self.ops.device} failed: {ev.error}")
         self.area.free(s.job.staging_offset)
-        s.job = None
+        s.job, s.scatter_event = None, None
+
+    def scatter(self, s: StagedStream) -> bool:
+        """:meth:`start_scatter`, then :meth:`finish_scatter` if it already completed (always,
+        with the synchronous stand-in); True when the range was given back."""
+        if not self.start_scatter(s).query():
+            return False
+        self.finish_scatter(s)
+        return True
 
     def release(self, streams: list[StagedStream]) -> None:
         """Only once no read of these streams can land any more."""
         for s in streams:
             if s.job is not None:
                 self.area.free(s.job.staging_offset)
-                s.job = None
+                s.job, s.scatter_event = None, None
         streams.clear()
 
     # ------------------------------------------------------------------ quarantine
@@ -248,7 +416,7 @@ class ReaderStaging:
         offsets = [s.job.staging_offset for s in streams if s.job is not None]
         held = sum(s.job.staging_bytes for s in streams if s.job is not None)
         for s in streams:
-            s.job = None
+            s.job, s.scatter_event = None, None
         streams.clear()
         if offsets:
             self._quarantine.append(_Quarantined(offsets, list(handles), time.monotonic(), disconnected, what))

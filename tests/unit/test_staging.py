@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from pdxfer.convert import StagingArea
-from pdxfer.layout import describe_kv_caches
+from pdxfer.device import CpuStandIn
+from pdxfer.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, describe_kv_caches
 from pdxfer.vllm.config import ConnectorConfigError, parse_extra_config
 from pdxfer.vllm.metadata import NodeRead
-from pdxfer.vllm.worker_staging import ReaderStaging, auto_staging_bytes
-from tests.kv_pattern import play_plan
+from pdxfer.vllm.worker_staging import ReaderStaging, auto_staging_bytes, region_tensors
+from tests.kv_pattern import describe, encode, play_plan
 from tests.unit.test_convert import cpu_cache, tokens_kv
 
 
@@ -108,3 +111,153 @@ def test_a_stream_moves_exact_tokens_piece_by_piece(hb, lb, start, end, area_blo
     assert not tokens_kv(reader_kv, l_blocks, lb, 0, start).any()
     if end % lb:
         assert not tokens_kv(reader_kv, l_blocks, lb, end, -(-end // lb) * lb).any()
+
+
+# --------------------------------------------------------------------------- device operations
+
+def _route(src_head: int, dst_head: int, nheads: int | None):
+    return type("Route", (), {"src_head": src_head, "dst_head": dst_head, "nheads": nheads})()
+
+
+def _run_stream(staging: ReaderStaging, holder_layout, planner, read) -> int:
+    """Every piece of ``read`` READ (played as copies) and scattered; waits for each scatter's
+    event (bounded) before the next piece. Returns how many scatters were still running when
+    ``scatter`` returned."""
+    s = staging.stream(planner, read, "peer")
+    late = 0
+    while not s.finished:
+        job = staging.next_piece(s)
+        play_plan(job.plan, holder_layout, {staging.region_index: staging._mem})
+        if not staging.scatter(s):
+            late += 1
+            assert s.scatter_event.wait(5.0), "a stand-in scatter never completed"
+            staging.finish_scatter(s)
+    return late
+
+
+# (holder format, reader format, holder block, reader block, holder heads, reader heads, nheads,
+#  src_head, dst_head): block size, format and head-slice conversions, whole or in pieces.
+CASES = [(CPU, CPU, 16, 8, 2, 2, None, 0, 0), (CPU, FLASH_NHD, 8, 16, 2, 2, None, 0, 0),
+         (FLASH_HND, CPU, 16, 16, 4, 2, 2, 2, 0), (FLASH_NHD, BLOCKS_FIRST_NHD, 4, 8, 2, 4, 2, 0, 1),
+         (BLOCKS_FIRST_NHD, FLASH_HND, 8, 8, 2, 2, None, 0, 0)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}{c[2]}-{c[1]}{c[3]}-h{c[6]}")
+def test_device_scatter_enqueues_exactly_what_the_planner_scatters(case):
+    """The runs the worker enqueues on its stream (async stand-in) give the reader, bit for bit,
+    what ConvertingPlanner.scatter gives it inline; and only after the event."""
+    src_fmt, dst_fmt, hb, lb, hr, hl, nheads, sh, dh = case
+    g = torch.Generator().manual_seed(hb * 31 + lb)
+    n_seq, start = 61, 5
+    h_nb, l_nb = -(-n_seq // hb) + 2, -(-n_seq // lb) + 2
+    hold = encode(src_fmt, torch.randn(2, 2, h_nb, hb, hr, 8, generator=g))
+    init = torch.randn(2, 2, l_nb, lb, hl, 8, generator=g)
+    rl = describe(src_fmt, hold, hb)
+    h_blocks = [int(b) for b in torch.randperm(h_nb, generator=g)[: -(-n_seq // hb)]]
+    l_blocks = [int(b) for b in torch.randperm(l_nb, generator=g)[: -(-n_seq // lb)]]
+    if hb == lb:  # block for block
+        read = NodeRead("h", tuple(h_blocks), tuple(l_blocks))
+    else:
+        read = NodeRead("h", tuple(h_blocks[start // hb:]), tuple(l_blocks[start // lb:]), hb, start // hb * hb,
+                        start // lb * lb, start, n_seq - start)
+    got = {}
+    slow = CpuStandIn(asynchronous=True, delay_s=0.01)
+    try:
+        for name, ops in (("inline", CpuStandIn()), ("stream", slow)):
+            phys = encode(dst_fmt, init.clone())
+            ll = describe(dst_fmt, phys, lb)
+            unit = -(-rl.bytes_per_block // 4096) * 4096
+            staging = ReaderStaging(3 * unit, ll, ops=ops)  # small: several pieces
+            planner = staging.planner_for(rl, _route(sh, dh, nheads))
+            late = _run_stream(staging, rl, planner, read)
+            assert (late > 0) == (name == "stream")
+            assert staging.area.in_use == 0
+            got[name] = phys.view(torch.uint8).clone()
+    finally:
+        slow.close()
+    assert not torch.equal(got["inline"], encode(dst_fmt, init).view(torch.uint8))  # it moved something
+    assert torch.equal(got["stream"], got["inline"])
+
+
+def test_a_piece_keeps_its_range_until_its_scatter_event_completed():
+    holder_kv, reader_kv = cpu_cache(8, 64, seed=3), cpu_cache(8, 32, seed=None)
+    rl, ll = describe_kv_caches(holder_kv, block_size=64), describe_kv_caches(reader_kv, block_size=32)
+    slow = CpuStandIn(asynchronous=True, delay_s=0.1)
+    try:
+        staging = ReaderStaging(1 << 20, ll, ops=slow)
+        planner = staging.planner_for(rl, _route(0, 0, None))
+        s = staging.stream(planner, NodeRead("h", (2, 5), (1, 4, 6, 0), 64, 0, 0, 10, 100), "p")
+        job = staging.next_piece(s)
+        play_plan(job.plan, rl, {staging.region_index: staging._mem})
+        assert staging.scatter(s) is False  # enqueued, not done
+        assert staging.area.in_use > 0 and s.job is job
+        assert not tokens_kv(reader_kv, [1, 4, 6, 0], 32, 10, 110).any()  # not written yet
+        with pytest.raises(AssertionError):
+            staging.finish_scatter(s)  # the event has not completed
+        assert s.scatter_event.wait(5.0)
+        staging.finish_scatter(s)
+        assert staging.area.in_use == 0 and s.finished
+        assert torch.equal(tokens_kv(reader_kv, [1, 4, 6, 0], 32, 10, 110), tokens_kv(holder_kv, [2, 5], 64, 10, 110))
+    finally:
+        slow.close()
+
+
+def test_cpu_staging_by_default_scatters_inline_with_no_stream_or_thread():
+    threads = set(threading.enumerate())
+    holder_kv, reader_kv = cpu_cache(4, 64, seed=4), cpu_cache(8, 32, seed=None)
+    rl, ll = describe_kv_caches(holder_kv, block_size=64), describe_kv_caches(reader_kv, block_size=32)
+    staging = ReaderStaging(1 << 20, ll, ops=CpuStandIn())
+    assert staging._stream is None and staging.device == "cpu"
+    assert staging.region().device == "cpu"
+    s = staging.stream(staging.planner_for(rl, _route(0, 0, None)), NodeRead("h", (1,), (3, 2), 64, 0, 0, 0, 64), "p")
+    job = staging.next_piece(s)
+    play_plan(job.plan, rl, {staging.region_index: staging._mem})
+    assert staging.scatter(s) is True and staging.area.in_use == 0
+    assert torch.equal(tokens_kv(reader_kv, [3, 2], 32, 0, 64), tokens_kv(holder_kv, [1], 64, 0, 64))
+    assert set(threading.enumerate()) <= threads
+
+
+def test_region_tensors_must_be_the_layouts_regions():
+    reader_kv = cpu_cache(4, 32, seed=None)
+    ll = describe_kv_caches(reader_kv, block_size=32)
+    tensors = region_tensors(reader_kv, ll)
+    assert [t.data_ptr() for t in tensors] == [r.ptr for r in ll.regions]
+    ReaderStaging(1 << 20, ll, tensors)
+    with pytest.raises(ValueError, match="region tensor 0"):
+        ReaderStaging(1 << 20, ll, [torch.zeros(ll.regions[0].nbytes, dtype=torch.uint8)])
+    two = {"l0": cpu_cache(4, 32, None)["l0"], "l1": cpu_cache(4, 32, None)["l1"]}  # two allocations
+    with pytest.raises(ValueError, match="1 region tensors for 2 KV regions"):
+        ReaderStaging(1 << 20, describe_kv_caches(two, block_size=32), tensors)
+    with pytest.raises(ValueError, match="none of the KV tensors' storage"):
+        region_tensors(cpu_cache(4, 32, seed=None), ll)
+
+
+def test_a_scatter_handle_reads_its_event_like_a_read():
+    from pdxfer.device import DeviceError
+    from pdxfer.transport.base import ReadState, TransferTimeout
+    from pdxfer.vllm.worker_staging import ScatterHandle
+
+    slow = CpuStandIn(asynchronous=True, delay_s=0.2)
+    try:
+        st = slow.new_stream()
+        src, dst = torch.ones(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+        slow.copy(dst, 0, src, 0, 64, st)
+        h = ScatterHandle(slow.record_event(st), "cpu")
+        assert h.poll() is ReadState.PENDING and h.error is None
+        with pytest.raises(TransferTimeout, match="still running after 0.01 s"):
+            h.wait(0.01)
+        assert h.wait(5.0) is ReadState.DONE and dst.eq(1).all()
+
+        def broken():
+            raise RuntimeError("planted")
+
+        import pdxfer.device.cpu as cpu_mod
+
+        st2 = slow.new_stream()
+        cpu_mod.CpuStream.submit(st2, broken)  # an op that fails on the stream
+        bad = ScatterHandle(slow.record_event(st2), "cpu")
+        with pytest.raises(DeviceError, match="scatter from staging on cpu failed: RuntimeError: planted"):
+            bad.wait(5.0)
+        assert bad.poll() is ReadState.FAILED
+    finally:
+        slow.close()
