@@ -186,8 +186,9 @@ class BounceStats:
 def _region_tensor(r: RegisteredRegion) -> torch.Tensor:
     t = r.tensor
     if not isinstance(t, torch.Tensor):
-        raise TransportError(f"tcp transport: region {r.index} is on {r.device} but carries no tensor; "
-                             f"device regions need RegisteredRegion(tensor=flat uint8 view of its bytes)")
+        raise TransportError(f"tcp transport: region {r.index} is on {r.device} but carries no tensor: "
+                             f"sockets reach host memory only, so a device region needs "
+                             f"RegisteredRegion(tensor=flat uint8 view of its bytes) to be copied through")
     if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != r.nbytes:
         raise TransportError(f"tcp transport: region {r.index}: tensor must be flat uint8 of {r.nbytes} "
                              f"bytes (pdxfer.device.flat_bytes, sliced), got {t.dtype} {tuple(t.shape)}")

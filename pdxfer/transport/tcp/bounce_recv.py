@@ -31,8 +31,6 @@ class H2DTracker:
         self.pool = plane.pool("recv")
         self._free: list[Slice] = [first]
         self._busy: collections.deque[tuple[Slice, DeviceEvent]] = collections.deque()
-        self.slices = 0
-        self.overlapped = 0
 
     def _next_slice(self) -> Slice:
         if self._free:
@@ -53,8 +51,8 @@ class H2DTracker:
         """Receive one device segment and enqueue its copies; returns the running payload CRC."""
         assert seg.group is not None
         sl = self._next_slice()
-        if any(not ev.query() for _, ev in self._busy):
-            self.overlapped += 1  # this slice arrives while an earlier one is still being copied
+        # Does this slice arrive while an earlier one is still being copied to the device?
+        overlapped = any(not ev.query() for _, ev in self._busy)
         try:
             wire.recv_into_views(sock, [sl.view[:seg.nbytes]], seg.nbytes, "read payload")
         except BaseException:
@@ -73,7 +71,7 @@ class H2DTracker:
         finally:
             # Even a copy call that raised half-way may have enqueued the ones before it.
             self._busy.append((sl, ops.record_event(stream)))
-        self.slices += 1
+        self.plane.stats.add(h2d_slices=1, h2d_overlapped=int(overlapped))
         # Hand finished slices back at once (keeping one) so concurrent requests can use them.
         while len(self._busy) > 1 and self._busy[0][1].query() and not self._busy[0][1].error:
             self.pool.release(self._busy.popleft()[0])
@@ -93,7 +91,6 @@ class H2DTracker:
         for sl in self._free:
             self.pool.release(sl)
         self._free.clear()
-        self.plane.stats.add(h2d_slices=self.slices, h2d_overlapped=self.overlapped)
         if stuck:
             raise TransferTimeout(f"{stuck} host-to-device copies still pending after {self.plane.timeout:.1f}s: "
                                   f"the destination may still change")

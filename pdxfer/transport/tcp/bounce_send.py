@@ -52,7 +52,6 @@ def send_bounced(sock: socket.socket, req_id: int, flags: int, segments: Sequenc
     ahead = 0
     crc = 0
     want_crc = bool(flags & wire.FLAG_PAYLOAD_CRC)
-    sent = ahead_count = overlapped = 0
     try:
         sock.sendall(wire.pack_response(wire.OK, req_id, length, flags))
         for i, seg in enumerate(segments):
@@ -82,17 +81,15 @@ def send_bounced(sock: socket.socket, req_id: int, flags: int, segments: Sequenc
             if ev.error:
                 spare.append(sl)
                 raise TransportError(f"device-to-host copy failed: {ev.error}")
-            if staged:
-                ahead_count += 1
-                if not staged[0][2].query():
-                    overlapped += 1  # the next slice is still copying while this one is sent
+            # Counted before the send: is the next slice already copying while this one goes out?
+            plane.stats.add(d2h_slices=1, d2h_staged_ahead=int(bool(staged)),
+                            d2h_overlapped=int(bool(staged) and not staged[0][2].query()))
             buf = sl.view[:seg.nbytes]
             if want_crc:
                 crc = zlib.crc32(buf, crc)
             try:
                 sock.sendall(buf)
             finally:
-                sent += 1
                 # Keep one slice for the next stage; the rest go back for other requests now.
                 if staged or spare:
                     pool.release(sl)
@@ -100,7 +97,6 @@ def send_bounced(sock: socket.socket, req_id: int, flags: int, segments: Sequenc
                     spare.append(sl)
         sock.sendall(wire.pack_trailer(crc, length))
     finally:
-        plane.stats.add(d2h_slices=sent, d2h_staged_ahead=ahead_count, d2h_overlapped=overlapped)
         for sl in spare:
             pool.release(sl)
         _release_staged(pool, staged, plane.timeout)
