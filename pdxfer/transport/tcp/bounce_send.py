@@ -63,7 +63,15 @@ def send_bounced(sock: socket.socket, req_id: int, flags: int, segments: Sequenc
                 sl = spare.pop() if spare else pool.try_acquire()
                 if sl is None:
                     break
-                staged.append((ahead, sl, _stage(plane, segments[ahead], sl)))
+                try:
+                    ev = _stage(plane, segments[ahead], sl)
+                except BaseException:
+                    # Copies enqueued before the failing one may still run: release after them.
+                    g = segments[ahead].group
+                    assert g is not None
+                    staged.append((ahead, sl, plane.ops[g].record_event(plane.stream(g, "d2h"))))
+                    raise
+                staged.append((ahead, sl, ev))
                 ahead += 1
             if seg.group is None:
                 bufs = [views[r][o:o + n] for r, o, n in seg.runs]  # type: ignore[index]

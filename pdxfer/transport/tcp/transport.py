@@ -95,6 +95,7 @@ class TcpTransport(Transport):
         self._bounce = (int(bounce_slices), int(bounce_slice_bytes), float(device_timeout))
         self._device_ops = device_ops
         self._local_dev = np.zeros(0, dtype=bool)
+        self._has_dev = False
         self._listen = (listen_host, int(listen_port))
         self._advertise = advertise_host
         self._nconns = int(connections)
@@ -130,6 +131,7 @@ class TcpTransport(Transport):
         self._table.set(regions, plane)
         self._local_views = self._table.views()
         self._local_dev = np.array([g is not None for g in plane.group_of], dtype=bool)
+        self._has_dev = bool(self._local_dev.any())
 
     def bounce_stats(self) -> dict[str, int]:
         """Counters of the device bounce path (slices moved, how many overlapped a copy, peak
@@ -153,6 +155,7 @@ class TcpTransport(Transport):
         for h in handles:
             h.cancel(timeout=2.0)
         self._local_views = ()
+        self._has_dev = False
         self._local_dev = np.zeros(0, dtype=bool)
         if not self._table.clear(timeout=5.0) and self._server is not None:
             # A serve is stuck on a slow reader: cut it rather than keep reading freed memory.
@@ -255,8 +258,7 @@ class TcpTransport(Transport):
         return handle
 
     def _to_device(self, runs: np.ndarray) -> bool:
-        dev = self._local_dev
-        return bool(len(dev) and dev.any() and dev[runs[:, 2]].any())
+        return self._has_dev and bool(self._local_dev[runs[:, 2]].any())
 
     def _send_now(self, handle: TcpReadHandle, conn: Conn, runs: np.ndarray) -> int | None:
         """Request id if the request went out now, None if the queue thread must (re)connect and
