@@ -333,3 +333,69 @@ def test_cancel_mid_transfer_returns_only_after_queued_copies_landed(made):
     plan = scattered_plan(SLICE, 3, size, size, seed=9)
     assert r.t.read(peer, plan).wait(30) is ReadState.DONE
     assert mismatches(plan, r.local(), _sizes(h)) == []
+
+
+# ---------------------------------------------------------------------------- busy buffers, device errors
+# In-process holders here: these reach into a transport's pool or copy engine.
+
+class FailingCopies(CpuStandIn):
+    """An asynchronous stand-in whose copies fail on the stream (as a faulting device copy does:
+    the call returns, the event reports the error)."""
+
+    def copy(self, dst, dst_off, src, src_off, nbytes, stream) -> None:
+        def boom() -> None:
+            raise RuntimeError("injected device fault")
+
+        self._stream(stream).submit(boom)
+
+
+def _pair(holder_ops, reader_ops, size: int = 4 * MiB, **hopts):
+    src = torch.from_numpy(pattern(0, size).copy())
+    dst = torch.zeros(size, dtype=torch.uint8)
+    h = TcpTransport(device_ops=holder_ops, bounce_slice_bytes=SLICE, **hopts)
+    h.register([RegisteredRegion(0, src.data_ptr(), size, "cuda:0", tensor=src)])
+    r = TcpTransport(device_ops=reader_ops, bounce_slice_bytes=SLICE, connections=1)
+    r.register([RegisteredRegion(0, dst.data_ptr(), size, "cuda:0", tensor=dst)])
+    return h, r, r.connect(h.metadata()), src, dst
+
+
+def test_busy_holder_buffer_answers_with_an_error_and_keeps_the_connection():
+    ops = CpuStandIn(asynchronous=True)
+    h, r, peer, src, dst = _pair(ops, ops, bounce_slices=1, device_timeout=0.3)
+    try:
+        plan = TransferPlan((TransferRun(0, 0, 0, 0, 2 * MiB),), 1)
+        taken = h._table.plane.pool("send").acquire(1.0)  # the holder's only slice
+        assert taken is not None
+        with pytest.raises(TransportError, match="holder bounce buffer busy"):
+            r.read(peer, plan).wait(10)
+        h._table.plane.pool("send").release(taken)
+        assert r.read(peer, plan).wait(10) is ReadState.DONE
+        assert torch.equal(dst[:2 * MiB], src[:2 * MiB])
+    finally:
+        r.close()
+        h.close()
+        ops.close()
+
+
+def test_device_copy_failures_fail_the_read_typed():
+    good, bad = CpuStandIn(asynchronous=True), FailingCopies(asynchronous=True)
+    plan = TransferPlan((TransferRun(0, 0, 0, 0, 3 * MiB),), 1)
+    try:
+        h, r, peer, _, _ = _pair(good, bad)
+        try:
+            with pytest.raises(TransportError, match="host-to-device copy failed: RuntimeError: injected"):
+                r.read(peer, plan).wait(10)
+        finally:
+            r.close()
+            h.close()
+        h, r, peer, _, _ = _pair(bad, good)
+        try:
+            # The holder cannot take back a header it sent: it cuts the connection.
+            with pytest.raises(PeerDied):
+                r.read(peer, plan).wait(10)
+        finally:
+            r.close()
+            h.close()
+    finally:
+        good.close()
+        bad.close()
