@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 from pdxfer.plan import TransferPlan
 
@@ -57,12 +57,19 @@ class ReadState(enum.Enum):
 
 @dataclass(frozen=True)
 class RegisteredRegion:
-    """A memory region as the transport sees it: its index in the layout, address and size."""
+    """A memory region as the transport sees it: its index in the layout, address and size.
+
+    ``tensor``: for device memory (``device`` "cuda:N"), the region's bytes as a flat uint8 tensor
+    (:func:`pdxfer.device.flat_bytes`, sliced to the region). Transports that cannot reach device
+    memory by address (TCP) copy through it with :mod:`pdxfer.device`; host regions leave it None.
+    It takes no part in equality or hashing.
+    """
 
     index: int
     ptr: int
     nbytes: int
     device: str = "cpu"
+    tensor: Any = field(default=None, compare=False, repr=False)
 
 
 class ReadHandle(abc.ABC):

@@ -3,6 +3,10 @@
   python -m tests.transport.peer_proc hold --kind tcp --sizes 1048576,4096 [--opt k=v ...]
       registers regions filled with the deterministic pattern, prints ``META <hex>`` and serves
       until killed (SIGTERM closes cleanly). Dies with its parent (PR_SET_PDEATHSIG).
+      ``--device-regions 0,2 --standin-delay S``: those regions are labelled cuda:0, backed by
+      their CPU tensors and copied with an asynchronous CPU stand-in sleeping S before each op
+      (the device bounce path, on CPU); on SIGTERM it prints ``STATS <json>`` of the transport's
+      ``bounce_stats()`` before closing.
   python -m tests.transport.peer_proc read --kind tcp --meta HEX --remote-size N --block B --batch M
       reads a scattered plan, checks every byte, prints ``OK <i>`` per read; ``--loop`` repeats
       until killed. Typed errors print ``ERR <Type> <message>`` and exit 3; wrong bytes exit 2.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import signal
 import sys
 import time
@@ -52,13 +57,29 @@ def hold(args: argparse.Namespace) -> int:
         b = np.empty(n, dtype=np.uint8)
         fill(b, i, args.seed)
         bufs.append(b)
-    t = create_transport(args.kind, **_opts(args.opt))
-    t.register([RegisteredRegion(i, b.ctypes.data, b.nbytes) for i, b in enumerate(bufs)])
+    on_device = {int(x) for x in args.device_regions.split(",") if x}
+    opts = _opts(args.opt)
+    if on_device:
+        import torch
+
+        from pdxfer.device import CpuStandIn
+
+        opts["device_ops"] = CpuStandIn(asynchronous=True, delay_s=args.standin_delay)
+    t = create_transport(args.kind, **opts)
+    regions = []
+    for i, b in enumerate(bufs):
+        if i in on_device:
+            regions.append(RegisteredRegion(i, b.ctypes.data, b.nbytes, "cuda:0", tensor=torch.from_numpy(b)))
+        else:
+            regions.append(RegisteredRegion(i, b.ctypes.data, b.nbytes))
+    t.register(regions)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     print("META", t.metadata().hex(), flush=True)
     while not stop:
         time.sleep(0.2)  # the transport's own threads serve; this one only waits for SIGTERM
+    if hasattr(t, "bounce_stats"):
+        print("STATS", json.dumps(t.bounce_stats()), flush=True)
     t.close()
     return 0
 
@@ -97,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--sizes", required=True, help="comma-separated region sizes in bytes")
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--opt", action="append", default=[], help="transport option key=value")
+    h.add_argument("--device-regions", default="", help="comma-separated region indices labelled cuda:0")
+    h.add_argument("--standin-delay", type=float, default=0.0, help="seconds the stand-in sleeps per op")
     r = sub.add_parser("read")
     r.add_argument("--kind", required=True)
     r.add_argument("--meta", required=True)

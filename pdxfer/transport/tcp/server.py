@@ -3,7 +3,8 @@
 One thread blocks in ``accept`` and one thread per connection blocks in ``recv``: an idle holder
 uses no CPU. Every requested run is checked against the registered region table before a byte
 is sent, so a reader can never see memory outside what the holder registered; a bad run gets
-an error frame naming it and the connection stays usable.
+an error frame naming it and the connection stays usable. Host memory is sent in place; a
+request touching device regions goes through the pinned bounce buffer (``bounce_send``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 
 from pdxfer.transport.tcp import wire
 from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
+from pdxfer.transport.tcp.bounce import DevicePlane, segment
+from pdxfer.transport.tcp.bounce_send import BounceBusy, send_bounced
 from pdxfer.transport.runs import SMALL_PLAN, fault, first_fault
 
 log = logging.getLogger(__name__)
@@ -36,33 +39,47 @@ def region_view(ptr: int, nbytes: int) -> memoryview:
 
 
 class RegionTable:
-    """Registered regions plus a count of in-flight serves, so deregistration can wait for them."""
+    """Registered regions plus a count of in-flight serves, so deregistration can wait for them.
+    Device regions have no view (their pointer is not host memory: ``plane`` copies them)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._regions: tuple[RegisteredRegion, ...] = ()
-        self._views: tuple[memoryview, ...] = ()
+        self._views: tuple[memoryview | None, ...] = ()
+        self._sizes: tuple[int, ...] = ()
+        self._plane: DevicePlane | None = None
         self._active = 0
 
-    def set(self, regions: Sequence[RegisteredRegion]) -> None:
+    def set(self, regions: Sequence[RegisteredRegion], plane: DevicePlane | None = None) -> None:
         with self._cond:
             self._regions = tuple(regions)
-            self._views = tuple(region_view(r.ptr, r.nbytes) for r in regions)
+            self._sizes = tuple(r.nbytes for r in regions)
+            on_device = plane.group_of if plane is not None else (None,) * len(regions)
+            self._views = tuple(region_view(r.ptr, r.nbytes) if g is None else None
+                                for r, g in zip(regions, on_device))
+            self._plane = plane if plane is not None and plane.any else None
 
     @property
     def regions(self) -> tuple[RegisteredRegion, ...]:
         return self._regions
 
-    def views(self) -> tuple[memoryview, ...]:
+    def views(self) -> tuple[memoryview | None, ...]:
         return self._views
 
+    def sizes(self) -> tuple[int, ...]:
+        return self._sizes
+
+    @property
+    def plane(self) -> DevicePlane | None:
+        return self._plane
+
     @contextlib.contextmanager
-    def serving(self) -> Iterator[tuple[memoryview, ...]]:
+    def serving(self) -> Iterator[tuple[tuple[memoryview | None, ...], tuple[int, ...], DevicePlane | None]]:
         with self._cond:
             self._active += 1
-            views = self._views
+            snap = (self._views, self._sizes, self._plane)
         try:
-            yield views
+            yield snap
         finally:
             with self._cond:
                 self._active -= 1
@@ -73,6 +90,8 @@ class RegionTable:
         with self._cond:
             self._regions = ()
             self._views = ()
+            self._sizes = ()
+            self._plane = None
             return self._cond.wait_for(lambda: self._active == 0, timeout)
 
 
@@ -242,11 +261,14 @@ class TcpServer:
         if zlib.crc32(body) != body_crc:
             raise wire.CorruptFrame("request run list CRC mismatch")
         runs = np.frombuffer(body, dtype=wire.RUN_DTYPE)
-        with self._table.serving() as views:
+        with self._table.serving() as (views, sizes, plane):
+            if plane is not None:
+                self._serve_bounced(conn, req_id, flags, runs, views, sizes, plane)
+                return True
             if nruns <= SMALL_PLAN:  # plain Python is cheaper for a few runs
                 self._serve_small(conn, req_id, flags, list(wire.RUN.iter_unpack(body)), views)
                 return True
-            bad = validate_runs(runs, [len(v) for v in views])
+            bad = validate_runs(runs, sizes)
             if bad is not None:
                 self._reject(conn, req_id, *bad)
                 return True
@@ -261,11 +283,33 @@ class TcpServer:
             self._reply(conn, req_id, flags, out)
         return True
 
+    def _serve_bounced(self, conn: socket.socket, req_id: int, flags: int, runs: np.ndarray,
+                       views: tuple[memoryview | None, ...], sizes: tuple[int, ...], plane: DevicePlane) -> None:
+        """A holder with device regions: the same checks, then host runs in place and device runs
+        through the bounce buffer."""
+        bad = validate_runs(runs, sizes)
+        if bad is not None:
+            self._reject(conn, req_id, *bad)
+            return
+        segs = segment(runs["region"].tolist(), runs["offset"].tolist(), runs["nbytes"].tolist(),
+                       plane.group_of, plane.slice_bytes)
+        if all(sg.group is None for sg in segs):  # host runs only: no slice needed, zero-copy as ever
+            self._reply(conn, req_id, flags, [views[r][o:o + n] for sg in segs for r, o, n in sg.runs])
+            return
+        try:
+            send_bounced(conn, req_id, flags, segs, views, plane)
+        except BounceBusy as exc:
+            self._reject(conn, req_id, wire.ERR_BAD_REQUEST, str(exc))
+        except (OSError, TransportError):
+            raise
+        except Exception as exc:  # a device error mid-payload: the stream is unusable, cut it
+            raise TransportError(f"serving request {req_id} failed: {exc!r}") from exc
+
     def _serve_small(self, conn: socket.socket, req_id: int, flags: int, runs: list[tuple[int, int, int]],
-                     views: tuple[memoryview, ...]) -> None:
+                     views: tuple[memoryview | None, ...]) -> None:
         """The same checks and reply as the vectorized path, in plain Python (cheaper for few runs)."""
         out: list[memoryview] = []
-        sizes = [len(v) for v in views]
+        sizes = [len(v) for v in views]  # type: ignore[arg-type]  # no device regions on this path
         for i, (r, o, n) in enumerate(runs):
             if fault(r, o, n, sizes) is not None:
                 self._reject(conn, req_id, *_rejection(i, r, o, n, sizes))

@@ -9,11 +9,15 @@ an optional payload CRC, so truncation and corruption are detected rather than l
 
 Reads are posted to a small worker pool and return a handle whose ``wait`` is bounded; a
 holder that dies mid-read closes its sockets, which the reader sees at once as ``PeerDied``.
-Only host (CPU) memory is served: CUDA regions are refused with a clear error.
+
+Device (CUDA) regions, registered with their tensor, go through a small pinned bounce buffer on
+either side (``bounce.py``, ``bounce_send.py``, ``bounce_recv.py``): copies and socket I/O overlap
+slice by slice, and a read is over only once its last host-to-device copy completed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -24,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pdxfer.device import DeviceOps
 from pdxfer.plan import TransferPlan
 from pdxfer.transport.base import (
     PeerDied,
@@ -37,6 +42,8 @@ from pdxfer.transport.base import (
     TransportError,
 )
 from pdxfer.transport.tcp import wire
+from pdxfer.transport.tcp.bounce import DevicePlane, segment
+from pdxfer.transport.tcp.bounce_recv import H2DTracker, receive_segments
 from pdxfer.transport.tcp.connection import Conn, PeerConns, is_stale
 from pdxfer.transport.tcp.handle import TcpReadHandle
 from pdxfer.transport.tcp.metadata import encode_metadata, parse_metadata
@@ -47,7 +54,13 @@ from pdxfer.transport.tcp.server import RegionTable, TcpServer
 
 class TcpTransport(Transport):
     """See the module docstring. ``connections`` parallel sockets per peer; plans smaller than
-    ``split_min_bytes`` use one of them (latency), bigger ones are split by bytes across all."""
+    ``split_min_bytes`` use one of them (latency), bigger ones are split by bytes across all.
+
+    Device regions: ``bounce_slices`` x ``bounce_slice_bytes`` of pinned memory per side (holder,
+    reader; allocated on first use), ``device_timeout`` bounds every wait for a copy or a free
+    slice, and ``device_ops`` replaces :func:`pdxfer.device.device_ops_for` for every device
+    region (tests inject an asynchronous CPU stand-in).
+    """
 
     kind = "tcp"
 
@@ -65,11 +78,24 @@ class TcpTransport(Transport):
         hello_timeout: float = 10.0,
         frame_timeout: float = 30.0,
         idle_timeout: float = 600.0,
+        bounce_slices: int = 4,
+        bounce_slice_bytes: int = 4 << 20,
+        device_timeout: float = 30.0,
+        device_ops: DeviceOps | None = None,
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
         if io_timeout <= 0:
             raise ValueError(f"io_timeout must be > 0, got {io_timeout}")
+        if bounce_slices < 1 or bounce_slice_bytes < 1:
+            raise ValueError(f"bounce_slices and bounce_slice_bytes must be >= 1, got {bounce_slices} "
+                             f"and {bounce_slice_bytes}")
+        if device_timeout <= 0:
+            raise ValueError(f"device_timeout must be > 0, got {device_timeout}")
+        self._bounce = (int(bounce_slices), int(bounce_slice_bytes), float(device_timeout))
+        self._device_ops = device_ops
+        self._local_dev = np.zeros(0, dtype=bool)
+        self._has_dev = False
         self._listen = (listen_host, int(listen_port))
         self._advertise = advertise_host
         self._nconns = int(connections)
@@ -82,7 +108,7 @@ class TcpTransport(Transport):
                                "frame_timeout": frame_timeout, "idle_timeout": idle_timeout}
         self._instance = os.urandom(16)
         self._table = RegionTable()
-        self._local_views: tuple[memoryview, ...] = ()
+        self._local_views: tuple[memoryview | None, ...] = ()
         self._server: TcpServer | None = None
         self._peers: dict[str, PeerConns] = {}
         self._lock = threading.Lock()
@@ -98,12 +124,27 @@ class TcpTransport(Transport):
         for i, r in enumerate(regions):
             if r.index != i:
                 raise RegionUnknown(f"region at position {i} carries index {r.index}; indices must be 0..n-1")
-            if not str(r.device).startswith("cpu"):
-                raise TransportError(f"tcp transport serves host memory only; region {i} is on {r.device}")
             if r.nbytes < 0 or (r.nbytes and not r.ptr):
                 raise TransportError(f"region {i}: bad pointer/size ({r.ptr:#x}, {r.nbytes})")
-        self._table.set(regions)
+        nslices, slice_bytes, dev_timeout = self._bounce
+        plane = DevicePlane(regions, self._device_ops, nslices, slice_bytes, dev_timeout)
+        self._table.set(regions, plane)
         self._local_views = self._table.views()
+        self._local_dev = np.array([g is not None for g in plane.group_of], dtype=bool)
+        self._has_dev = bool(self._local_dev.any())
+
+    def bounce_stats(self) -> dict[str, int]:
+        """Counters of the device bounce path (slices moved, how many overlapped a copy, peak
+        slices in use per side); all zero without device regions."""
+        plane = self._table.plane
+        out = dict.fromkeys(("d2h_slices", "d2h_staged_ahead", "d2h_overlapped", "h2d_slices",
+                             "h2d_overlapped", "send_peak_slices", "recv_peak_slices", "leaked_slices"), 0)
+        if plane is not None:
+            out.update(plane.stats.snapshot())
+            for side, pool in plane.pools().items():
+                out[f"{side}_peak_slices"] = pool.peak_in_use
+                out["leaked_slices"] += pool.leaked
+        return out
 
     def deregister(self) -> None:
         """Forget the regions. In-flight reads are cancelled first (each stops before ``cancel``
@@ -114,6 +155,8 @@ class TcpTransport(Transport):
         for h in handles:
             h.cancel(timeout=2.0)
         self._local_views = ()
+        self._has_dev = False
+        self._local_dev = np.zeros(0, dtype=bool)
         if not self._table.clear(timeout=5.0) and self._server is not None:
             # A serve is stuck on a slow reader: cut it rather than keep reading freed memory.
             self._server.drop_connections()
@@ -187,7 +230,7 @@ class TcpTransport(Transport):
         p = self._peers.get(peer)
         if p is None:
             raise PeerUnreachable(f"peer {peer!r} is not connected (connect() it first)")
-        runs = check_plan(plan, p.info.region_sizes, [len(v) for v in self._local_views], p.info.peer_id)
+        runs = check_plan(plan, p.info.region_sizes, self._table.sizes(), p.info.peer_id)
         parts = split_runs(runs, len(p.conns), self._split_min)
         handle = TcpReadHandle(peer, len(parts))
         if not parts:
@@ -200,7 +243,10 @@ class TcpTransport(Transport):
             with conn.lock:  # submission order on a connection is request order on its socket
                 # Send from the caller's thread when nothing is queued on the connection, so the
                 # holder starts while the queue thread wakes up to receive (one hand-off less).
-                req_id = self._send_now(handle, conn, part) if conn.queued == 0 else None
+                # A part into device memory first takes a bounce slice, which may wait: its queue
+                # thread sends it.
+                direct = conn.queued == 0 and not self._to_device(part)
+                req_id = self._send_now(handle, conn, part) if direct else None
                 try:
                     conn.queue.submit(self._run_part, handle, conn, part, peer, req_id)
                     conn.queued += 1
@@ -210,6 +256,9 @@ class TcpTransport(Transport):
                     handle._end(conn if req_id is not None else None,
                                 TransferCancelled(f"transport closed: {exc}"))
         return handle
+
+    def _to_device(self, runs: np.ndarray) -> bool:
+        return self._has_dev and bool(self._local_dev[runs[:, 2]].any())
 
     def _send_now(self, handle: TcpReadHandle, conn: Conn, runs: np.ndarray) -> int | None:
         """Request id if the request went out now, None if the queue thread must (re)connect and
@@ -236,14 +285,18 @@ class TcpTransport(Transport):
                     return
                 used = conn
             try:
-                if sent is None:
-                    sock = conn.ensure()
-                    # A cancel that came while we (re)connected found no socket to cut: check now
-                    # that conn.sock is set, so a later cancel cuts it and nothing lands after it.
-                    if not handle._wanted():
-                        return
-                    sent = self._send_request(sock, runs)
-                self._receive(conn, runs, sent)
+                tracker = self._tracker(handle, runs, peer) if self._to_device(runs) else None
+                # Leaving the tracker waits for every host-to-device copy it enqueued, on success
+                # and on failure alike: the part ends only once nothing more can land.
+                with tracker if tracker is not None else contextlib.nullcontext():
+                    if sent is None:
+                        sock = conn.ensure()
+                        # A cancel that came while we (re)connected found no socket to cut: check now
+                        # that conn.sock is set, so a later cancel cuts it and nothing lands after it.
+                        if not handle._wanted():
+                            return
+                        sent = self._send_request(sock, runs)
+                    self._receive(conn, runs, sent, tracker)
             except BaseException:
                 conn.drop()  # stream position unknown: never reuse this socket
                 raise
@@ -264,6 +317,24 @@ class TcpTransport(Transport):
                 with self._lock:
                     self._inflight.discard(handle)
 
+    def _tracker(self, handle: TcpReadHandle, runs: np.ndarray, peer: str) -> H2DTracker:
+        """A tracker holding one reader bounce slice, taken before the request goes out (in short
+        waits, so a cancel is seen within 0.1 s)."""
+        plane = self._table.plane
+        if plane is None:
+            raise TransferCancelled(f"read from {peer}: regions were deregistered")
+        pool = plane.pool("recv")
+        deadline = time.monotonic() + plane.timeout
+        while handle._wanted():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"read from {peer}: no reader bounce slice came free in "
+                                      f"{plane.timeout:.1f}s")
+            first = pool.acquire(min(0.1, left))
+            if first is not None:
+                return H2DTracker(plane, first)
+        raise TransferCancelled(f"read from {peer} cancelled")
+
     def _send_request(self, sock: socket.socket, runs: np.ndarray) -> int:
         req_id = next(self._req_ids)
         if len(runs) <= SMALL_PLAN:
@@ -272,10 +343,13 @@ class TcpTransport(Transport):
             sock.sendall(wire.pack_request_array(req_id, runs[:, 0], runs[:, 1], runs[:, 4], self._flags))
         return req_id
 
-    def _receive(self, conn: Conn, runs: np.ndarray, req_id: int) -> None:
+    def _receive(self, conn: Conn, runs: np.ndarray, req_id: int, tracker: H2DTracker | None = None) -> None:
         sock = conn.sock
         if sock is None:
             raise PeerDied(f"connection to {conn.info.peer_id} was aborted")
+        if tracker is not None:
+            self._receive_bounced(conn, sock, runs, req_id, tracker)
+            return
         lviews = self._local_views
         # Build the destination views while the holder works on the request.
         starts = runs[:, 3].tolist()
@@ -285,6 +359,32 @@ class TcpTransport(Transport):
             views = [lv[a:b] for a, b in zip(starts, ends)]
         else:
             views = [lviews[r][a:b] for r, a, b in zip(runs[:, 2].tolist(), starts, ends)]
+        total, flags = self._response_head(conn, sock, runs, req_id)
+        wire.recv_into_views(sock, list(views), total, "read payload")
+        crc = self._trailer(sock, total)
+        if flags & wire.FLAG_PAYLOAD_CRC:
+            mine = 0
+            for v in views:
+                mine = zlib.crc32(v, mine)
+            if mine != crc:
+                raise wire.CorruptFrame(f"payload CRC mismatch from {conn.info.peer_id}")
+
+    def _receive_bounced(self, conn: Conn, sock: socket.socket, runs: np.ndarray, req_id: int,
+                         tracker: H2DTracker) -> None:
+        """Like the in-place path, with device destinations received into bounce slices."""
+        plane = tracker.plane
+        segs = segment(runs[:, 2].tolist(), runs[:, 3].tolist(), runs[:, 4].tolist(), plane.group_of,
+                       plane.slice_bytes)
+        total, flags = self._response_head(conn, sock, runs, req_id)
+        want_crc = bool(flags & wire.FLAG_PAYLOAD_CRC)
+        mine = receive_segments(sock, segs, self._local_views, tracker, want_crc)
+        crc = self._trailer(sock, total)
+        if want_crc and mine != crc:
+            raise wire.CorruptFrame(f"payload CRC mismatch from {conn.info.peer_id}")
+
+    @staticmethod
+    def _response_head(conn: Conn, sock: socket.socket, runs: np.ndarray, req_id: int) -> tuple[int, int]:
+        """(payload length, flags) of an OK response to ``req_id``; the holder's error as its type."""
         status, rid, length, flags = wire.unpack_response(wire.recv_exact(sock, wire.RESP_SIZE, "response header"))
         if rid != req_id:
             raise wire.CorruptFrame(f"response for request {rid}, expected {req_id}")
@@ -296,16 +396,15 @@ class TcpTransport(Transport):
         total = int(runs[:, 4].sum())
         if length != total:
             raise wire.CorruptFrame(f"response announces {length} bytes, request asked for {total}")
-        wire.recv_into_views(sock, list(views), total, "read payload")
+        return total, flags
+
+    @staticmethod
+    def _trailer(sock: socket.socket, total: int) -> int:
+        """The payload CRC from a trailer that must close a ``total``-byte payload."""
         magic, crc, echoed = wire.TRAILER.unpack(wire.recv_exact(sock, wire.TRAILER.size, "trailer"))
         if magic != wire.MAGIC_END or echoed != total:
             raise wire.CorruptFrame(f"bad trailer (magic {magic:#x}, length {echoed} of {total})")
-        if flags & wire.FLAG_PAYLOAD_CRC:
-            mine = 0
-            for v in views:
-                mine = zlib.crc32(v, mine)
-            if mine != crc:
-                raise wire.CorruptFrame(f"payload CRC mismatch from {conn.info.peer_id}")
+        return crc
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
