@@ -324,3 +324,38 @@ def test_an_mla_holder_of_any_tp_size_serves_every_reader_rank_whole():
             # readers spread over the holder's ranks
             assert len({head_sources(1, holder_tp, reader_tp, r)[0].holder_rank for r in range(reader_tp)}) == \
                 min(holder_tp, reader_tp)
+
+
+def test_per_head_segments_cross_the_wire_and_old_descriptions_still_read():
+    _, views, desc = _build(dict(kind=ATTENTION, layers=2, nb=3, bs=4, heads=2, dim=8, dtype="float16"),
+                            layout="BHLNC")
+    lay = describe_kv_caches(views, description=desc)
+    back = type(lay).from_wire(lay.to_wire())
+    assert [s.head for s in back.segments] == [s.head for s in lay.segments] == [0, 1, 0, 1]
+    assert back.fingerprint() == lay.fingerprint()
+    doc = lay.to_wire()
+    for s in doc["segments"]:  # a description from before segments named a head
+        del s["head"]
+    assert {s.head for s in type(lay).from_wire(doc).segments} == {-1}
+
+
+def test_cross_layer_blocks_with_a_gap_are_planned_per_segment_and_still_exact():
+    # Another group's page sits in each cross-layer block: the layers' pages do not tile it, so a
+    # block run cannot be one range; the plan falls back to one run per (segment, block).
+    layers, nb, bs, heads, dim = 3, 6, 4, 2, 8
+    page = heads * bs * 2 * dim * 2
+    stride = (layers + 1) * page
+    raw = torch.randn(stride * nb // 2, dtype=torch.float32).to(torch.float16)
+    views = {f"model.layers.{i}.attn": torch.as_strided(raw, (nb, heads, bs, 2 * dim),
+                                                        (stride // 2, bs * 2 * dim, 2 * dim, 1), i * page // 2)
+             for i in range(layers)}
+    desc = KVDescription(ATTENTION, "BLHNC", bs, heads, dim, "float16")
+    rl = describe_kv_caches(views, description=desc)
+    target = torch.zeros_like(raw)
+    lviews = {n: torch.as_strided(target, v.shape, v.stride(), v.storage_offset()) for n, v in views.items()}
+    ll = describe_kv_caches(lviews, description=desc)
+    plan = PeerPlanner(rl, ll).plan([1, 2, 3], [0, 1, 2])
+    assert len(plan.runs) == layers * 3
+    play_plan(plan, rl, {0: _np_bytes(target)})
+    for n in views:
+        assert torch.equal(lviews[n][0:3], views[n][1:4]) and not lviews[n][3:].any()

@@ -160,3 +160,33 @@ def test_other_gpu_platforms_are_refused_naming_the_platform(monkeypatch):
     vc, kcc = _configs("LBHNC")
     with pytest.raises(UnsupportedKVCache, match="CPU and CUDA"):
         kv_format(vc, kcc)
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BHLNC"])
+def test_the_worker_registers_vllms_tensors_against_the_schedulers_fingerprint(cuda, layout):
+    """The worker is built as the connector builds it (format, block size, dtype from the config)
+    and accepts vLLM's tensors: what it describes is what the scheduler keyed."""
+    from pdxfer.vllm.config import parse_extra_config
+    from pdxfer.vllm.connector_layout import derive_kv_dtype
+    from pdxfer.vllm.worker_side import LayoutMismatch, WorkerSide
+
+    cuda(_backend(*ATTENTION["FLASH_ATTN"], "FLASH_ATTN"))
+    vc, kcc = _configs(layout)
+    cfg = parse_extra_config({"master": "127.0.0.1:9", "transport": "tcp", "staging_mib": 1})
+    worker = WorkerSide(cfg, node_id="n", rank=0, expected_fingerprint=derive_layout_fingerprint(vc, kcc),
+                        block_size=16, kv_format=kv_format(vc, kcc), kv_dtype=derive_kv_dtype(vc, kcc))
+    hs = worker.register_kv_caches(_vllm_tensors(vc, kcc))
+    try:
+        assert hs.kv_format == kv_format(vc, kcc) and worker.layout.num_layers == len(LAYERS)
+    finally:
+        worker.close()
+    # Tensors whose blocks are other bytes than the resolved layout's do not pass as its format.
+    # (LBHNC tensors would pass as kv_head_nc, truthfully: one head's [N, C] is one range there too.)
+    other = _vllm_tensors(*_configs({"LBNHC": "LBHNC", "BHLNC": "LBNHC"}[layout]))
+    worker = WorkerSide(cfg, node_id="n", rank=0, expected_fingerprint=derive_layout_fingerprint(vc, kcc),
+                        block_size=16, kv_format=kv_format(vc, kcc), kv_dtype=derive_kv_dtype(vc, kcc))
+    try:
+        with pytest.raises((LayoutMismatch, ValueError)):
+            worker.register_kv_caches(other)
+    finally:
+        worker.close()
