@@ -164,7 +164,7 @@ class KVLayout:
                 kv_heads=int(doc["kv_heads"]),
                 head_dim=int(doc["head_dim"]),
                 regions=tuple(Region(int(r["index"]), int(r["nbytes"]), str(r["device"])) for r in doc["regions"]),
-                segments=tuple(Segment(**{"head": -1, **s}) for s in doc["segments"]),
+                segments=tuple(Segment(**s) for s in doc["segments"]),
             )
         except (KeyError, TypeError) as exc:
             raise LayoutError(f"malformed layout description: {exc!r}") from exc
