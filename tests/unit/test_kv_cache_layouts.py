@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from pdxfer import native
 from pdxfer.blockgeom import segment_geometry
-from pdxfer.convert import ConvertingPlanner, check_convertible
+from pdxfer.convert import ConvertingPlanner, check_convertible, planner_for
 from pdxfer.heads import head_sources
 from pdxfer.layout import (ATTENTION, CPU, KV_HEAD_NC, KV_HNC, KV_NHC, MLA, MLA_NC, VLLM_LAYOUTS, KVDescription,
                            LayoutError, describe_kv_caches)
@@ -361,3 +361,21 @@ def test_cross_layer_blocks_with_a_gap_are_planned_per_segment_and_still_exact()
     play_plan(plan, rl, {0: _np_bytes(target)})
     for n in views:
         assert torch.equal(lviews[n][0:3], views[n][1:4]) and not lviews[n][3:].any()
+
+
+@pytest.mark.parametrize("holder, reader", [("LHBNC", "LHBNC"), ("BHLNC", "LHBNC"), ("BHLNC", "BHLNC")])
+def test_a_head_slice_of_per_head_segments_is_read_straight_into_place(holder, reader):
+    # TP: a reader rank with 2 of the holder rank's 4 heads (heads 1 and 2 into its 0 and 1).
+    c = dict(kind=ATTENTION, layers=3, nb=5, bs=4, dim=8, dtype="float16", seed=0)
+    hold = torch.randn(3, 2, 5, 4, 4, 8, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    h_keep, rl, _ = _side(c, holder, hold, 4)
+    l_keep, ll, read_back = _side(c, reader, torch.zeros(3, 2, 5, 4, 2, 8, dtype=torch.float16), 4)
+    planner = planner_for(rl, ll, None, src_head=1, dst_head=0, nheads=2)
+    assert isinstance(planner, PeerPlanner)  # no staging area was even offered
+    plan = planner.plan([4, 0, 1], [1, 2, 3])
+    assert plan.total_bytes == 3 * 3 * 2 * (4 * 16 * 2)  # blocks x layers x heads x one head's block
+    play_plan(plan, rl, {0: _np_bytes(next(iter(l_keep.values())))})
+    del h_keep
+    want = torch.zeros(3, 2, 5, 4, 2, 8, dtype=torch.float16)
+    want[:, :, [1, 2, 3]] = hold[:, :, [4, 0, 1], :, 1:3]
+    assert torch.equal(read_back().contiguous().view(torch.uint8), want.view(torch.uint8))
