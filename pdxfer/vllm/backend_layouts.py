@@ -59,6 +59,9 @@ def _check_plain_content(spec: Any, backend: str, layout: str) -> None:
             raise _refuse(backend, layout, f"its KV cache spec sets {attr} (packed or padded pages)")
     if getattr(spec, "tokens_per_state", 1) != 1:
         raise _refuse(backend, layout, f"one cache state covers {spec.tokens_per_state} tokens")
+    packed = getattr(spec, "cache_dtype_str", None)
+    if packed is not None and str(packed) not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"):
+        raise _refuse(backend, layout, f"KV cache dtype {packed} packs values and scales into each token's entry")
     mode = getattr(spec, "kv_quant_mode", None)
     if mode is not None and int(mode) not in (0, 1):  # NONE, FP8_PER_TENSOR (vLLM's KVQuantMode)
         raise _refuse(backend, layout, f"KV quantization {getattr(mode, 'name', mode)} keeps scales or "

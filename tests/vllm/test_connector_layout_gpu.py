@@ -148,7 +148,14 @@ def test_packed_content_and_unresolved_layouts_are_refused(cuda):
         kv_format(vc, kcc)
 
 
-def test_an_attention_backend_with_an_mla_spec_is_refused(cuda):
+def test_packed_mla_cache_dtypes_are_refused(cuda):
+    cuda(_backend(*MLA_BACKEND[1], MLA_BACKEND[0]))
+    vc, kcc = _configs("BLHNC", mla=True, head_size=576, cache_dtype_str="fp8_ds_mla")
+    with pytest.raises(UnsupportedKVCache, match="TRITON_MLA.*BLHNC.*fp8_ds_mla"):
+        kv_format(vc, kcc)
+
+
+def test_an_mla_backend_with_a_multi_head_attention_spec_is_refused(cuda):
     cuda(_backend(*MLA_BACKEND[1], MLA_BACKEND[0]))
     vc, kcc = _configs("LBHNC", heads=4)
     with pytest.raises(UnsupportedKVCache, match="TRITON_MLA.*LBHNC.*latent"):
