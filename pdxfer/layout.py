@@ -500,7 +500,9 @@ def view_description(kv_caches: Mapping[str, Any], kv_format: str, block_size: i
     """The description of vLLM ``[B, H, N, C]`` views in ``kv_format`` (one of
     :data:`VIEW_FORMATS`) whose layout permutation is read from the tensors' strides, for a
     caller that knows the format but not vLLM's layout name. The heads and head dim come from
-    the view's H and C, which vLLM's allocation fixes."""
+    the view's H and C, which vLLM's allocation fixes. Layer- and block-outermost variants of a
+    layout give one description here (their blocks hold the same bytes): the segments' block
+    strides are read from the tensors by :func:`describe_vllm_views`."""
     if kv_format not in VIEW_FORMATS:
         raise LayoutError(f"{kv_format!r} is not one of vLLM's view formats ({', '.join(VIEW_FORMATS)})")
     first = kv_caches[sorted(kv_caches)[0]]
