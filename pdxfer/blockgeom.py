@@ -81,6 +81,19 @@ def cpu_kv(block_tokens: int, heads: int, head_dim: int) -> BlockGeometry:
     return BlockGeometry(b, heads, d, (Part(0, 1, 2 * b * d, b), Part(b * d, d, 2 * b * d, 1)))
 
 
+def kv_cells(block_tokens: int, heads: int, head_dim: int, heads_outer: bool) -> BlockGeometry:
+    """vLLM's view block ``[H, N, C]`` (``heads_outer``) or ``[N, H, C]`` where a cell C is one
+    token's K then V of one head (``head_dim`` each): parts K and V, D elements apart."""
+    b, h, d = block_tokens, heads, head_dim
+    tok, head = (2 * d, b * 2 * d) if heads_outer else (h * 2 * d, 2 * d)
+    return BlockGeometry(b, h, d, (Part(0, tok, head, 1), Part(d, tok, head, 1)))
+
+
+def latent(block_tokens: int, head_dim: int) -> BlockGeometry:
+    """An MLA block ``[N, latent]``: one part, one head."""
+    return BlockGeometry(block_tokens, 1, head_dim, (Part(0, head_dim, block_tokens * head_dim, 1),))
+
+
 def kv_pair(inner: BlockGeometry, v_offset: int) -> BlockGeometry:
     """K and V parts of a single-part interior whose V block sits ``v_offset`` elements after K.
 
@@ -153,7 +166,9 @@ def segment_geometry(kv: _layout.KVLayout) -> BlockGeometry:
 
     CPU: one ``"kv"`` segment per layer holding K^T and V (two parts; the ``vec``/``vec16`` ISAs,
     not AMX). Blocks-first NHD: one ``"kv"`` segment, K then V (two NHD parts). Flash formats:
-    separate ``"k"`` and ``"v"`` segments, one part each, NHD or HND. Pair it with
+    separate ``"k"`` and ``"v"`` segments, one part each, NHD or HND. vLLM's views: ``kv_hnc`` and
+    ``kv_nhc`` one ``"kv"`` segment per layer (K and V parts of each cell), ``kv_head_nc`` one per
+    (layer, head) (a one-head geometry), ``mla_nc`` one ``"latent"`` part. Pair it with
     ``Segment.block_offset(block)`` for run offsets.
     """
     b, h, d = kv.block_size, kv.kv_heads, kv.head_dim
@@ -165,5 +180,13 @@ def segment_geometry(kv: _layout.KVLayout) -> BlockGeometry:
         return nhd(b, h, d)
     if kv.kv_format == _layout.FLASH_HND:
         return hnd(b, h, d)
+    if kv.kv_format == _layout.KV_HNC:
+        return kv_cells(b, h, d, heads_outer=True)
+    if kv.kv_format == _layout.KV_NHC:
+        return kv_cells(b, h, d, heads_outer=False)
+    if kv.kv_format == _layout.KV_HEAD_NC:
+        return kv_cells(b, 1, d, heads_outer=True)  # a segment holds one head
+    if kv.kv_format == _layout.MLA_NC:
+        return latent(b, d)
     raise ValueError(f"no block geometry for KV format {kv.kv_format!r}")
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from pdxfer import native
 from pdxfer.blockgeom import BlockGeometry, segment_geometry, token_runs
-from pdxfer.layout import CPU_AMX, KVLayout, LayoutError
+from pdxfer.layout import CPU_AMX, MLA, KVLayout, LayoutError, Segment
 from pdxfer.plan import HEAD_MAJOR_FORMATS, PeerPlanner, TransferPlan, TransferRun, coalesce
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1,
@@ -47,21 +47,27 @@ def _side(kv: KVLayout) -> str:
             f"{kv.num_layers} layers, block size {kv.block_size})")
 
 
-def _kv_parts(kv: KVLayout, geom: BlockGeometry) -> dict[tuple[str, str], tuple[int, int]]:
-    """(layer, "k" or "v") -> (segment index, part index in the segment's geometry)."""
-    out: dict[tuple[str, str], tuple[int, int]] = {}
+def _parts_of(kv: KVLayout, s: Segment, geom: BlockGeometry) -> list[tuple[str, int]]:
+    """(K, V or latent, part index in the segment's geometry) of one segment."""
+    if s.part == "kv" and len(geom.parts) == 2:
+        return [("k", 0), ("v", 1)]  # the geometries put K first (cpu: K^T, the others: K)
+    if s.part in ("k", "v", "latent") and len(geom.parts) == 1:
+        return [(s.part, 0)]
+    raise LayoutError(f"segment {s.layer}/{s.part} does not fit format {kv.kv_format} "
+                      f"({len(geom.parts)} parts per segment)")
+
+
+def _head_parts(kv: KVLayout, geom: BlockGeometry) -> dict[tuple[str, str, int], tuple[int, int, int]]:
+    """(layer, "k"/"v"/"latent", head) -> (segment index, part index, head in the segment's
+    geometry): a segment holds every head of its layer, or one (``Segment.head``, kv_head_nc)."""
+    out: dict[tuple[str, str, int], tuple[int, int, int]] = {}
     for i, s in enumerate(kv.segments):
-        if s.part == "kv" and len(geom.parts) == 2:
-            entries = [("k", 0), ("v", 1)]  # the geometries put K first (cpu: K^T, blocks-first: K)
-        elif s.part in ("k", "v") and len(geom.parts) == 1:
-            entries = [(s.part, 0)]
-        else:
-            raise LayoutError(f"segment {s.layer}/{s.part} does not fit format {kv.kv_format} "
-                              f"({len(geom.parts)} parts per segment)")
-        for which, p in entries:
-            if (s.layer, which) in out:
-                raise LayoutError(f"layer {s.layer} has two {which.upper()} segments")
-            out[(s.layer, which)] = (i, p)
+        heads = [(s.head, 0)] if s.head >= 0 else [(h, h) for h in range(kv.kv_heads)]
+        for which, p in _parts_of(kv, s, geom):
+            for head, in_geom in heads:
+                if (s.layer, which, head) in out:
+                    raise LayoutError(f"layer {s.layer} has two {which.upper()} segments for head {head}")
+                out[(s.layer, which, head)] = (i, p, in_geom)
     return out
 
 
@@ -75,6 +81,8 @@ def _refusal(remote: KVLayout, local: KVLayout) -> str | None:
             segment_geometry(kv)
         except ValueError as exc:
             return f"the {side}'s format has no block geometry: {exc}"
+    if remote.kind != local.kind:
+        return f"the holder stores {remote.kind} KV and this reader {local.kind} KV"
     if remote.dtype != local.dtype:
         return "dtypes differ; converting them would change the numbers"
     if local.dtype not in _DTYPE_BYTES:
@@ -86,11 +94,12 @@ def _refusal(remote: KVLayout, local: KVLayout) -> str | None:
     for side, kv in (("holder", remote), ("reader", local)):
         geom = segment_geometry(kv)
         try:
-            parts = _kv_parts(kv, geom)
+            parts = _head_parts(kv, geom)
         except LayoutError as exc:
             return f"the {side}'s segments are inconsistent: {exc}"
-        if len(parts) != 2 * kv.num_layers:
-            return f"the {side} lacks K or V of some layer"
+        kinds = ("latent",) if kv.kind == MLA else ("k", "v")
+        if len(parts) != len(kinds) * kv.num_layers * kv.kv_heads or {w for _, w, _ in parts} != set(kinds):
+            return f"the {side} lacks {' or '.join(k.upper() for k in kinds)} of some layer or head"
         elem = _DTYPE_BYTES[kv.dtype]
         need = max(geom.part_extent(p) for p in range(len(geom.parts))) * elem
         if any(s.block_bytes < need for s in kv.segments):
@@ -164,25 +173,40 @@ class ConvertingPlanner:
             self._staged_src_head = 0
             self._seg_bytes = [nheads * head_bytes] * len(remote.segments)
             self._src_geom = segment_geometry(dataclasses.replace(remote, kv_heads=nheads))
-        # Each reader (segment, part) and the holder (segment, part) with the same layer's K or V,
-        # grouped by what one scatter_tokens call can take: one reader region, one part pair. A
-        # reader segment fed part for part by one holder segment (same format family, e.g. cpu
-        # -> cpu at another block size) goes as a whole, all parts in one call: the kernel then
-        # copies a cpu head's K^T and V together, which is faster than two passes.
-        theirs = _kv_parts(remote, segment_geometry(remote))
-        per_local: dict[int, list[tuple[int, int, int]]] = {}  # reader segment -> [(its part, seg_r, part_r)]
-        for key, (seg_l, part_l) in sorted(_kv_parts(local, self._dst_geom).items()):
-            per_local.setdefault(seg_l, []).append((part_l, *theirs[key]))
-        whole = len(self._src_geom.parts) == len(self._dst_geom.parts)
-        # (reader region, holder part or None for all parts, reader part or None) -> [(seg_r, seg_l)]
-        self._groups: dict[tuple[int, int | None, int | None], list[tuple[int, int]]] = {}
-        for seg_l, parts in sorted(per_local.items()):
-            region = local.segments[seg_l].region
-            if whole and len({seg_r for _, seg_r, _ in parts}) == 1 and all(pl == pr for pl, _, pr in parts):
-                self._groups.setdefault((region, None, None), []).append((parts[0][1], seg_l))
+        # Each reader (segment, part, heads) and the holder (segment, part, heads) with the same
+        # layer's K or V (or latent) and heads, grouped by what one scatter_tokens call can take:
+        # one reader region, one part pair (rows carry their own heads). A reader segment fed part
+        # for part by one holder segment (same format family, e.g. cpu -> cpu at another block
+        # size) goes as a whole, all parts in one call: the kernel then copies a cpu head's K^T
+        # and V together, which is faster than two passes.
+        theirs = _head_parts(remote, segment_geometry(remote))
+        staged_shift = src_head - self._staged_src_head  # holder head h is staged head h - shift
+        per_local: dict[int, list[list[int]]] = {}  # reader segment -> [[its part, seg_r, part_r, hr, hl, n]]
+        for (layer, which, head), (seg_l, part_l, hl) in sorted(_head_parts(local, self._dst_geom).items()):
+            if not dst_head <= head < dst_head + nheads:
                 continue
-            for part_l, seg_r, part_r in parts:
-                self._groups.setdefault((region, part_r, part_l), []).append((seg_r, seg_l))
+            seg_r, part_r, hr = theirs[(layer, which, head - dst_head + src_head)]
+            if remote.segments[seg_r].head < 0:
+                hr -= staged_shift
+            entries = per_local.setdefault(seg_l, [])
+            last = entries[-1] if entries else None
+            if last and last[:3] == [part_l, seg_r, part_r] and last[3] + last[5] == hr and last[4] + last[5] == hl:
+                last[5] += 1
+            else:
+                entries.append([part_l, seg_r, part_r, hr, hl, 1])
+        whole = len(self._src_geom.parts) == len(self._dst_geom.parts)
+        # (reader region, holder part or None for all parts, reader part or None) ->
+        # [(seg_r, seg_l, holder head, reader head, heads)]
+        self._groups: dict[tuple[int, int | None, int | None], list[tuple[int, int, int, int, int]]] = {}
+        for seg_l, entries in sorted(per_local.items()):
+            region = local.segments[seg_l].region
+            if whole and len({tuple(e[1:2] + e[3:]) for e in entries}) == 1 and all(e[0] == e[2] for e in entries) \
+                    and len(entries) == len(self._dst_geom.parts):
+                _, seg_r, _, hr, hl, n = entries[0]
+                self._groups.setdefault((region, None, None), []).append((seg_r, seg_l, hr, hl, n))
+                continue
+            for part_l, seg_r, part_r, hr, hl, n in entries:
+                self._groups.setdefault((region, part_r, part_l), []).append((seg_r, seg_l, hr, hl, n))
         self._stage_base = np.cumsum([0] + self._seg_bytes[:-1], dtype=np.int64)  # per staged block
 
     @property
@@ -242,11 +266,12 @@ class ConvertingPlanner:
         local_blocks = np.asarray(job.local_blocks, dtype=np.int64)
         for (region, part_r, part_l), pairs in self._groups.items():
             chunks = []
-            for seg_r, seg_l in pairs:
+            for seg_r, seg_l, hr, hl, nh in pairs:
                 runs = proto.copy()
                 runs[:, 0] = job.staging_offset + self._stage_base[seg_r] * n + src_idx * self._seg_bytes[seg_r]
                 ls = self.local.segments[seg_l]
                 runs[:, 1] = ls.base + local_blocks[dst_idx] * ls.block_stride
+                runs[:, 5], runs[:, 6], runs[:, 7] = hr, hl, nh
                 chunks.append(runs)
             src_geom = self._src_geom if part_r is None else self._src_geom.select(part_r)
             dst_geom = self._dst_geom if part_l is None else self._dst_geom.select(part_l)

@@ -10,6 +10,11 @@ the per-rank count ``max(1, total_num_kv_heads // tp_size)``):
   tp_size // total`` (again must divide), and rank ``r`` loads shard ``r // num_kv_head_replicas``,
   i.e. head ``r*H//T``: consecutive ranks hold copies of the same head.
 
+MLA caches hold one latent per token that every TP rank keeps whole (vLLM's ``get_num_kv_heads``
+is 1 for MLA models): counted as a model of one KV head, every holder rank replicates it, so
+:func:`head_sources` sends reader rank ``r`` to holder rank ``r % holder_tp`` for all of it, at
+any pair of TP sizes.
+
 A reader rank then needs, for each head of its own slice, one holder rank holding that head;
 :func:`head_sources` groups those into runs of consecutive heads per holder rank, which is what a
 :class:`pdxfer.convert.ConvertingPlanner` per holder rank takes (``src_head``, ``dst_head``,

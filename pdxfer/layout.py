@@ -28,7 +28,31 @@ CPU_AMX = "cpu_amx"
 FLASH_NHD = "flash_nhd"  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
 FLASH_HND = "flash_hnd"  # per layer [2, num_blocks, kv_heads, block_size, head_dim]
 BLOCKS_FIRST_NHD = "blocks_first_nhd"  # per layer [num_blocks, 2, block_size, kv_heads, head_dim]
-FORMATS = (CPU, CPU_AMX, FLASH_NHD, FLASH_HND, BLOCKS_FIRST_NHD)
+# vLLM's per-layer [B, H, N, C] views (one KVCacheLayout permutation for the whole cache), named by
+# what one segment's block holds; C is K then V of one token and head (standard attention) or one
+# latent (MLA). Whether layers or blocks are outermost does not change a block's bytes, only the
+# segments' block stride, so it is not part of the name.
+KV_HNC = "kv_hnc"  # per layer, block [H, N, K|V] (LBHNC, BLHNC; any layout with one head)
+KV_NHC = "kv_nhc"  # per layer, block [N, H, K|V] (LBNHC, BLNHC)
+# LHBNC and BHLNC put the heads outside a layer's block: a layer's block is H separate ranges,
+# so each (layer, head) is a segment of its own, block [N, K|V].
+KV_HEAD_NC = "kv_head_nc"
+MLA_NC = "mla_nc"  # per layer, block [N, latent]: one latent per token, no K/V split, no heads
+VIEW_FORMATS = (KV_HNC, KV_NHC, KV_HEAD_NC, MLA_NC)
+FORMATS = (CPU, CPU_AMX, FLASH_NHD, FLASH_HND, BLOCKS_FIRST_NHD) + VIEW_FORMATS
+
+# Kinds of KV a backend stores.
+ATTENTION = "attention"  # K and V per token and head
+MLA = "mla"  # one compressed latent (kv_lora_rank + rope dims) per token, shared by every head
+KINDS = (ATTENTION, MLA)
+
+# vLLM's KVCacheLayout members as stride permutations of the logical [L, B, H, N, C] axes, outermost
+# physical axis first (vllm/v1/kv_cache_layout.py; a test checks these against vLLM's enum).
+VLLM_LAYOUTS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+}
+_L, _B, _H, _N, _C = range(5)
 
 LAYOUT_WIRE_VERSION = 1
 
@@ -50,11 +74,12 @@ class Region:
 @dataclass(frozen=True)
 class Segment:
     layer: str
-    part: str  # "kv" when K and V share the block, else "k" or "v"
+    part: str  # "kv" when K and V share the block, "k" or "v" when apart, "latent" for MLA
     region: int
     base: int
     block_stride: int
     block_bytes: int
+    head: int = -1  # -1: every head of the layer; else the one head this segment holds (kv_head_nc)
 
     def block_offset(self, block: int) -> int:
         return self.base + block * self.block_stride
@@ -94,6 +119,8 @@ class KVLayout:
             "head_dim": self.head_dim,
             "parts": sorted({s.part for s in self.segments}),
         }
+        if self.kv_format in VIEW_FORMATS:  # (earlier formats keep their fingerprints)
+            doc["kind"] = self.kind
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return f"{self.kv_format}-{self.dtype}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
@@ -104,7 +131,11 @@ class KVLayout:
         if total_kv_heads < self.kv_heads or (total_kv_heads % self.kv_heads and self.kv_heads != 1):
             raise LayoutError(f"{self.kv_heads} KV heads per rank cannot be a TP share of {total_kv_heads} "
                               "KV heads in all")
-        return content_fingerprint(self.dtype, self.num_layers, total_kv_heads, self.head_dim)
+        return content_fingerprint(self.dtype, self.num_layers, total_kv_heads, self.head_dim, self.kind)
+
+    @property
+    def kind(self) -> str:
+        return MLA if self.kv_format == MLA_NC else ATTENTION
 
     def to_wire(self) -> dict[str, Any]:
         """A JSON-able description (no local addresses) that a peer can plan against."""
@@ -161,20 +192,26 @@ class KVLayout:
                 raise LayoutError(f"{side + ' ' if side else ''}block id {b!r} outside [0, {self.num_blocks})")
 
 
-def content_fingerprint(dtype: str, num_layers: int, total_kv_heads: int, head_dim: int) -> str:
+def content_fingerprint(dtype: str, num_layers: int, total_kv_heads: int, head_dim: int,
+                        kind: str = ATTENTION) -> str:
     """Identity of KV content independent of the byte format, block size and TP split.
 
     Two caches with equal content fingerprints hold the same numbers for the same tokens (given the
     same model), so :mod:`pdxfer.convert` can move KV between them; keys may be namespaced by this
     instead of :meth:`KVLayout.fingerprint` once readers convert. The dtype stays in: converting
     it would change the numbers. For fp8 caches it is the exact variant (``float8_e4m3fn``,
-    ``float8_e5m2``), never the ``uint8`` vLLM stores them as.
+    ``float8_e5m2``), never the ``uint8`` vLLM stores them as. ``kind``: an MLA latent is other
+    numbers than K and V of the same sizes (``total_kv_heads`` is 1 for MLA: every rank holds it whole).
     """
+    if kind not in KINDS:
+        raise LayoutError(f"content_fingerprint: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     for name, v in (("num_layers", num_layers), ("total_kv_heads", total_kv_heads), ("head_dim", head_dim)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise LayoutError(f"content_fingerprint: {name} must be a positive int, got {v!r}")
     doc = {"v": LAYOUT_WIRE_VERSION, "what": "kv-content", "dtype": str(dtype), "layers": num_layers,
            "total_kv_heads": total_kv_heads, "head_dim": head_dim}
+    if kind != ATTENTION:
+        doc["kind"] = kind
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return f"kv-{dtype}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
@@ -245,7 +282,7 @@ def _inner_contiguous(t: Any, from_dim: int) -> bool:
 
 def describe_kv_caches(
     kv_caches: Mapping[str, Any], block_size: int | None = None, kv_format: str | None = None,
-    dtype: str | None = None,
+    dtype: str | None = None, description: KVDescription | None = None,
 ) -> KVLayout:
     """Describe the ``{layer_name: tensor}`` dict vLLM hands to ``register_kv_caches``.
 
@@ -253,9 +290,22 @@ def describe_kv_caches(
     both sides of a transfer enumerate segments identically. ``dtype`` names the element type
     when the tensor's cannot: vLLM stores every fp8 variant as ``uint8``, and an e4m3 block read
     as e5m2 is other numbers, so the layout (and its fingerprints) must carry the variant.
+
+    ``description`` (what the backend and vLLM's resolved layout say) describes vLLM's
+    ``[B, H, N, C]`` views exactly (:func:`describe_vllm_views`); so does a ``kv_format`` among
+    :data:`VIEW_FORMATS` with ``block_size`` (:func:`view_description` reads the permutation from
+    the strides). Otherwise the format is named or detected from the shape.
     """
     if not kv_caches:
         raise LayoutError("no KV cache tensors given")
+    if description is not None:
+        if kv_format is not None and kv_format != description.kv_format:
+            raise LayoutError(f"format {kv_format} named, but {description} is format {description.kv_format}")
+        return describe_vllm_views(kv_caches, description)
+    if kv_format in VIEW_FORMATS:
+        if block_size is None:
+            raise LayoutError(f"describing {kv_format} views needs the block size")
+        return describe_vllm_views(kv_caches, view_description(kv_caches, kv_format, block_size, dtype))
     names = sorted(kv_caches)
     first = kv_caches[names[0]]
     dtype = _checked_dtype(_dtype_name(first), dtype)
@@ -307,3 +357,173 @@ def describe_kv_caches(
                       head_dim, tuple(regions), tuple(segments))
     layout.validate()
     return layout
+
+
+# --------------------------------------------------------------------------- vLLM's [B, H, N, C] views
+
+@dataclass(frozen=True)
+class KVDescription:
+    """What a vLLM KV cache holds, as the attention backend and vLLM's resolved layout say
+    (not guessed from tensor shapes): ``kind`` (:data:`ATTENTION` or :data:`MLA`), ``vllm_layout``
+    (a KVCacheLayout member name), tokens per block, KV heads of this rank (1 for MLA), head dim
+    (of K and of V; the latent's for MLA) and the exact element dtype."""
+
+    kind: str
+    vllm_layout: str
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LayoutError(f"KV kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.vllm_layout not in VLLM_LAYOUTS:
+            raise LayoutError(f"unknown vLLM KV cache layout {self.vllm_layout!r}; known: {', '.join(VLLM_LAYOUTS)}")
+        for name in ("block_size", "kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise LayoutError(f"KVDescription.{name} must be a positive int, got {v!r}")
+        if self.kind == MLA and self.kv_heads != 1:
+            raise LayoutError(f"an MLA cache holds one latent per token, not {self.kv_heads} heads")
+
+    @property
+    def kv_format(self) -> str:
+        """The pdxfer format of these blocks. With one head, heads inside or outside a block make
+        no difference to its bytes, so every layout is ``kv_hnc`` (interchangeable blocks, one
+        fingerprint)."""
+        if self.kind == MLA:
+            return MLA_NC
+        order = VLLM_LAYOUTS[self.vllm_layout]
+        if self.kv_heads == 1 or order[-3:] == (_H, _N, _C):
+            return KV_HNC
+        if order[-3:] == (_N, _H, _C):
+            return KV_NHC
+        return KV_HEAD_NC
+
+    @property
+    def content(self) -> int:
+        """Elements of C, one token of one head (K then V, or the latent)."""
+        return self.head_dim if self.kind == MLA else 2 * self.head_dim
+
+
+def _expected_view_order(layout_name: str) -> tuple[int, ...]:
+    """Physical order (outermost first) of the [B, H, N, C] dims of one layer's view."""
+    return tuple(d - 1 for d in VLLM_LAYOUTS[layout_name] if d != _L)
+
+
+def _check_view_strides(name: str, t: Any, desc: KVDescription) -> None:
+    """The tensor's strides must order its dims as ``desc.vllm_layout`` says (size-1 dims aside)."""
+    order = [d for d in _expected_view_order(desc.vllm_layout) if t.shape[d] > 1]
+    strides = [t.stride(d) for d in order]
+    if t.shape[3] > 1 and t.stride(3) != 1 or any(a < b for a, b in zip(strides, strides[1:])):
+        raise LayoutError(f"layer {name}: strides {tuple(t.stride())} of shape {tuple(t.shape)} are not the "
+                          f"{desc.vllm_layout} layout the description names")
+
+
+def _dense(t: Any, dims: Sequence[int]) -> bool:
+    """Dims ``dims`` (outermost first) of ``t`` form one dense row-major range."""
+    expected = 1
+    for d in reversed(dims):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
+def describe_vllm_views(kv_caches: Mapping[str, Any], desc: KVDescription) -> KVLayout:
+    """Describe vLLM's per-layer ``[B, H, N, C]`` views (any KVCacheLayout, layer- or
+    block-outermost, layers in one allocation or several) from an explicit description.
+
+    Every segment's block is one contiguous byte range: a layer's block where the layout keeps
+    ``[H, N, C]`` or ``[N, H, C]`` together, else (LHBNC, BHLNC: heads outside blocks) one
+    segment per (layer, head). Block-outermost layouts give segments the cross-layer block as
+    block stride, so one block of every layer is adjacent. Refuses, naming the layer and why,
+    tensors that do not match the description.
+    """
+    if not kv_caches:
+        raise LayoutError("no KV cache tensors given")
+    fmt = desc.kv_format
+    names = sorted(kv_caches)
+    regions: list[Region] = []
+    region_of_storage: dict[int, int] = {}
+    segments: list[Segment] = []
+    want_shape_tail = (desc.kv_heads, desc.block_size, desc.content)
+    num_blocks = None
+    for name in names:
+        t = kv_caches[name]
+        if not hasattr(t, "untyped_storage"):
+            raise LayoutError(f"layer {name}: expected a torch tensor, got {type(t).__name__}")
+        _checked_dtype(_dtype_name(t), desc.dtype)
+        if t.dim() != 4 or tuple(t.shape[1:]) != want_shape_tail:
+            raise LayoutError(f"layer {name}: shape {tuple(t.shape)} is not vLLM's [blocks, heads, block_size, "
+                              f"content] view for {desc} (expected [*, {', '.join(map(str, want_shape_tail))}]); "
+                              "a block split into smaller kernel blocks is not supported")
+        if num_blocks is None:
+            num_blocks = int(t.shape[0])
+        elif t.shape[0] != num_blocks:
+            raise LayoutError(f"layer {name}: {t.shape[0]} blocks, {names[0]} has {num_blocks}")
+        _check_view_strides(name, t, desc)
+        storage = t.untyped_storage()
+        sptr = storage.data_ptr()
+        if sptr not in region_of_storage:
+            region_of_storage[sptr] = len(regions)
+            regions.append(Region(len(regions), storage.nbytes(), str(t.device), sptr))
+        ridx = region_of_storage[sptr]
+        esize = t.element_size()
+        base = t.data_ptr() - sptr
+        block_stride = t.stride(0) * esize
+        part = "latent" if desc.kind == MLA else "kv"
+        if fmt == KV_HEAD_NC:
+            if not _dense(t, (2, 3)):
+                raise LayoutError(f"layer {name}: one head's block [N, C] is not one contiguous byte range "
+                                  f"(strides {tuple(t.stride())})")
+            nbytes = desc.block_size * desc.content * esize
+            segments.extend(Segment(name, part, ridx, base + h * t.stride(1) * esize, block_stride, nbytes, h)
+                            for h in range(desc.kv_heads))
+            continue
+        inner = (2, 1, 3) if fmt == KV_NHC else (1, 2, 3)
+        if not _dense(t, inner):
+            raise LayoutError(f"layer {name}: a block is not one contiguous byte range under {desc.vllm_layout} "
+                              f"(strides {tuple(t.stride())})")
+        nbytes = desc.kv_heads * desc.block_size * desc.content * esize
+        segments.append(Segment(name, part, ridx, base, block_stride, nbytes))
+    assert num_blocks is not None
+    layout = KVLayout(fmt, desc.dtype, num_blocks, desc.block_size, desc.kv_heads, desc.head_dim,
+                      tuple(regions), tuple(segments))
+    layout.validate()
+    return layout
+
+
+def view_description(kv_caches: Mapping[str, Any], kv_format: str, block_size: int, dtype: str | None = None,
+                     ) -> KVDescription:
+    """The description of vLLM ``[B, H, N, C]`` views in ``kv_format`` (one of
+    :data:`VIEW_FORMATS`) whose layout permutation is read from the tensors' strides, for a
+    caller that knows the format but not vLLM's layout name. The heads and head dim come from
+    the view's H and C, which vLLM's allocation fixes. Layer- and block-outermost variants of a
+    layout give one description here (their blocks hold the same bytes): the segments' block
+    strides are read from the tensors by :func:`describe_vllm_views`."""
+    if kv_format not in VIEW_FORMATS:
+        raise LayoutError(f"{kv_format!r} is not one of vLLM's view formats ({', '.join(VIEW_FORMATS)})")
+    first = kv_caches[sorted(kv_caches)[0]]
+    if first.dim() != 4:
+        raise LayoutError(f"a {kv_format} KV tensor is a 4-dim [B, H, N, C] view, got shape {tuple(first.shape)}")
+    _, heads, _, content = (int(x) for x in first.shape)
+    kind = MLA if kv_format == MLA_NC else ATTENTION
+    if kind == ATTENTION and content % 2:
+        raise LayoutError(f"an attention view's C holds K then V, so it is even; got shape {tuple(first.shape)}")
+    head_dim = content if kind == MLA else content // 2
+    dtype = _checked_dtype(_dtype_name(first), dtype)
+    for name in VLLM_LAYOUTS:
+        desc = KVDescription(kind, name, block_size, heads, head_dim, dtype) if kind == ATTENTION or heads == 1 \
+            else None
+        if desc is None or desc.kv_format != kv_format:
+            continue
+        try:
+            for lname in sorted(kv_caches):
+                _check_view_strides(lname, kv_caches[lname], desc)
+        except LayoutError:
+            continue
+        return desc
+    raise LayoutError(f"KV views of shape {tuple(first.shape)}, strides {tuple(first.stride())} are in no vLLM "
+                      f"layout whose blocks are format {kv_format}")

@@ -12,7 +12,9 @@ Three steps, each in one place:
 - a :class:`PeerPlanner` made once per holder when the reader connects: the two layouts are
   checked for compatibility there, not on every read;
 - :meth:`PeerPlanner.plan`: block pairs -> coalesced byte runs (whole blocks, or a TP head slice
-  of head-major blocks of equal size).
+  of head-major blocks of equal size, or whole (layer, head) segments of ``kv_head_nc``). Where both sides are block-outermost (vLLM's BLHNC, BLNHC,
+  BHLNC: one block of every layer is one range) a run of consecutive blocks is one run, not one
+  per layer.
 
 Blocks of another size, byte format or head arrangement go through :mod:`pdxfer.convert`
 (staging + native scatter); :func:`pdxfer.convert.planner_for` picks one of the two.
@@ -23,11 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from pdxfer.layout import CPU, FLASH_HND, KVLayout, LayoutError
+from pdxfer.layout import CPU, FLASH_HND, KV_HEAD_NC, KV_HNC, KVLayout, LayoutError, Segment
 
 # Formats whose block is head-major ([heads, ...] inside a block): one head's bytes (K and V) are
 # one contiguous range, so a TP head slice between two such blocks of equal size is a byte range.
-HEAD_MAJOR_FORMATS = (CPU, FLASH_HND)
+HEAD_MAJOR_FORMATS = (CPU, FLASH_HND, KV_HNC)
 
 
 # --------------------------------------------------------------------------- tokens and blocks
@@ -146,6 +148,26 @@ def check_head_slice(remote: KVLayout, local: KVLayout, src_head: int, dst_head:
     return per_head.pop()
 
 
+def _head_segment_pairs(remote: KVLayout, local: KVLayout, src_head: int, dst_head: int,
+                        nheads: int) -> list[tuple[Segment, Segment]]:
+    """A head slice between caches with a segment per (layer, head) (``kv_head_nc``): whole
+    segments, holder head ``src_head + j`` into reader head ``dst_head + j``."""
+    if (remote.dtype, remote.head_dim, remote.block_size) != (local.dtype, local.head_dim, local.block_size):
+        raise LayoutError(f"a head slice of kv_head_nc blocks is read in place only at equal dtype, head_dim and "
+                          f"block size: holder has {remote.dtype} head_dim {remote.head_dim} block {remote.block_size}, "
+                          f"this reader {local.dtype} head_dim {local.head_dim} block {local.block_size}; "
+                          "use pdxfer.convert.ConvertingPlanner")
+    for name, first, have in (("holder", src_head, remote.kv_heads), ("reader", dst_head, local.kv_heads)):
+        if nheads <= 0 or first < 0 or first + nheads > have:
+            raise LayoutError(f"heads [{first}, {first + nheads}) are outside the {have} kv heads of the "
+                              f"{name}'s blocks")
+    mine = {(s.layer, s.head): s for s in local.segments}
+    if {s.layer for s in remote.segments} != {s.layer for s in local.segments}:
+        raise LayoutError("holder and reader name their layers differently")
+    return [(s, mine[(s.layer, s.head - src_head + dst_head)]) for s in remote.segments
+            if src_head <= s.head < src_head + nheads]
+
+
 def coalesce(runs: Iterable[TransferRun]) -> list[TransferRun]:
     """Merge each run into the previous one when both sides continue exactly where it ended."""
     out: list[TransferRun] = []
@@ -176,8 +198,12 @@ class PeerPlanner:
         # (remote offset, local offset, bytes) inside each block; whole blocks by default.
         self._slice: tuple[int, int, int] | None = None
         all_heads = nheads is None or (nheads == remote.kv_heads == local.kv_heads and not src_head and not dst_head)
+        pairs = list(zip(remote.segments, local.segments))
         if all_heads:
             check_compatible(remote, local)
+        elif remote.kv_format == local.kv_format == KV_HEAD_NC:
+            assert nheads is not None
+            pairs = _head_segment_pairs(remote, local, src_head, dst_head, nheads)
         else:
             assert nheads is not None
             head_bytes = check_head_slice(remote, local, src_head, dst_head, nheads)
@@ -188,8 +214,11 @@ class PeerPlanner:
         # consecutive blocks as one byte range (never a head slice: slices of neighbouring blocks
         # are not adjacent).
         self._segments = [(rs, ls, self._slice is None and rs.block_stride == rs.block_bytes
-                           and ls.block_stride == ls.block_bytes)
-                          for rs, ls in zip(remote.segments, local.segments)]
+                           and ls.block_stride == ls.block_bytes) for rs, ls in pairs]
+        # Block-outermost caches (one block of every layer adjacent) packed alike on both sides:
+        # (remote start, local start, cross-layer block bytes), so a run of consecutive blocks is
+        # one byte range whatever the layer count.
+        self._packed = _packed_blocks(remote.segments, local.segments) if all_heads else None
 
     def plan(self, remote_blocks: Sequence[int], local_blocks: Sequence[int],
              coalesce_runs: bool = True) -> TransferPlan:
@@ -214,6 +243,11 @@ class PeerPlanner:
             block_runs.append([rb, lb, 1])
 
         r_off, l_off, nbytes = self._slice or (0, 0, 0)
+        n = len(self._segments) * len(remote_blocks)
+        if coalesce_runs and self._packed is not None:
+            region_r, start_r, region_l, start_l, stride = self._packed
+            return TransferPlan(tuple(TransferRun(region_r, start_r + rb * stride, region_l, start_l + lb * stride,
+                                                  count * stride) for rb, lb, count in block_runs), n)
 
         def generate() -> Iterable[TransferRun]:
             for rs, ls, dense in self._segments:
@@ -227,9 +261,34 @@ class PeerPlanner:
                             yield TransferRun(rs.region, rs.block_offset(rb + i) + r_off, ls.region,
                                               ls.block_offset(lb + i) + l_off, size)
 
-        n = len(self._segments) * len(remote_blocks)
         runs = coalesce(generate()) if coalesce_runs else list(generate())
         return TransferPlan(tuple(runs), n)
+
+
+def _cross_layer_block(segments: Sequence[Segment]) -> tuple[int, int, int, list[int]] | None:
+    """(region, start, stride, segment order by address) where the segments' blocks tile one
+    cross-layer block exactly (several segments, one region, one block stride), else None."""
+    if len(segments) < 2 or len({(s.region, s.block_stride) for s in segments}) != 1:
+        return None
+    order = sorted(range(len(segments)), key=lambda i: segments[i].base)
+    start = segments[order[0]].base
+    at = start
+    for i in order:
+        if segments[i].base != at:
+            return None
+        at += segments[i].block_bytes
+    stride = segments[0].block_stride
+    return (segments[0].region, start, stride, order) if at - start == stride else None
+
+
+def _packed_blocks(remote: Sequence[Segment], local: Sequence[Segment]) -> tuple[int, int, int, int, int] | None:
+    """Where both sides pack each segment at the same place of one cross-layer block, copying
+    block b of every segment is copying that block's whole range: (remote region, remote start,
+    local region, local start, block bytes), else None."""
+    r, l_ = _cross_layer_block(remote), _cross_layer_block(local)
+    if r is None or l_ is None or r[2] != l_[2] or r[3] != l_[3]:
+        return None
+    return r[0], r[1], l_[0], l_[1], r[2]
 
 
 def build_plan(remote: KVLayout, remote_blocks: Sequence[int], local: KVLayout, local_blocks: Sequence[int],

@@ -1,5 +1,9 @@
 """What the scheduler knows about the KV bytes without seeing a tensor.
 
+On CPU the blocks are those of vLLM's CPU attention (format by ISA, below); on CUDA they are
+vLLM's generic ``[B, H, N, C]`` views, described from the attention backend and vLLM's resolved
+KV cache layout (:mod:`pdxfer.vllm.backend_layouts`).
+
 The scheduler hashes prompts into keys whose namespace includes the content fingerprint, and
 checks every worker's layout fingerprint, but the tensors live in the worker process. So both
 are derived here from vLLM's config and the worker checks, when vLLM hands it the real tensors,
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdxfer.layout import CPU, CPU_AMX, KVLayout, Region, Segment, content_fingerprint
+from pdxfer.layout import (ATTENTION, CPU, CPU_AMX, MLA, VIEW_FORMATS, KVDescription, KVLayout, Region, Segment,
+                           content_fingerprint)
 from pdxfer.vllm.keyability import runtime_kv_scales_reason, weights_fingerprint
 
 
@@ -114,11 +119,23 @@ def kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        raise UnsupportedKVCache("this pdxfer connector version derives KV layouts for vLLM's CPU "
-                                 "backend only")
+        return gpu_kv_description(vllm_config, kv_cache_config).kv_format
     isa = attn_isa(vllm_config, kv_cache_config)
     check_probed(isa, derive_kv_dtype(vllm_config, kv_cache_config))
     return cpu_kv_format(isa)
+
+
+def gpu_kv_description(vllm_config: Any, kv_cache_config: Any) -> KVDescription:
+    """The description of a CUDA instance's KV blocks, from its attention backend and vLLM's
+    resolved KV cache layout (:mod:`pdxfer.vllm.backend_layouts`)."""
+    from vllm.platforms import current_platform
+
+    from pdxfer.vllm.backend_layouts import kv_description
+
+    if not current_platform.is_cuda():
+        raise UnsupportedKVCache(f"pdxfer derives KV layouts on vLLM's CPU and CUDA platforms, not "
+                                 f"{type(current_platform).__name__}")
+    return kv_description(vllm_config, kv_cache_config)
 
 
 def kv_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
@@ -138,6 +155,12 @@ def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     """The fingerprint ``describe_kv_caches`` will compute for the worker's tensors."""
     fmt = kv_format(vllm_config, kv_cache_config)
     spec, layers = _spec(kv_cache_config)
+    if fmt in VIEW_FORMATS:
+        desc = gpu_kv_description(vllm_config, kv_cache_config)
+        part = "latent" if desc.kind == MLA else "kv"
+        segs = tuple(Segment(name, part, 0, 0, 1, 1) for name in layers)
+        return KVLayout(fmt, desc.dtype, 1, desc.block_size, desc.kv_heads, desc.head_dim, (Region(0, 1),),
+                        segs).fingerprint()
     if getattr(spec, "head_size_v", spec.head_size) not in (None, spec.head_size):
         raise UnsupportedKVCache("K and V head sizes differ; not supported")
     # Only the fields fingerprint() reads matter; regions/segments stand in for the tensors.
@@ -148,8 +171,16 @@ def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
 
 
 def total_kv_heads(vllm_config: Any) -> int:
-    """The model's KV heads over all TP ranks (the KV cache spec has one rank's share)."""
+    """The model's KV heads over all TP ranks (the KV cache spec has one rank's share). An MLA
+    latent counts as one head that every rank holds whole, so any reader rank reads it from
+    any holder rank (:func:`pdxfer.heads.head_sources` with one head)."""
+    if _uses_mla(vllm_config):
+        return 1
     return int(vllm_config.model_config.get_total_num_kv_heads())
+
+
+def _uses_mla(vllm_config: Any) -> bool:
+    return getattr(vllm_config.model_config, "use_mla", False) is True
 
 
 def derive_content_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -157,7 +188,7 @@ def derive_content_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     (``pdxfer.layout.content_fingerprint``; the worker's handshake is checked against it)."""
     spec, layers = _spec(kv_cache_config)
     return content_fingerprint(derive_kv_dtype(vllm_config, kv_cache_config), len(layers), total_kv_heads(vllm_config),
-                               int(spec.head_size))
+                               int(spec.head_size), MLA if _uses_mla(vllm_config) else ATTENTION)
 
 
 def model_identity(vllm_config: Any) -> str:
