@@ -168,8 +168,12 @@ class WorkerSide:
         transport = create_transport(self.cfg.transport, **opts)
         if not self.total_kv_heads:
             self.total_kv_heads = layout.kv_heads * self.tp_size
-        self._staging = ReaderStaging(self._staging_bytes(layout), layout, region_tensors(kv_caches, layout))
-        regions = [RegisteredRegion(r.index, r.ptr, r.nbytes, r.device) for r in layout.regions]
+        kv_bytes = region_tensors(kv_caches, layout)
+        self._staging = ReaderStaging(self._staging_bytes(layout), layout, kv_bytes)
+        # Device regions carry their bytes as tensors: transports without a device path (TCP)
+        # copy through a pinned host bounce buffer with them.
+        regions = [RegisteredRegion(r.index, r.ptr, r.nbytes, r.device, tensor=t)
+                   for r, t in zip(layout.regions, kv_bytes)]
         transport.register(regions + ([self._staging.region()] if self._staging.enabled else []))
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
         log.info("pdxfer: node %s rank %d/%d registered %d KV region(s), %d blocks x %d bytes (%d of %d KV "

@@ -297,7 +297,7 @@ class ReaderStaging:
         return self.ops.device
 
     def region(self) -> RegisteredRegion:
-        return RegisteredRegion(self.region_index, self._buf.ptr, self.nbytes, self.ops.device)
+        return RegisteredRegion(self.region_index, self._buf.ptr, self.nbytes, self.ops.device, tensor=self._mem_t)
 
     def planner_for(self, remote: KVLayout, route: Any) -> PeerPlanner | ConvertingPlanner:
         """Checked once per holder rank at connect, for ``route``'s heads
