@@ -130,6 +130,18 @@ class StagedRead:
     ntokens: int
 
 
+@dataclass(frozen=True, eq=False)  # eq=False: == on the runs array would not give a bool
+class ScatterCall:
+    """One ``scatter_tokens`` call of a staged read's scatter (:meth:`ConvertingPlanner.scatter_calls`):
+    from the staging region into reader region ``region``."""
+
+    region: int  # index of the reader's KV region written
+    runs: np.ndarray  # token runs (pdxfer.blockgeom.token_runs rows), byte offsets into staging and the region
+    src_geom: BlockGeometry  # the staged holder blocks' geometry (one part, or all)
+    dst_geom: BlockGeometry  # the reader blocks' geometry (one part, or all)
+    elem_size: int  # bytes per element of both sides' dtype
+
+
 class ConvertingPlanner:
     """Plans from one holder (rank) whose blocks differ from the reader's in size, format or head
     split; made once per holder at connect, like PeerPlanner. Refuses, naming both sides, what it
@@ -252,18 +264,20 @@ class ConvertingPlanner:
         return self.read(remote_blocks, 0, local_blocks, 0, 0, len(remote_blocks) * self.local.block_size,
                          staging_offset)
 
-    def scatter(self, job: StagedRead, staging: native.RawBuffer, regions: Sequence[native.RawBuffer]) -> None:
-        """Copy the job's token range and heads from staging into the reader's blocks, every layer,
-        K and V: one native call per (reader region, holder part, reader part), or per reader
-        region where segments pair whole."""
+    def scatter_calls(self, job: StagedRead) -> list[ScatterCall]:
+        """The kernel calls that copy the job's token range and heads from staging into the
+        reader's blocks, every layer, K and V: one per (reader region, holder part, reader part),
+        or per reader region where segments pair whole. :meth:`scatter` runs them on the host;
+        device operations enqueue the same calls on a stream."""
         n = job.staging_bytes // sum(self._seg_bytes)  # staged holder blocks
-        # Runs in block indices once; each segment pair only swaps in its byte offsets.
+        # Runs in block indices once; each segment pair only swaps in its byte offsets and heads.
         proto = token_runs(np.arange(n, dtype=np.int64), self.remote.block_size,
                            np.arange(len(job.local_blocks), dtype=np.int64), self.local.block_size, job.ntokens,
                            src_start=job.start - job.remote_first_token, dst_start=job.start - job.local_first_token,
                            src_head=self._staged_src_head, dst_head=self.dst_head, nheads=self.nheads)
         src_idx, dst_idx = proto[:, 0].copy(), proto[:, 1].copy()
         local_blocks = np.asarray(job.local_blocks, dtype=np.int64)
+        calls = []
         for (region, part_r, part_l), pairs in self._groups.items():
             chunks = []
             for seg_r, seg_l, hr, hl, nh in pairs:
@@ -275,8 +289,14 @@ class ConvertingPlanner:
                 chunks.append(runs)
             src_geom = self._src_geom if part_r is None else self._src_geom.select(part_r)
             dst_geom = self._dst_geom if part_l is None else self._dst_geom.select(part_l)
-            native.scatter_tokens(staging, regions[region], np.concatenate(chunks), src_geom, dst_geom,
-                                  elem_size=self._elem)
+            calls.append(ScatterCall(region, np.concatenate(chunks), src_geom, dst_geom, self._elem))
+        return calls
+
+    def scatter(self, job: StagedRead, staging: native.RawBuffer, regions: Sequence[native.RawBuffer]) -> None:
+        """Run :meth:`scatter_calls` with the native kernels, on the caller's thread."""
+        for c in self.scatter_calls(job):
+            native.scatter_tokens(staging, regions[c.region], c.runs, c.src_geom, c.dst_geom,
+                                  elem_size=c.elem_size)
 
 
 def planner_for(remote: KVLayout, local: KVLayout, staging_region: int | None, *, src_head: int = 0,
@@ -351,4 +371,4 @@ class StagingArea:
             return sum(self._used.values())
 
 
-__all__ = ["ConvertingPlanner", "StagedRead", "StagingArea", "check_convertible", "planner_for"]
+__all__ = ["ConvertingPlanner", "ScatterCall", "StagedRead", "StagingArea", "check_convertible", "planner_for"]

@@ -7,7 +7,8 @@
   pdxfer-probe --devices                                             # RDMA devices, GPU <-> NIC topology
 
 ``--memory cuda:N`` puts the regions on that GPU (host memory is the default); a host without
-it is refused at once. Transports that serve host memory only (tcp) are skipped then.
+it is refused at once. A transport that cannot register the region is skipped, said so on
+stderr: tcp, whose pinned bounce buffer needs the region's tensor, which the probe does not pass.
 
 Prints one nixlbench-like line per point as it completes. Points whose block x batch exceeds
 the holder's region are skipped (said so on stderr).

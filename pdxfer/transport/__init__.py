@@ -36,7 +36,8 @@ class TransportKind:
 
 REGISTRY: dict[str, TransportKind] = {k.name: k for k in (
     TransportKind("tcp", "pdxfer.transport.tcp.transport:TcpTransport",
-                  "pdxfer's own TCP transport (host memory; clusters without RDMA)",
+                  "pdxfer's own TCP transport (host memory; GPU memory through a pinned bounce buffer; "
+                  "clusters without RDMA)",
                   settings=frozenset({"listen_host", "advertise_host", "connections"})),
     TransportKind("nixl", "pdxfer.transport.nixl.transport:NixlTransport",
                   "NIXL agent with the UCX backend (DRAM here; VRAM and RDMA where UCX has them)",

@@ -1,6 +1,7 @@
 """Check 2: KV tensors shaped like vLLM's moved between two processes, every byte checked.
 
-For each transport, one holder process registers tensors of every VRAM layout (tests/gpu/kv.py),
+For each transport, one holder process registers tensors of every VRAM layout (tests/gpu/kv.py:
+vLLM's flash shapes and KVCacheLayout views, MLA's among them),
 each with its own seeded bytes, and this process registers its own (other bytes). Per layout it
 reads a shuffled half of the holder's blocks into shuffled blocks of its own through the
 transport, and compares all of its memory with what tensor indexing says it must hold (moved
@@ -112,7 +113,7 @@ def _start_holder(v: Variant, specs: list[KVSpec], device: str) -> subprocess.Po
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     s = specs[0]
     cmd = [sys.executable, "-m", "tests.gpu.holder", "--kind", v.kind,
-           "--formats", ",".join(f"{x.kv_format}:{x.num_blocks}" for x in specs),
+           "--layouts", ",".join(f"{x.layout}:{x.num_blocks}" for x in specs),
            "--layers", str(s.layers), "--block-size", str(s.block_size), "--heads", str(s.heads),
            "--head-dim", str(s.head_dim), "--seed", str(HOLDER_SEED), "--device", device]
     # stderr to a pipe read only after exit: a holder is quiet unless it fails.
@@ -210,8 +211,8 @@ def _move_format(rep: Report, t: Target, label: str, side: _Side, reader: Transp
 
 
 def run_variant(rep: Report, t: Target, v: Variant, specs: list[KVSpec], repeats: int, corrupt: bool) -> None:
-    """One holder process and one reader transport for every format, then each format's move."""
-    labels = [f"move {s.kv_format} {v.label}" for s in specs]
+    """One holder process and one reader transport for every layout, then each layout's move."""
+    labels = [f"move {s.layout} {v.label}" for s in specs]
     if v.kind == "tcp" and not t.standin and not has_tensor_field():
         for label in labels:
             rep.failed(label, "pdxfer.transport.base.RegisteredRegion has no 'tensor' field: this checkout lacks "
@@ -240,10 +241,10 @@ def run_variant(rep: Report, t: Target, v: Variant, specs: list[KVSpec], repeats
                 continue
             try:
                 _move_format(rep, t, label, side, reader, peer, i, repeats, corrupt and i == 0)
-            except Exception as exc:  # noqa: BLE001 - this format's FAIL; the next formats still run
+            except Exception as exc:  # noqa: BLE001 - this layout's FAIL; the next layouts still run
                 rep.failed(label, f"{type(exc).__name__}: {exc}")
         done = len(labels)
-    except Exception as exc:  # noqa: BLE001 - the holder or the connection broke: every format not run FAILs
+    except Exception as exc:  # noqa: BLE001 - the holder or the connection broke: every layout not run FAILs
         for label in labels[done:]:
             rep.failed(label, f"{type(exc).__name__}: {exc}")
     finally:
@@ -254,15 +255,15 @@ def run_variant(rep: Report, t: Target, v: Variant, specs: list[KVSpec], repeats
 
 def run_moves(rep: Report, t: Target, kinds: list[str], kv_mib: float, repeats: int, corrupt: bool,
               wheel_hint: str) -> None:
-    formats = [f for f in L.FORMATS if f not in HOST_ONLY]
-    for fmt in formats:
-        if fmt not in VRAM_LAYOUTS:
-            rep.skipped(f"move {fmt}", "no VRAM tensor shape for this layout in tests/gpu/kv.py VRAM_LAYOUTS yet")
+    covered = {v.kv_format for v in VRAM_LAYOUTS.values()}
+    for fmt in L.FORMATS:
+        if fmt not in HOST_ONLY and fmt not in covered:
+            rep.skipped(f"move {fmt}", "no VRAM layout of this format in tests/gpu/kv.py VRAM_LAYOUTS yet")
     specs = []
-    for fmt in (f for f in formats if f in VRAM_LAYOUTS):
-        spec = KVSpec(fmt, 4, 1, 16, 8, 128) if not t.standin else KVSpec(fmt, 2, 1, 16, 2, 32)
+    for name in VRAM_LAYOUTS:
+        spec = KVSpec(name, 4, 1, 16, 8, 128) if not t.standin else KVSpec(name, 2, 1, 16, 2, 32)
         per_block = spec.layer_bytes()
-        specs.append(KVSpec(fmt, spec.layers, max(4, int(kv_mib * 2**20) // per_block), spec.block_size,
+        specs.append(KVSpec(name, spec.layers, max(4, int(kv_mib * 2**20) // per_block), spec.block_size,
                             spec.heads, spec.head_dim))
     first, shown_nixl = True, False
     for v in variants(t.standin):

@@ -260,7 +260,7 @@ def test_idle_holder_uses_no_cpu(tcp_holder, reader_factory):
     assert used < 0.1, f"idle holder burned {used:.2f}s CPU in 2s"
 
 
-def test_cuda_regions_are_refused_with_a_clear_error():
+def test_a_device_region_without_its_tensor_is_refused_with_a_clear_error():
     t = TcpTransport()
     try:
         with pytest.raises(TransportError, match="host memory only"):
