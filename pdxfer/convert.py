@@ -252,10 +252,12 @@ class ConvertingPlanner:
         return self.read(remote_blocks, 0, local_blocks, 0, 0, len(remote_blocks) * self.local.block_size,
                          staging_offset)
 
-    def scatter(self, job: StagedRead, staging: native.RawBuffer, regions: Sequence[native.RawBuffer]) -> None:
-        """Copy the job's token range and heads from staging into the reader's blocks, every layer,
-        K and V: one native call per (reader region, holder part, reader part), or per reader
-        region where segments pair whole."""
+    def scatter_calls(self, job: StagedRead) -> list[tuple[int, np.ndarray, BlockGeometry, BlockGeometry]]:
+        """(reader region, runs with staging and region byte offsets, holder geometry, reader
+        geometry) of each ``scatter_tokens`` call that moves ``job``: one per (reader region,
+        holder part, reader part), or per reader region where segments pair whole. Both the
+        inline :meth:`scatter` and the device path (pdxfer.vllm.worker_staging) enqueue exactly
+        these, so the two cannot drift apart."""
         n = job.staging_bytes // sum(self._seg_bytes)  # staged holder blocks
         # Runs in block indices once; each segment pair only swaps in its byte offsets.
         proto = token_runs(np.arange(n, dtype=np.int64), self.remote.block_size,
@@ -264,6 +266,7 @@ class ConvertingPlanner:
                            src_head=self._staged_src_head, dst_head=self.dst_head, nheads=self.nheads)
         src_idx, dst_idx = proto[:, 0].copy(), proto[:, 1].copy()
         local_blocks = np.asarray(job.local_blocks, dtype=np.int64)
+        calls = []
         for (region, part_r, part_l), pairs in self._groups.items():
             chunks = []
             for seg_r, seg_l, hr, hl, nh in pairs:
@@ -275,8 +278,14 @@ class ConvertingPlanner:
                 chunks.append(runs)
             src_geom = self._src_geom if part_r is None else self._src_geom.select(part_r)
             dst_geom = self._dst_geom if part_l is None else self._dst_geom.select(part_l)
-            native.scatter_tokens(staging, regions[region], np.concatenate(chunks), src_geom, dst_geom,
-                                  elem_size=self._elem)
+            calls.append((region, np.concatenate(chunks), src_geom, dst_geom))
+        return calls
+
+    def scatter(self, job: StagedRead, staging: native.RawBuffer, regions: Sequence[native.RawBuffer]) -> None:
+        """Copy the job's token range and heads from staging into the reader's blocks, every layer,
+        K and V (the calls of :meth:`scatter_calls`, on the caller's thread)."""
+        for region, runs, src_geom, dst_geom in self.scatter_calls(job):
+            native.scatter_tokens(staging, regions[region], runs, src_geom, dst_geom, elem_size=self._elem)
 
 
 def planner_for(remote: KVLayout, local: KVLayout, staging_region: int | None, *, src_head: int = 0,

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from pdxfer import native
-from pdxfer.blockgeom import BlockGeometry, token_runs
 from pdxfer.convert import ConvertingPlanner, StagedRead, StagingArea, planner_for
 from pdxfer.device import CpuStandIn, DeviceError, DeviceEvent, DeviceOps, device_ops_for, flat_bytes
 from pdxfer.layout import KVLayout
@@ -208,35 +207,6 @@ def region_tensors(kv_caches: Mapping[str, Any], layout: KVLayout) -> list[torch
     return out
 
 
-def _scatter_calls(planner: ConvertingPlanner, job: StagedRead
-                   ) -> list[tuple[int, np.ndarray, BlockGeometry, BlockGeometry]]:
-    """(reader region, token runs, holder geometry, reader geometry) of each kernel call that
-    ``planner.scatter(job, ...)`` makes, for device operations to enqueue. It builds the same
-    runs from the planner's groups (tests/unit/test_staging.py checks the bytes agree for block
-    size, format and head-slice conversions)."""
-    seg_bytes = planner._seg_bytes
-    n = job.staging_bytes // sum(seg_bytes)
-    proto = token_runs(np.arange(n, dtype=np.int64), planner.remote.block_size,
-                       np.arange(len(job.local_blocks), dtype=np.int64), planner.local.block_size, job.ntokens,
-                       src_start=job.start - job.remote_first_token, dst_start=job.start - job.local_first_token,
-                       src_head=planner._staged_src_head, dst_head=planner.dst_head, nheads=planner.nheads)
-    src_idx, dst_idx = proto[:, 0].copy(), proto[:, 1].copy()
-    local_blocks = np.asarray(job.local_blocks, dtype=np.int64)
-    calls = []
-    for (region, part_r, part_l), pairs in planner._groups.items():
-        chunks = []
-        for seg_r, seg_l in pairs:
-            runs = proto.copy()
-            runs[:, 0] = job.staging_offset + planner._stage_base[seg_r] * n + src_idx * seg_bytes[seg_r]
-            ls = planner.local.segments[seg_l]
-            runs[:, 1] = ls.base + local_blocks[dst_idx] * ls.block_stride
-            chunks.append(runs)
-        src_geom = planner._src_geom if part_r is None else planner._src_geom.select(part_r)
-        dst_geom = planner._dst_geom if part_l is None else planner._dst_geom.select(part_l)
-        calls.append((region, np.concatenate(chunks), src_geom, dst_geom))
-    return calls
-
-
 class ReaderStaging:
     """``kv_regions``: the layout's regions as flat uint8 tensors (:func:`region_tensors`),
     needed on a GPU; on CPU they default to views of the regions' memory. ``ops``: the device
@@ -369,7 +339,7 @@ class ReaderStaging:
             s.scatter_event = self.ops.record_event(self.ops.current_stream())
             return s.scatter_event
         regions = self._region_tensors()
-        calls = _scatter_calls(s.planner, s.job)
+        calls = s.planner.scatter_calls(s.job)
         elem = s.planner._elem
         for region, runs, sg, dg in calls:  # all checked before any is enqueued
             native.check_scatter_tokens(self._mem_t, regions[region], runs, sg, dg, elem_size=elem)
