@@ -1,12 +1,16 @@
-"""pdxfer-probe over soft-RoCE beside perftest's ib_read_bw, between the same two rxe devices.
+"""The RDMA ladder at the wire, in one soft-RoCE guest, between the same two rxe devices.
 
-    python bench/softroce.py [--json out/softroce.json] [--repeats 1]   # as root; boots the guest
+    python bench/softroce.py [--json out/softroce.json] [--repeats 1] [--points 32768x4096] [--iters 5]
+    python bench/softroce.py --merge run1.json run2.json --json out/softroce.json   # medians of runs
 
-Inside the soft-RoCE guest (tools/softroce) a probe holder serves on rxe1 and the probe reader
-reads on rxe0 with NIXL/UCX rc_verbs; ``ib_read_bw`` runs between the same devices with the same
-message size right before and right after each probe point (QEMU TCG makes absolute numbers slow
-and noisy: the ratio is what counts). Rows carry the probe's usual columns plus ``baseline``
-(``ib_read_bw``), ``baseline_gbps`` (mean of the two bracketing runs) and ``ratio``.
+As root; boots the guest (tools/softroce). Per point, reader on rxe0 and holder on rxe1 for every
+rung: (1) perftest ``ib_read_bw``, (2) ``ucx_perftest -t get`` (UCT rc_verbs zcopy: the guest's
+UCX cannot wire UCP up over rxe), (3) raw NIXL with pdxfer's descriptor shape and (4) pdxfer's NIXL
+transport, (3) and (4) interleaved read by read (``pdxfer.probe.nixl_baseline --compare``), with
+(1) and (2) right before and right after them (each rung = mean of its two runs). Also
+interleaved: pdxfer with its previous sleeping wait (``wait_backoff_s=0.001``). QEMU TCG makes
+absolute numbers slow and noisy: the ratios within one run are what count. Rows give GB/s per
+rung, the ratio to the rung above and to ib_read_bw, the load averages and the date.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -132,21 +137,46 @@ def ladder_point(block: int, batch: int, iters: int, port: int, env: dict[str, s
     }
 
 
-def inside(repeats: int, points: list[tuple[int, int]], iters: int) -> int:
-    env = dict(os.environ, **RC_ENV)
+def inside(repeats: int, points: list[tuple[int, int]], iters: int, ucx_env: dict[str, str]) -> int:
+    env = dict(os.environ, **RC_ENV, **ucx_env)
     rows = []
     port = 18515
     for rep in range(repeats):
         for block, batch in points:
             row = ladder_point(block, batch, iters, port, env)
             port += 4
-            row["repeat"] = rep
+            row.update(repeat=rep, ucx_env=ucx_env)
             rows.append(row)
             g, r = row["gbps"], row["ratio_to_ib_read_bw"]
             print(f"{block} x {batch}: " + ", ".join(f"{n} {g[n]:.4f} GB/s ({r[n]:.2f}x ib)" for n in g)
                   + f"; pdxfer/raw {row['ratio_to_step_above']['pdxfer']:.3f} (sleeping wait: "
                   f"{row['pdxfer_backoff_1ms_to_raw_nixl'] or 0:.3f}), check {row['check']}", flush=True)
     print(MARK + json.dumps(rows), flush=True)
+    return 0
+
+
+def merge(files: list[str], out: str | None) -> int:
+    """Rows of several runs (each tagged with its file) and, per point, each figure's median."""
+    rows = []
+    for i, f in enumerate(files, 1):
+        for row in json.loads(Path(f).read_text()):
+            rows.append(dict(row, run=i, run_file=Path(f).name))
+    medians = []
+    for pt in sorted({(r["block_size"], r["batch"]) for r in rows}):
+        rs = [r for r in rows if (r["block_size"], r["batch"]) == pt]
+        med = {"block_size": pt[0], "batch": pt[1], "runs": len(rs)}
+        for key in ("gbps", "ratio_to_step_above", "ratio_to_ib_read_bw"):
+            med[key] = {n: statistics.median(r[key][n] for r in rs) for n in rs[0][key]}
+        for key in ("pdxfer_backoff_1ms_gbps", "pdxfer_backoff_1ms_to_raw_nixl"):
+            vals = [r[key] for r in rs if r.get(key)]
+            med[key] = statistics.median(vals) if vals else None
+        medians.append(med)
+        print(f"{pt[0]} x {pt[1]} medians of {len(rs)} runs: " + ", ".join(
+            f"{n} {g:.4f} GB/s ({med['ratio_to_step_above'][n]:.3f} above, {med['ratio_to_ib_read_bw'][n]:.3f} ib)"
+            for n, g in med["gbps"].items()))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"medians": medians, "rows": rows}, indent=1) + "\n")
     return 0
 
 
@@ -173,11 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5, help="interleaved raw NIXL / pdxfer READs per point")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--live", action="store_true", help="stream the guest's output to stderr")
+    ap.add_argument("--ucx-env", action="append", default=[], metavar="K=V",
+                    help="extra UCX setting for the UCX rungs (ucx_perftest, NIXL, pdxfer), e.g. "
+                         "UCX_RC_MAX_RD_ATOMIC=16; recorded in the rows")
+    ap.add_argument("--merge", nargs="+", metavar="RUN.json",
+                    help="no guest: combine earlier runs' rows and their per-point medians into --json")
     ap.add_argument("--timeout", type=float, default=1200.0)
     a = ap.parse_args(argv)
     points = [tuple(int(x) for x in p.split("x")) for p in a.points.split(",") if p]
+    ucx_env = dict(kv.split("=", 1) for kv in a.ucx_env)
     if a.inside:
-        return inside(a.repeats, points, a.iters)
+        return inside(a.repeats, points, a.iters, ucx_env)
+    if a.merge:
+        return merge(a.merge, a.json)
     sys.path.insert(0, str(REPO / "tools" / "softroce"))
     import testbed
 
@@ -188,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     host_load0 = _loadavg()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rc = testbed.run_in_guest(f"{prelude}\nexec python bench/softroce.py --inside --repeats {a.repeats} "
-                              f"--points {a.points} --iters {a.iters}",
+                              f"--points {a.points} --iters {a.iters}"
+                              + "".join(f" --ucx-env {shlex.quote(kv)}" for kv in a.ucx_env),
                               REPO, Path(sys.prefix), timeout=a.timeout, sink=sink)
     host_load1 = _loadavg()
     text = sink.getvalue()
