@@ -12,9 +12,9 @@ Design decisions (measured on a 2-core host, see docs/nixl.md):
   A dead or stale peer therefore fails at connect with PeerUnreachable, and the first real READ
   does not pay for the UCX wire-up.
 * Descriptor lists are prepared once per (peer, granule), see ``descriptors.py``.
-* ``wait`` polls the transfer back to back (``wait_backoff_s=0``): over RDMA the reader's polls
-  are what hand UCX's queued work requests to the NIC, and a sleeping waiter cost 15 % of the
-  bandwidth raw NIXL gets on the same descriptors (docs/softroce.md).
+* ``wait`` polls the transfer back to back (``wait_backoff_s=0``), as raw NIXL users do: over
+  RDMA the reader's polls are what hand UCX's queued work requests to the NIC and see the last
+  completion; ``wait_backoff_s`` > 0 sleeps up to that long between polls (docs/softroce.md).
 * Release order on close: in-flight transfer handles, prepared descriptor lists, remote agents,
   registered memory, then the agent.
 """
