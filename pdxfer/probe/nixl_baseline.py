@@ -78,9 +78,9 @@ def hold(size: int, seed: int, poll_s: float, pdxfer: bool = False) -> int:
     return 0
 
 
-def _start_holder(size: int, seed: int, poll_s: float, timeout: float,
-                  pdxfer: bool = False) -> tuple[subprocess.Popen, bytes, int]:
-    env = dict(os.environ)
+def _start_holder(size: int, seed: int, poll_s: float, timeout: float, pdxfer: bool = False,
+                  holder_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, bytes, int]:
+    env = dict(os.environ, **(holder_env or {}))
     env["PYTHONPATH"] = str(_REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen([sys.executable, "-m", "pdxfer.probe.nixl_baseline", "hold", str(size),
                              "--seed", str(seed), "--poll-s", str(poll_s)] + (["--pdxfer"] if pdxfer else []),
@@ -133,13 +133,13 @@ class RawNixlBaseline:
     """
 
     def __init__(self, block_size: int, batch: int, seed: int = 0, holder_poll_s: float = 0.0005,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, holder_env: dict[str, str] | None = None):
         if block_size <= 0 or batch <= 0:
             raise ValueError(f"block_size and batch must be positive (got {block_size}, {batch})")
         self.block_size, self.batch, self.seed, self.timeout = block_size, batch, seed, timeout
         self.nblocks = 2 * batch  # room to scatter: each READ takes batch of 2*batch blocks, shuffled both sides
         self.size = self.nblocks * block_size
-        self._proc, md, raddr = _start_holder(self.size, seed, holder_poll_s, timeout)
+        self._proc, md, raddr = _start_holder(self.size, seed, holder_poll_s, timeout, holder_env=holder_env)
         self._agent: Any = None
         try:
             self._agent = _agent(f"raw-reader-{os.getpid()}-{time.monotonic_ns()}")
@@ -248,51 +248,94 @@ def raw_nixl_read_gbps(block_size: int, batch: int, iters: int, check: bool = Fa
     }
 
 
-def compare_with_pdxfer(block_size: int, batch: int, iters: int, seed: int = 0, timeout: float = 30.0) -> dict:
+def compare_with_pdxfer(block_size: int, batch: int, iters: int, seed: int = 0, timeout: float = 30.0,
+                        holder_env: dict[str, str] | None = None,
+                        variants: dict[str, dict[str, Any]] | None = None) -> dict:
     """pdxfer NIXL and raw NIXL READs of the same scattered blocks, interleaved one by one.
 
     Each side has its own holder process. pdxfer's time per READ is ``read`` + ``wait`` for a
     freshly built TransferPlan (building the plan objects is not timed, as in pdxfer-probe); raw
     is ``RawNixlBaseline.once``. Returns medians and ``ratio`` = pdxfer / raw GB/s, bytes checked.
+    ``holder_env`` is added to both holders' environments (the soft-RoCE ladder puts them on
+    another device than the reader with ``UCX_NET_DEVICES``). ``variants`` maps a name to
+    NixlTransport options: each is one more pdxfer reader of the same holder, interleaved too,
+    reported as ``<name>_gbps`` (e.g. the old sleeping wait, ``{"wait_backoff_s": 0.001}``).
     """
+    from contextlib import ExitStack
+
     from pdxfer.plan import TransferPlan, TransferRun
     from pdxfer.transport import create_transport
     from pdxfer.transport.base import RegisteredRegion
 
     if iters <= 0:
         raise ValueError(f"iters must be positive (got {iters})")
-    with RawNixlBaseline(block_size, batch, seed, timeout=timeout) as raw:
-        proc, md, _ = _start_holder(raw.size, seed, 0.0005, timeout, pdxfer=True)
-        try:
+    names = ["pdxfer", *(variants or {})]
+    opts: dict[str, dict[str, Any]] = {"pdxfer": {}, **(variants or {})}
+    with RawNixlBaseline(block_size, batch, seed, timeout=timeout, holder_env=holder_env) as raw, ExitStack() as stack:
+        proc, md, _ = _start_holder(raw.size, seed, 0.0005, timeout, pdxfer=True, holder_env=holder_env)
+        stack.callback(_stop, proc)
+        pairs = [(int(r) * block_size, int(l) * block_size) for r, l in zip(raw.ridx, raw.lidx)]
+
+        def plan() -> TransferPlan:
+            return TransferPlan(tuple(TransferRun(0, ro, 0, lo, block_size) for ro, lo in pairs), len(pairs))
+
+        sides = {}
+        for name in names:
             dst = np.empty(raw.size, dtype=np.uint8)
             dst.fill(0)  # touched, like the raw side's destination
-            with create_transport("nixl") as t:
-                t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
-                peer = t.connect(md, timeout=timeout)
-                pairs = [(int(r) * block_size, int(l) * block_size) for r, l in zip(raw.ridx, raw.lidx)]
-
-                def plan() -> TransferPlan:
-                    return TransferPlan(tuple(TransferRun(0, ro, 0, lo, block_size) for ro, lo in pairs), len(pairs))
-
-                t.read(peer, plan()).wait(timeout)  # warm-up, like the raw side's constructor
-                pdx, base = [], []
-                for _ in range(iters):
-                    p = plan()
-                    t0 = time.perf_counter()
-                    t.read(peer, p).wait(timeout)
-                    pdx.append(time.perf_counter() - t0)
-                    base.append(sum(raw.once()))
-                src = np.empty(raw.size, dtype=np.uint8)
-                _fill(src, seed)
-                ok = all(np.array_equal(dst[lo:lo + block_size], src[ro:ro + block_size]) for ro, lo in pairs)
-        finally:
-            _stop(proc)
+            t = stack.enter_context(create_transport("nixl", **opts[name]))
+            t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
+            peer = t.connect(md, timeout=timeout)
+            t.read(peer, plan()).wait(timeout)  # warm-up, like the raw side's constructor
+            sides[name] = (t, peer, dst)
+        lat: dict[str, list[float]] = {n: [] for n in names}
+        posted: dict[str, list[float]] = {n: [] for n in names}
+        base, raw_parts = [], []
+        for _ in range(iters):
+            for name in names:
+                t, peer, _ = sides[name]
+                p = plan()
+                t0 = time.perf_counter()
+                h = t.read(peer, p)
+                t1 = time.perf_counter()
+                h.wait(timeout)
+                lat[name].append(time.perf_counter() - t0)
+                posted[name].append(t1 - t0)
+                if name == "pdxfer":
+                    parts = raw.once()
+                    raw_parts.append(parts)
+                    base.append(sum(parts))
+        src = np.empty(raw.size, dtype=np.uint8)
+        _fill(src, seed)
+        ok = all(np.array_equal(d[lo:lo + block_size], src[ro:ro + block_size])
+                 for _, _, d in sides.values() for ro, lo in pairs)
         ok = ok and raw.check()
     nbytes = block_size * batch
-    pg, rg = nbytes / float(np.median(pdx)) / 1e9, nbytes / float(np.median(base)) / 1e9
-    return {"block_size": block_size, "batch": batch, "iters": iters, "pdxfer_gbps": pg, "raw_nixl_gbps": rg,
-            "ratio": pg / rg, "pdxfer_avg_lat_us": float(np.mean(pdx)) * 1e6,
-            "raw_avg_lat_us": float(np.mean(base)) * 1e6, "ok": bool(ok)}
+    pg, rg = nbytes / float(np.median(lat["pdxfer"])) / 1e9, nbytes / float(np.median(base)) / 1e9
+    out = {"block_size": block_size, "batch": batch, "iters": iters, "pdxfer_gbps": pg, "raw_nixl_gbps": rg,
+           "ratio": pg / rg, "pdxfer_avg_lat_us": float(np.mean(lat["pdxfer"])) * 1e6,
+           "raw_avg_lat_us": float(np.mean(base)) * 1e6,
+           # where each side's time goes: pdxfer read() (checks, indices, make_prepped_xfer, post)
+           # vs raw make_prepped_xfer + transfer; the rest is waiting for completion
+           "pdxfer_read_avg_us": float(np.mean(posted["pdxfer"])) * 1e6,
+           "raw_prep_avg_us": float(np.mean([r[0] for r in raw_parts])) * 1e6,
+           "raw_post_avg_us": float(np.mean([r[1] for r in raw_parts])) * 1e6,
+           "pdxfer_lat_us": [x * 1e6 for x in lat["pdxfer"]], "raw_lat_us": [x * 1e6 for x in base],
+           "ok": bool(ok)}
+    for name in names[1:]:
+        g = nbytes / float(np.median(lat[name])) / 1e9
+        out.update({f"{name}_gbps": g, f"{name}_ratio": g / rg, f"{name}_opts": opts[name],
+                    f"{name}_read_avg_us": float(np.mean(posted[name])) * 1e6,
+                    f"{name}_lat_us": [x * 1e6 for x in lat[name]]})
+    return out
+
+
+def _variants(specs: list[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        name, _, kvs = spec.partition(":")
+        out[name] = dict(kv.split("=", 1) for kv in kvs.split(",") if kv)  # NixlTransport parses strings
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,13 +351,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--compare", action="store_true", help="interleave pdxfer NIXL reads with the raw ones")
+    ap.add_argument("--timeout", type=float, default=30.0, help="bound on holder start-up and on each READ")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:K=V[,K=V]",
+                    help="with --compare: one more pdxfer reader with these NixlTransport options (repeatable)")
+    ap.add_argument("--holder-env", action="append", default=[], metavar="K=V",
+                    help="extra environment for the holder processes (repeatable), e.g. UCX_NET_DEVICES=rxe1:1")
     args = ap.parse_args(argv)
+    holder_env = dict(kv.split("=", 1) for kv in args.holder_env)
     if args.mode == "hold":
         return hold(args.size, args.seed, args.poll_s, args.pdxfer)
     if args.compare:
-        print(json.dumps(compare_with_pdxfer(args.block_size, args.batch, args.iters)))
+        print(json.dumps(compare_with_pdxfer(args.block_size, args.batch, args.iters, timeout=args.timeout,
+                                             holder_env=holder_env, variants=_variants(args.variant))))
         return 0
-    print(json.dumps(raw_nixl_read_gbps(args.block_size, args.batch, args.iters, check=args.check)))
+    print(json.dumps(raw_nixl_read_gbps(args.block_size, args.batch, args.iters, check=args.check,
+                                                    timeout=args.timeout)))
     return 0
 
 

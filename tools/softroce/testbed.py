@@ -43,7 +43,7 @@ PACKAGES = {
     "ibverbs-providers": "/etc/libibverbs.d/rxe.driver",
     "perftest": "/usr/bin/ib_read_bw",
     "python3-pyverbs": "/usr/lib/python3/dist-packages/pyverbs",
-    "ucx-utils": "/usr/bin/ucx_info",
+    "ucx-utils": "/usr/bin/ucx_perftest",  # also ucx_info; bench/softroce.py runs ucx_perftest
 }
 APT_TIMEOUT = 900.0
 
