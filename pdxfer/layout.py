@@ -280,6 +280,17 @@ def _inner_contiguous(t: Any, from_dim: int) -> bool:
     return True
 
 
+def _region_of(t: Any, regions: list[Region], region_of_storage: dict[int, int]) -> tuple[int, int]:
+    """(region index, byte offset in it) of tensor ``t``; layer tensors viewing one allocation
+    share a region, added to ``regions`` the first time its storage is met."""
+    storage = t.untyped_storage()
+    sptr = storage.data_ptr()
+    if sptr not in region_of_storage:
+        region_of_storage[sptr] = len(regions)
+        regions.append(Region(len(regions), storage.nbytes(), str(t.device), sptr))
+    return region_of_storage[sptr], t.data_ptr() - sptr
+
+
 def describe_kv_caches(
     kv_caches: Mapping[str, Any], block_size: int | None = None, kv_format: str | None = None,
     dtype: str | None = None, description: KVDescription | None = None,
@@ -327,14 +338,8 @@ def describe_kv_caches(
                               f"{names[0]}: {ref_shape} {first.dtype}")
         if t.dim() != rank or (kv_dim is not None and t.shape[kv_dim] != 2):
             raise LayoutError(f"layer {name}: shape {tuple(t.shape)} is not format {fmt}")
-        storage = t.untyped_storage()
-        sptr = storage.data_ptr()
-        if sptr not in region_of_storage:
-            region_of_storage[sptr] = len(regions)
-            regions.append(Region(len(regions), storage.nbytes(), str(t.device), sptr))
-        ridx = region_of_storage[sptr]
+        ridx, base = _region_of(t, regions, region_of_storage)
         esize = t.element_size()
-        base = t.data_ptr() - sptr
         block_stride = t.stride(nb_dim) * esize
         # The per-block byte range must be contiguous in memory, whatever order lies inside it.
         if not _inner_contiguous(t, nb_dim + 1):
@@ -464,14 +469,8 @@ def describe_vllm_views(kv_caches: Mapping[str, Any], desc: KVDescription) -> KV
         elif t.shape[0] != num_blocks:
             raise LayoutError(f"layer {name}: {t.shape[0]} blocks, {names[0]} has {num_blocks}")
         _check_view_strides(name, t, desc)
-        storage = t.untyped_storage()
-        sptr = storage.data_ptr()
-        if sptr not in region_of_storage:
-            region_of_storage[sptr] = len(regions)
-            regions.append(Region(len(regions), storage.nbytes(), str(t.device), sptr))
-        ridx = region_of_storage[sptr]
+        ridx, base = _region_of(t, regions, region_of_storage)
         esize = t.element_size()
-        base = t.data_ptr() - sptr
         block_stride = t.stride(0) * esize
         part = "latent" if desc.kind == MLA else "kv"
         if fmt == KV_HEAD_NC:

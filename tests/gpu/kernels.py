@@ -30,6 +30,7 @@ from tests.unit.native_ref import (
     encode,
     encode_padded,
     geometry,
+    keep_disjoint,
     padded_geometry,
     random_logical,
 )
@@ -122,19 +123,6 @@ def bench_scatters(mib: int, device: str) -> list[Callable[[], Scatter]]:
     return out
 
 
-def _disjoint(nbd: int, bd: int, hd: int, candidates: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """Candidate block runs whose destination ranges do not overlap an earlier one (each element
-    written once, so the reference does not depend on the kernel's order)."""
-    used = np.zeros((nbd, bd, hd), dtype=bool)
-    runs = []
-    for sb, db, stok, dtok, n, sh, dh, nh in candidates:
-        if used[db, dtok:dtok + n, dh:dh + nh].any():
-            continue
-        used[db, dtok:dtok + n, dh:dh + nh] = True
-        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
-    return runs
-
-
 def _block_runs(r: random.Random, nbs: int, nbd: int, bs: int, bd: int, hs: int, hd: int,
                 count: int) -> list[tuple[int, ...]]:
     cands = []
@@ -148,7 +136,7 @@ def _block_runs(r: random.Random, nbs: int, nbd: int, bs: int, bd: int, hs: int,
             nh = r.randint(0, min(hs, hd))
             sh, dh = r.randint(0, hs - nh), r.randint(0, hd - nh)
         cands.append((sb, db, stok, dtok, n, sh, dh, nh))
-    return _disjoint(nbd, bd, hd, cands)
+    return keep_disjoint(nbd, bd, hd, cands)
 
 
 def random_scatter(r: random.Random, i: int, device: str) -> Scatter:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from pdxfer import layout as L
+from tests.proc_lines import read_prefixed_line
 from pdxfer.plan import TransferPlan, build_plan
 from pdxfer.transport import create_transport, transport_options, unavailable_reason
 from pdxfer.transport.base import ReadState, Transport
@@ -72,21 +72,7 @@ def variants(standin: bool) -> list[Variant]:
 
 
 def _read_meta(proc: subprocess.Popen, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"holder pid {proc.pid} printed no META line within {timeout:.0f} s")
-        ready, _, _ = select.select([proc.stdout], [], [], left)
-        if not ready:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"holder exited (rc {proc.wait(10)}) before META: {err.strip()[-1500:]}")
-        if line.startswith("META "):
-            return line.rstrip("\n")
+    return read_prefixed_line(proc, "META ", timeout, what=f"holder pid {proc.pid}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

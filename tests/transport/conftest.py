@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pdxfer.transport import KINDS, create_transport, kind_spec, unavailable_rea
 from pdxfer.transport import transport_options as registry_options
 from pdxfer.transport.base import RegisteredRegion, Transport
 from pdxfer.transport.nixl.env import apply_ucx_env, prepare_ucx_env
+from tests.proc_lines import read_prefixed_line
 
 prepare_ucx_env()  # before NIXL/UCX loads anywhere in this process
 
@@ -46,21 +46,7 @@ def child_env() -> dict:
 
 def read_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
     """Next stdout line of ``proc`` starting with ``prefix``, or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"no {prefix!r} line from pid {proc.pid} within {timeout}s")
-        ready, _, _ = select.select([proc.stdout], [], [], left)
-        if not ready:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise AssertionError(f"pid {proc.pid} exited (rc {proc.wait(5)}) before {prefix!r}: {err[-2000:]}")
-        if line.startswith(prefix):
-            return line.rstrip("\n")
+    return read_prefixed_line(proc, prefix, timeout)
 
 
 def stop(proc: subprocess.Popen) -> None:

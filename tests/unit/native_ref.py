@@ -5,6 +5,7 @@ under test), and run lists applied by plain indexing.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdxfer import blockgeom as bg
@@ -142,3 +143,17 @@ def padded_geometry(kind: str, parts: int, b: int, h: int, d: int,
     # Part p starts after p parts and their gaps, part 0's gap being gap + gap0.
     ps = tuple(bg.Part(p * part_size + (pads["gap0"] if p else 0), tok, head, 1) for p in range(parts))
     return bg.BlockGeometry(b, h, d, ps), parts * part_size + pads["gap0"] + pads["block"]
+
+
+def keep_disjoint(nbd: int, bd: int, hd: int, candidates: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The candidate runs ``(sb, db, stok, dtok, n, sh, dh, nh)`` whose destination (block,
+    tokens, heads) ranges do not overlap an earlier one: a scatter writes each element once, so
+    the reference does not depend on the kernel's order."""
+    used = np.zeros((nbd, bd, hd), dtype=bool)
+    runs = []
+    for sb, db, stok, dtok, n, sh, dh, nh in candidates:
+        if used[db, dtok:dtok + n, dh:dh + nh].any():
+            continue
+        used[db, dtok:dtok + n, dh:dh + nh] = True
+        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
+    return runs

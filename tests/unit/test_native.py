@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from native_ref import FORMATS, PAD_KEYS, apply_runs, encode, encode_padded, geometry, padded_geometry, random_logical
+from native_ref import (FORMATS, PAD_KEYS, apply_runs, encode, encode_padded, geometry, keep_disjoint, padded_geometry,
+                        random_logical)
 
 from pdxfer import blockgeom as bg
 from pdxfer import native
@@ -94,19 +95,6 @@ def test_empty_run_lists_are_noops(backend):
 
 # --------------------------------------------------------------------------- scatter_tokens
 
-def _keep_disjoint(nbd: int, bd: int, hd: int, candidates: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The candidate runs whose destination (block, tokens, heads) ranges do not overlap an
-    earlier one: a scatter writes each element once, so the reference is order-independent."""
-    used = np.zeros((nbd, bd, hd), dtype=bool)
-    runs = []
-    for sb, db, stok, dtok, n, sh, dh, nh in candidates:
-        if used[db, dtok:dtok + n, dh:dh + nh].any():
-            continue
-        used[db, dtok:dtok + n, dh:dh + nh] = True
-        runs.append((sb, db, stok, dtok, n, sh, dh, nh))
-    return runs
-
-
 @st.composite
 def scatter_case(draw):
     parts = draw(st.sampled_from([1, 2]))
@@ -125,7 +113,7 @@ def scatter_case(draw):
         sh, dh = draw(st.integers(0, hs - nh)), draw(st.integers(0, hd - nh))
         candidates.append((sb, db, stok, dtok, n, sh, dh, nh))
     dtype = draw(st.sampled_from(DTYPES))
-    runs = _keep_disjoint(nbd, bd, hd, candidates)
+    runs = keep_disjoint(nbd, bd, hd, candidates)
     return {"parts": parts, "fs": fs, "fd": fd, "bs": bs, "bd": bd, "hs": hs, "hd": hd, "d": d, "nbs": nbs,
             "nbd": nbd, "runs": runs, "dtype": dtype, "threads": draw(st.integers(1, 4)),
             "seed": draw(st.integers(0, 99))}
@@ -259,7 +247,7 @@ def padded_case(draw):
             nh = draw(st.integers(0, min(hs, hd)))
             sh, dh = draw(st.integers(0, hs - nh)), draw(st.integers(0, hd - nh))
         candidates.append((sb, db, stok, dtok, n, sh, dh, nh))
-    runs = _keep_disjoint(nbd, bd, hd, candidates)
+    runs = keep_disjoint(nbd, bd, hd, candidates)
     return {"kinds": (kind_s, kind_d), "pads": (pads_s, pads_d), "parts": parts, "bs": bs, "bd": bd, "hs": hs,
             "hd": hd, "d": d, "nbs": nbs, "nbd": nbd, "runs": runs, "dtype": draw(st.sampled_from(PADDED_DTYPES)),
             "threads": draw(st.integers(1, 4)), "seed": draw(st.integers(0, 99))}
@@ -556,7 +544,7 @@ def transpose_case(draw):
         nh = draw(st.integers(0, min(hs, hd)))
         sh, dh = draw(st.integers(0, hs - nh)), draw(st.integers(0, hd - nh))
         candidates.append((sb, db, stok, dtok, n, sh, dh, nh))
-    runs = _keep_disjoint(nbd, bd, hd, candidates)
+    runs = keep_disjoint(nbd, bd, hd, candidates)
     return {"kinds": (kind_s, kind_d), "pads": (pads_s, pads_d), "parts": 2, "bs": bs, "bd": bd, "hs": hs,
             "hd": hd, "d": d, "nbs": nbs, "nbd": nbd, "runs": runs, "dtype": draw(st.sampled_from(PADDED_DTYPES)),
             "threads": draw(st.integers(1, 3)), "seed": draw(st.integers(0, 99))}
