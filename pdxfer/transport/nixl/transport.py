@@ -13,9 +13,10 @@ Design decisions (measured on a 2-core host, see docs/nixl.md):
   A dead or stale peer therefore fails at connect with PeerUnreachable, and the first real READ
   does not pay for the UCX wire-up.
 * Descriptor lists are prepared once per (peer, granule), see ``descriptors.py``.
-* ``wait`` polls the transfer back to back (``wait_backoff_s=0``), as raw NIXL users do: over
-  RDMA the reader's polls are what hand UCX's queued work requests to the NIC and see the last
-  completion; ``wait_backoff_s`` > 0 sleeps up to that long between polls (docs/softroce.md).
+* ``wait`` spins briefly, then sleeps up to ``wait_backoff_s`` (1 ms) between polls; ``0`` polls
+  back to back as raw NIXL users do. Over RDMA the reader's polls are what hand UCX's queued work
+  requests to the NIC, but measured in the soft-RoCE ladder the back-to-back poll was no faster
+  and, on a host with few cores, slower: it takes the core the holder needs (docs/softroce.md).
 * Release order on close: in-flight transfer handles, prepared descriptor lists, remote agents,
   registered memory, then the agent.
 """
@@ -87,7 +88,7 @@ class NixlTransport(Transport):
     def __init__(self, name: str | None = None, backends: Sequence[str] = ("UCX",),
                  nixl_progress_thread: bool = False, min_granule: int = 512,
                  prep_granules: Sequence[int] = (4096,), busy_poll_s: float = 0.0005,
-                 idle_poll_s: float = 0.02, hot_window_s: float = 2.0, wait_backoff_s: float = 0.0):
+                 idle_poll_s: float = 0.02, hot_window_s: float = 2.0, wait_backoff_s: float = 0.001):
         # Options may arrive as strings from command lines (peer_proc --opt k=v).
         min_granule, busy_poll_s, idle_poll_s, hot_window_s = (int(min_granule), float(busy_poll_s),
                                                                float(idle_poll_s), float(hot_window_s))
