@@ -26,6 +26,24 @@ T = TypeVar("T")
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
+def close_stdin_and_reap(proc: subprocess.Popen, grace_s: float, kill_wait_s: float = 5.0) -> None:
+    """End a child that exits once its stdin closes: close it, wait ``grace_s``, kill it if it
+    hangs, and close its pipes (bounded: at most ``grace_s + kill_wait_s``)."""
+    if proc.stdin is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(kill_wait_s)
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that the OS just reported free (bind to port 0, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from pdxfer.procs import close_stdin_and_reap
 from pdxfer.transport.nixl.env import load_nixl, prepare_ucx_env
 
 # Before UCX loads, here and in the holder this spawns (else rc 139 at exit, PLATFORM.md).
@@ -90,33 +91,16 @@ def _start_holder(size: int, seed: int, poll_s: float, timeout: float, pdxfer: b
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
-            _stop(proc)
+            close_stdin_and_reap(proc, 3.0)
             raise TimeoutError(f"raw NIXL holder gave no metadata within {timeout} s")
         line = proc.stdout.readline().decode()
         if not line:
             err = proc.stderr.read().decode() if proc.stderr else ""
-            _stop(proc)
+            close_stdin_and_reap(proc, 3.0)
             raise RuntimeError(f"raw NIXL holder exited early: {err[-1500:]}")
         if line.startswith("META "):
             _, md, addr = line.split()
             return proc, bytes.fromhex(md), int(addr)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for f in (proc.stdin,):
-        try:
-            if f:
-                f.close()
-        except OSError:
-            pass
-    try:
-        proc.wait(3)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    for f in (proc.stdout, proc.stderr):
-        if f:
-            f.close()
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -201,7 +185,7 @@ class RawNixlBaseline:
                 except Exception:  # noqa: BLE001 - partially constructed: release what exists
                     pass
         if self._proc is not None:
-            _stop(self._proc)
+            close_stdin_and_reap(self._proc, 3.0)
             self._proc = None
 
     def __enter__(self) -> "RawNixlBaseline":
@@ -273,7 +257,7 @@ def compare_with_pdxfer(block_size: int, batch: int, iters: int, seed: int = 0, 
     opts: dict[str, dict[str, Any]] = {"pdxfer": {}, **(variants or {})}
     with RawNixlBaseline(block_size, batch, seed, timeout=timeout, holder_env=holder_env) as raw, ExitStack() as stack:
         proc, md, _ = _start_holder(raw.size, seed, 0.0005, timeout, pdxfer=True, holder_env=holder_env)
-        stack.callback(_stop, proc)
+        stack.callback(close_stdin_and_reap, proc, 3.0)
         pairs = [(int(r) * block_size, int(l) * block_size) for r, l in zip(raw.ridx, raw.lidx)]
 
         def plan() -> TransferPlan:

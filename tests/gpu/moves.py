@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from pdxfer import layout as L
-from tests.proc_lines import read_prefixed_line
 from pdxfer.plan import TransferPlan, build_plan
 from pdxfer.transport import create_transport, transport_options, unavailable_reason
 from pdxfer.transport.base import ReadState, Transport
+from pdxfer.procs import close_stdin_and_reap
 from tests.gpu.kv import (
     HOST_ONLY,
     VRAM_LAYOUTS,
@@ -46,6 +46,7 @@ from tests.gpu.kv import (
 )
 from tests.gpu.report import Report
 from tests.gpu.target import Target, d2d_copy_seconds, first_difference, size_text
+from tests.proc_lines import read_prefixed_line
 
 REPO = Path(__file__).resolve().parents[2]
 HOLDER_START_S = 120.0  # torch + CUDA context + NIXL agent + filling VRAM
@@ -73,24 +74,6 @@ def variants(standin: bool) -> list[Variant]:
 
 def _read_meta(proc: subprocess.Popen, timeout: float) -> str:
     return read_prefixed_line(proc, "META ", timeout, what=f"holder pid {proc.pid}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """End a holder we started: close its stdin (it exits by itself), then kill it if it hangs."""
-    for f in (proc.stdin,):
-        if f is not None:
-            try:
-                f.close()
-            except OSError:
-                pass
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    for f in (proc.stdout, proc.stderr):
-        if f is not None:
-            f.close()
 
 
 def _start_holder(v: Variant, specs: list[KVSpec], device: str) -> subprocess.Popen:
@@ -236,7 +219,7 @@ def run_variant(rep: Report, t: Target, v: Variant, specs: list[KVSpec], repeats
     finally:
         if reader is not None:
             reader.close()
-        _stop(holder)
+        close_stdin_and_reap(holder, 15.0, kill_wait_s=10.0)
 
 
 def run_moves(rep: Report, t: Target, kinds: list[str], kv_mib: float, repeats: int, corrupt: bool,
