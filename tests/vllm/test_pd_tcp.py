@@ -123,6 +123,19 @@ def test_frozen_prefill_costs_at_most_a_recompute_and_a_second(pair):
     assert took < recompute + 1.0, f"TTFT {took:.2f} s with the holder frozen; recompute {recompute:.2f} s"
 
 
+def _wait_loads_resume(pair, prompt: list[int], timeout_s: float = 20.0) -> None:
+    """After a master restart: until a decode loads ``prompt`` again (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ask(pair.prefill_port, prompt, 1)  # (re)publish once the node is known again
+        post_json(f"http://127.0.0.1:{pair.decode_port}/reset_prefix_cache", {})
+        out = ask(pair.decode_port, prompt, 1)
+        if pair.request_loads(out.request_id, until=lambda x: bool(x.loaded), timeout=1.0).loaded:
+            return
+        assert time.monotonic() < deadline, "transfers never resumed after the master came back"
+        time.sleep(0.5)
+
+
 def test_answers_stay_right_under_concurrent_load_with_faults(pair):
     """Issue 9: the pair under concurrent load while the prefill is frozen, the master restarts,
     and locks expire mid-read. Every answer's logprobs equal the producer's own, computed alone
@@ -172,6 +185,9 @@ def test_answers_stay_right_under_concurrent_load_with_faults(pair):
         assert pair.wait_published(published + len(waves[1])) >= published + len(waves[1])
         pair.master.kill()
         answers.append(concurrently(lambda p: ask(pair.decode_port, p, MAX_TOKENS), waves[1], restart_master_later))
+        # Wave 2 reads while the locks expire: first the holder must be known again and the
+        # decode past its back-off after the master's errors, or nothing is read to meet it.
+        _wait_loads_resume(pair, prompt_of(600, seed=950))
         answers.append(concurrently(lambda p: through_pair(pair, p, MAX_TOKENS), waves[2], expire_locks))
     finally:
         os.killpg(pair.prefill.pid, signal.SIGCONT)
