@@ -174,6 +174,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._stop_bound_s = 10 * cfg.load_timeout_s
         self._bandwidth: dict[str, float] = {}  # holder node -> bytes/s its loads achieved
+        # History hook (the chaos checker's): when a list, every round of reads whose release
+        # answered is appended to it (see _record_round). None in production.
+        self.round_log: list[dict[str, Any]] | None = None
         self.stats = WorkerStats()
 
     # ------------------------------------------------------------------ start
@@ -505,6 +508,7 @@ class WorkerSide:
                 inf.error = f"release failed, bytes cannot be validated: {exc}"
                 inf.round_failed = False  # no master to look up at either: recompute
             else:
+                self._record_round(inf, valid)
                 if (inf.round_failed or not valid) and self._may_repull(inf):
                     self._start_repull(inf, valid)
                     continue
@@ -515,6 +519,18 @@ class WorkerSide:
         return out
 
     # ------------------------------------------------------------------ re-pulls
+
+    def _record_round(self, inf: _Inflight, valid: bool) -> None:
+        """For the history checker: what this round's reads wrote, and whether it counts (the
+        lock held, and the holder's reads finished)."""
+        if self.round_log is None:
+            return
+        incomplete = sorted(self._incomplete(inf) | self._erred(inf)) if inf.round_failed else []
+        self.round_log.append({
+            "req": inf.spec.req_id, "round": inf.rounds, "lock": inf.spec.lock_id, "valid": valid,
+            "failed": inf.round_failed, "incomplete": incomplete,
+            "reads": [{"node": r.node_id, "local": list(r.local_blocks), "staged": bool(r.remote_block_size),
+                       "start": r.start, "tokens": r.num_tokens} for r in inf.spec.reads]})
 
     def _past_load_bound(self, inf: _Inflight) -> bool:
         """A re-pull round lives within its load's load_timeout_s, counted from the first post."""

@@ -28,6 +28,7 @@ from pdxfer.vllm.reader import ReaderPath  # noqa: E402
 from pdxfer.vllm.scheduler_state import SchedulerStats  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
 from tests.chaos import kv  # noqa: E402
+from tests.chaos.checker import repull_violations  # noqa: E402
 from tests.transport.conftest import REPO, child_env, freeze, read_line, stop  # noqa: E402
 
 C = 64
@@ -165,9 +166,14 @@ def test_failed_holder_is_repulled_from_the_other(holders, reader, how, hblock, 
     req, blocks, hit, victim = r.lookup(0)
     other = ({"ha", "hb"} - {victim}).pop()
     _fault(procs[victim], how)
+    r.worker.round_log = []
     with caplog.at_level(logging.INFO, logger="pdxfer"):
         took, errors = r.load(req, blocks)
     stats = r.worker.stats.take()
+    rounds = r.worker.round_log
+    assert [(x["round"], x["failed"], x["valid"]) for x in rounds] == [(0, True, True), (1, False, True)]
+    assert victim in rounds[0]["incomplete"] and {rd["node"] for rd in rounds[1]["reads"]} == {other}
+    assert repull_violations({"rounds": rounds, "blocks": blocks, "block_size": rblock, "hit": hit}) == []
     assert not errors, f"blocks recomputed: {sorted(errors)}"
     assert r.bad_tokens(0, blocks, hit) == 0
     assert stats["loads_ok"] == 1 and stats["loads_failed"] == 0 and stats["tokens_loaded"] == hit
@@ -193,3 +199,43 @@ def test_no_other_holder_recomputes_within_the_bound(holders, reader, how):
     assert errors == set(blocks[: -(-hit // 32)]), "every block of the load is recomputed"
     assert stats["repulls"] == 0 and stats["loads_failed"] == 1
     assert took < LOAD_TIMEOUT_S + 0.5, f"the load took {took:.2f} s"
+
+
+def test_history_checker_catches_a_late_repull(holders, reader, monkeypatch):
+    """A re-pull that starts one block after the failed read's first block: that block keeps
+    bytes the failed holder's read was to write; the history checker must report it (and the KV
+    shows it)."""
+    from pdxfer.vllm import repull
+
+    right = repull.restart_token
+    monkeypatch.setattr(repull, "restart_token", lambda rp, reads, inc, bs: right(rp, reads, inc, bs) + bs)
+    start, procs = holders
+    start("ha", 32, [0])
+    start("hb", 32, [0])
+    r = reader(32)
+    req, blocks, hit, victim = r.lookup(0)
+    _fault(procs[victim], "kill")
+    r.worker.round_log = []
+    _, errors = r.load(req, blocks)
+    assert not errors  # the broken re-pull believes it loaded everything
+    found = repull_violations({"rounds": r.worker.round_log, "blocks": blocks, "block_size": 32, "hit": hit})
+    assert [v["block"] for v in found] == [0] and found[0]["kind"] == "repull_invalid_source", found
+    assert found[0]["writers"] == [{"node": victim, "round": 0, "counts": False}]
+    assert r.bad_tokens(0, blocks, hit) == 32
+
+
+def test_history_checker_mixed_block_rule():
+    """Two holders in one block: fine when both counted, an error when one did not."""
+    def rec(valid0: bool, incomplete0: list[str]) -> dict:
+        rounds = [{"round": 0, "valid": valid0, "failed": bool(incomplete0), "incomplete": incomplete0,
+                   "reads": [{"node": "a", "local": [], "staged": True, "start": 0, "tokens": 48},
+                             {"node": "c", "local": [], "staged": True, "start": 48, "tokens": 16}]},
+                  {"round": 1, "valid": True, "failed": False, "incomplete": [],
+                   "reads": [{"node": "b", "local": [], "staged": True, "start": 16, "tokens": 32}]}]
+        return {"rounds": rounds, "blocks": [7, 9], "block_size": 32, "hit": 64}
+
+    assert repull_violations(rec(True, [])) == []  # a, b and c all counted
+    got = repull_violations(rec(True, ["a"]))  # a's tokens 0-15 were not overwritten by b
+    assert [(v["kind"], v["block"]) for v in got] == [("repull_mixed_block", 0)]
+    got = repull_violations(rec(False, []))  # round 0's lock refused: c's tokens 48-63 do not count
+    assert [(v["kind"], v["block"]) for v in got] == [("repull_mixed_block", 0), ("repull_mixed_block", 1)]
