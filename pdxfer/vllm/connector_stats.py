@@ -14,7 +14,7 @@ from pdxfer.vllm.phase_times import PHASES, stats_key
 _COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
              "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes",
              "unkeyable_requests", "background_errors", "publish_hint_waits", "publish_hint_timeouts",
-             "kv_transfer_refused", "staging_waits", "staging_full", "reads_unstopped", "publishes_unfenced")
+             "kv_transfer_refused", "staging_waits", "staging_full", "reads_unstopped", "publishes_unfenced", "repulls")
 _LISTS = ("transfer_s",) + tuple(stats_key(p) for p in PHASES)
 _PHASE_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 
@@ -64,6 +64,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Loads that waited for staging": d["staging_waits"],
             "Loads failed for lack of staging": d["staging_full"],
             "Reads that never stopped (holder disconnected)": d["reads_unstopped"],
+            "Chunks re-pulled from another holder": d["repulls"],
         }
 
 
@@ -93,6 +94,9 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
                             "raise staging_mib or staging_max_mib)",
             "reads_unstopped": "Reads that had not stopped long after their load failed: the holder was "
                                "disconnected before vLLM got the blocks back",
+            "repulls": "Chunks read again from another holder after a read failed (holder dead, frozen past "
+                       "its bound, connection refused) or its lock was refused, instead of recomputing them "
+                       "(summed over TP ranks: each rank re-pulls its own heads)",
             "publishes_unfenced": "Publishes dropped because the device did not confirm the request's KV "
                                   "writes within publish_fence_wait_s (see the log)",
         }

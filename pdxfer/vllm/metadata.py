@@ -28,7 +28,9 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
 #      step-wide node map is gone: two loads of one step may name two registrations of one node
 #   6  the step's number (``step_seq``) and the holder's write fence segment (``write_fence``):
 #      workers report each step's KV writes complete there (pdxfer.vllm.write_fence)
-METADATA_VERSION = 6
+#   7  HolderRef carries the registration's epoch; LoadSpec carries ``repull`` (RepullSpec): what a
+#      worker needs to look a failed range up again and read it from another holder
+METADATA_VERSION = 7
 
 
 class MetadataVersionError(RuntimeError):
@@ -53,6 +55,7 @@ class HolderRef:
     transport: str
     endpoints: tuple[EndpointRef, ...]
     total_kv_heads: int = 0  # 0: not announced (see holder_routes.holder_total_heads)
+    epoch: int = 0  # the registration the lookup named (0: unknown); a re-pull skips exactly it
 
     @property
     def tp_size(self) -> int:
@@ -73,10 +76,10 @@ class HolderRef:
         return ep
 
     @classmethod
-    def of(cls, node: Any) -> "HolderRef":
-        """From a master NodeInfo (any object with its fields)."""
+    def of(cls, node: Any, epoch: int = 0) -> "HolderRef":
+        """From a master NodeInfo (any object with its fields) and the lookup's epoch of it."""
         eps = tuple(EndpointRef(int(e.rank), bytes(e.transport_metadata), dict(e.layout)) for e in node.endpoints)
-        return cls(node.node_id, node.transport, eps, int(getattr(node, "total_kv_heads", 0) or 0))
+        return cls(node.node_id, node.transport, eps, int(getattr(node, "total_kv_heads", 0) or 0), int(epoch or 0))
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,23 @@ class NodeRead:
 
 
 @dataclass(frozen=True)
+class RepullSpec:
+    """What a worker needs to look a load's range up again, excluding the holders that failed
+    it, and plan the reads from another holder (:mod:`pdxfer.vllm.repull`)."""
+
+    reader: str  # the reader id the lookups are made under
+    keys: tuple[bytes, ...]  # the hit's keys, chunk ``first_chunk`` on (the tail key last when tail_tokens)
+    first_chunk: int
+    tail_tokens: int
+    chunk_tokens: int
+    start: int  # this load fills tokens [start, end)
+    end: int
+    block_ids: tuple[int, ...]  # the request's block table, at least up to ``end``
+    skip: tuple[tuple[str, int], ...] = ()  # holders (node, epoch) the scheduler's lookup ruled out
+    lock_ttl_s: float = 10.0
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     req_id: str
     lock_id: str
@@ -110,6 +130,7 @@ class LoadSpec:
     # The description of every holder the reads name, as this load's own lookup returned it (a
     # node re-registered by a new process between two lookups has two descriptions in one step).
     holders: tuple[HolderRef, ...] = ()
+    repull: RepullSpec | None = None  # None: a failed read is recomputed, never re-pulled
 
     @property
     def local_blocks(self) -> set[int]:

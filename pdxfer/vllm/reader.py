@@ -13,16 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from pdxfer.hit_sources import ChunkPlace, Piece, hit_pieces, servable_end, token_reads
 from pdxfer.keys import IncrementalHasher
 from pdxfer.layout import KVLayout, LayoutError
 from pdxfer.master import MasterError
-from pdxfer.plan import pair_hit_blocks
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.hint_wait import HintPoller, HintWait
 from pdxfer.vllm.holder_routes import NotReadable, holder_total_heads, layouts_of, routes
-from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
+from pdxfer.vllm.load_plan import HitShape, exact_end, plan_reads
+from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, RepullSpec
 from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
@@ -39,6 +38,8 @@ class _Lookup:
     expires_at: float  # wall clock
     tail_tokens: int = 0  # > 0: the last location is the prompt's partial last chunk
     looked_up_at: float = 0.0  # wall clock of the lookup's answer (the worker times the gap to its post)
+    epochs: dict[str, int] | None = None  # each holder's registration, as the lookup named it
+    skip: dict[str, int] | None = None  # what the lookup ruled out (a worker's re-pull rules it out too)
 
 
 # Between lookups of a request waiting for a hinted publish (on the poller's thread; a master
@@ -174,7 +175,8 @@ class ReaderPath:
         if res.hit_chunks == 0 or res.lock_id is None:
             return 0, False
         lk = _Lookup(res.lock_id, local, first, 0, list(res.locations), dict(res.nodes),
-                     answered_at + res.lock_ttl_s, looked_up_at=answered_at)
+                     answered_at + res.lock_ttl_s, looked_up_at=answered_at, epochs=dict(res.epochs or {}),
+                     skip=self._skip())
         usable = self._usable_chunks(lk)
         hit_end = (first + min(usable, len(keys) - first)) * C
         if tail is not None and usable == len(want):
@@ -321,49 +323,45 @@ class ReaderPath:
         bs = self.block_size
         start = lk.hit_end - num_external_tokens
         covered = tuple(int(b) for b in block_ids[max(start, 0) // bs: -(-lk.hit_end // bs)])
+        repull = None
         try:
-            if self._same_block_size(lk):
-                per_node = pair_hit_blocks(lk.first_chunk, [(loc.node_id, loc.block_ids) for loc in lk.locations],
-                                           self.cfg.chunk_tokens, bs, start, lk.hit_end, block_ids,
-                                           tail_tokens=lk.tail_tokens)
-                reads = tuple(NodeRead(nid, tuple(r), tuple(loc)) for nid, (r, loc) in per_node.items())
-            else:
-                reads = self._token_range_reads(lk, block_ids, start)
-            holders = tuple(self._ref(lk.nodes[n]) for n in sorted({r.node_id for r in reads}))
+            reads = plan_reads(self._shape(lk), bs, start, lk.hit_end, block_ids)
+            holders = tuple(self._ref(lk.nodes[n], (lk.epochs or {}).get(n, 0))
+                            for n in sorted({r.node_id for r in reads}))
+            repull = RepullSpec(self.reader_id, tuple(loc.key for loc in lk.locations), lk.first_chunk,
+                                lk.tail_tokens, self.cfg.chunk_tokens, start, lk.hit_end,
+                                tuple(int(b) for b in block_ids[: -(-lk.hit_end // bs)]),
+                                tuple(sorted((lk.skip or {}).items())),
+                                test_hook_float("lock_ttl_s") or self.cfg.lock_ttl_s)
         except Exception as exc:
             # vLLM already counts these tokens as coming: a load with no reads fails -> recompute.
             log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
             reads, holders = (), ()
         self._attempted.add(req_id)
         self._pending_loads.append(LoadSpec(req_id, lk.lock_id, num_external_tokens, reads, lk.expires_at,
-                                            covered, looked_up_at=lk.looked_up_at, holders=holders))
+                                            covered, looked_up_at=lk.looked_up_at, holders=holders,
+                                            repull=repull))
 
-    def _ref(self, node: Any) -> HolderRef:
+    def _ref(self, node: Any, epoch: int = 0) -> HolderRef:
         """The worker's description of holder ``node``, exactly as this lookup returned it."""
         got = self._step_refs.get(id(node))
-        if got is None or got[0] is not node:
-            got = self._step_refs[id(node)] = (node, HolderRef.of(node))
+        if got is None or got[0] is not node or got[1].epoch != epoch:
+            got = self._step_refs[id(node)] = (node, HolderRef.of(node, epoch))
         return got[1]
 
-    def _same_block_size(self, lk: _Lookup) -> bool:
-        return all(self._holder_block_size(lk, loc.node_id) == self.block_size for loc in lk.locations)
-
-    @staticmethod
-    def _holder_block_size(lk: _Lookup, node_id: str) -> int:
-        return int(lk.nodes[node_id].layout["block_size"])
-
-    def _pieces(self, lk: _Lookup) -> list[Piece]:
-        places = [ChunkPlace(loc.node_id, self._holder_block_size(lk, loc.node_id), tuple(loc.block_ids))
-                  for loc in lk.locations]
-        return hit_pieces(lk.first_chunk, places, self.cfg.chunk_tokens, lk.tail_tokens)
+    def _shape(self, lk: _Lookup) -> HitShape:
+        return HitShape(lk.first_chunk, tuple((loc.node_id, tuple(loc.block_ids)) for loc in lk.locations),
+                        {n: int(lk.nodes[n].layout["block_size"]) for n in {loc.node_id for loc in lk.locations}},
+                        self.cfg.chunk_tokens, lk.tail_tokens)
 
     def _exact_end(self, lk: _Lookup, local: int, hit_end: int) -> int:
         """``hit_end``, or less where holders of other block sizes cannot serve the tokens up to
         it exactly (the rest is computed here rather than loaded wrong)."""
-        if hit_end <= local or self._same_block_size(lk):
+        shape = self._shape(lk)
+        if hit_end <= local or shape.same_block_size(self.block_size):
             return hit_end
         try:
-            end = servable_end(self._pieces(lk), local, hit_end, self.block_size)
+            end = exact_end(shape, self.block_size, local, hit_end)
         except LayoutError as exc:
             log.warning("pdxfer: holders' blocks do not fit their chunks (%s); computing here", exc)
             return local
@@ -371,16 +369,6 @@ class ReaderPath:
             log.debug("pdxfer: hit cut from %d to %d tokens: no exact read into blocks of %d", hit_end, end,
                       self.block_size)
         return end
-
-    def _token_range_reads(self, lk: _Lookup, block_ids: Sequence[int], start: int) -> tuple[NodeRead, ...]:
-        """Reads by token range, each token from the last hit chunk whose holder blocks reach it
-        (see :mod:`pdxfer.hit_sources`): for holders whose block size differs from ours (the
-        worker stages and scatters those)."""
-        reads = token_reads(self._pieces(lk), start, lk.hit_end, block_ids, self.block_size)
-        return tuple(NodeRead(r.node_id, r.remote_blocks, r.local_blocks) if not r.staged else
-                     NodeRead(r.node_id, r.remote_blocks, r.local_blocks, r.remote_block_size,
-                              r.remote_first_token, r.local_first_token, r.start, r.end - r.start)
-                     for r in reads)
 
     def take_metadata(self) -> PdxferConnectorMetadata:
         meta = PdxferConnectorMetadata(loads=self._pending_loads)

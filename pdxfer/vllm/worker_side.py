@@ -9,6 +9,7 @@ the request's blocks as load errors, and vLLM recomputes them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,10 +24,12 @@ from pdxfer.plan import PeerPlanner
 from pdxfer.vllm.worker_staging import (ReaderStaging, ScatterHandle, StagedStream, StagingFull, StagingTooSmall,
                                         auto_staging_bytes, region_tensors)
 from pdxfer.transport import create_transport, transport_options
-from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion
+from pdxfer.transport.base import (PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion,
+                                   TransferCancelled)
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.load_corruption import maybe_corrupt_load
+from pdxfer.vllm import repull as rp_plan
 from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
 from pdxfer.vllm.phase_times import PhaseTimes
@@ -36,6 +39,8 @@ log = logging.getLogger("pdxfer.vllm.worker")
 # How long get_finished waits for a release answer before leaving it to the next step: a
 # master on the same rack answers in well under this; a slow one costs a step, never a stall.
 _INLINE_RELEASE_WAIT_S = 0.003
+# Rounds of re-pulls per load: each skips every holder that failed before it.
+_MAX_REPULL_ROUNDS = 2
 # Until a holder's first load is seen: low for any transport pdxfer runs on, so the first read's
 # bound is generous (4 MiB -> 0.5 s + 0.34 s).
 _ASSUMED_BANDWIDTH = 50e6
@@ -85,6 +90,21 @@ class _Inflight:
     read_deadline: float = 0.0  # monotonic; past it a read still pending is given up
     cancelled: bool = False
     validating_since: float = 0.0  # monotonic: reads done, release asked
+    # Re-pulls (pdxfer.vllm.repull). ``blame``: holders at fault for this round's failure;
+    # ``unposted``: holders some of whose reads were never posted. Across rounds: when the load
+    # was first posted (every round lives within its load_timeout_s), the holders skipped from
+    # now on (node -> epoch), blocks no round could fill, chunks re-pulled.
+    blame: set[str] = field(default_factory=set)
+    unposted: set[str] = field(default_factory=set)
+    round_failed: bool = False  # this round's reads failed; its release only says what to re-read
+    load_started: float = 0.0
+    load_tokens: int = 0  # what the whole load provides (a re-pull round's spec names only its part)
+    rounds: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+    repulled: int = 0
+    repull_lookup: Future | None = None
+    repull_from: int = 0  # the token the pending re-pull starts at
 
 
 @dataclass
@@ -98,6 +118,7 @@ class WorkerStats:
     staging_waits: int = 0  # loads that waited for room in the staging area
     staging_full: int = 0  # ... that failed: no room within the load's bound, or a block larger than it
     reads_unstopped: int = 0  # reads that did not stop within the bound: holder disconnected
+    repulls: int = 0  # chunks read again from another holder after a failed read or refused lock
     transfer_s: list[float] = field(default_factory=list)
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 
@@ -107,10 +128,11 @@ class WorkerStats:
         out = {"loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
                "tokens_loaded": self.tokens_loaded, "bytes_loaded": self.bytes_loaded,
                "staging_waits": self.staging_waits, "staging_full": self.staging_full,
-               "reads_unstopped": self.reads_unstopped, "transfer_s": list(self.transfer_s)}
+               "reads_unstopped": self.reads_unstopped, "repulls": self.repulls,
+               "transfer_s": list(self.transfer_s)}
         out.update(self.phases.take())
         self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
-        self.staging_waits = self.staging_full = self.reads_unstopped = 0
+        self.staging_waits = self.staging_full = self.reads_unstopped = self.repulls = 0
         self.transfer_s = []
         return out
 
@@ -152,6 +174,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._stop_bound_s = 10 * cfg.load_timeout_s
         self._bandwidth: dict[str, float] = {}  # holder node -> bytes/s its loads achieved
+        # History hook (the chaos checker's): when a list, every round of reads whose release
+        # answered is appended to it (see _record_round). None in production.
+        self.round_log: list[dict[str, Any]] | None = None
         self.stats = WorkerStats()
 
     # ------------------------------------------------------------------ start
@@ -213,25 +238,26 @@ class WorkerSide:
             if spec.req_id not in self._inflight:  # the same metadata bound twice posts once
                 self._post(spec, {h.node_id: h for h in spec.holders})  # this load's own lookup
 
-    def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> None:
+    def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> _Inflight:
         now = time.time()
         inf = _Inflight(spec, [], time.monotonic(), 0)
+        inf.load_started, inf.load_tokens = inf.started, spec.num_tokens
         if spec.looked_up_at > 0:
             self.stats.phases.add("post", now - spec.looked_up_at)
         self._inflight[spec.req_id] = inf
         if not spec.reads:
             inf.error = "no plan"
-            return
+            return inf
         if now >= spec.lock_expires_at:
             inf.error = "lock expired before the read was posted"
-            return
-        for r in spec.reads:
+            return inf
+        for i, r in enumerate(spec.reads):
             ref = nodes[r.node_id]
             try:
                 my_routes = self._routes_to(ref)
             except NotReadable as exc:  # the scheduler thought otherwise: never read wrong bytes
                 inf.error = str(exc)
-                return
+                return inf
             # One read per holder rank holding some of this rank's heads (TP: several, or a
             # slice of one); the load is loaded only when all of them finished.
             for route in my_routes:
@@ -243,7 +269,9 @@ class WorkerSide:
                     self._start_connect(ref, route)
                     inf.pending.append((ref, route, r))
                 if inf.error is not None:
-                    return
+                    inf.unposted |= {x.node_id for x in spec.reads[i:]}
+                    return inf
+        return inf
 
     def _routes_to(self, ref: HolderRef) -> list[Route]:
         """This rank's reads from holder ``ref`` (decided once per holder and what it announced)."""
@@ -292,6 +320,8 @@ class WorkerSide:
         except Exception as exc:
             if isinstance(exc, StagingTooSmall):
                 self.stats.staging_full += 1
+            if isinstance(exc, (PeerDied, PeerUnreachable)):
+                inf.blame.add(ref.node_id)
             inf.error = f"{type(exc).__name__}: {exc}"
 
     def _post_piece(self, inf: _Inflight, i: int) -> None:
@@ -412,6 +442,8 @@ class WorkerSide:
                 inf.error = (f"cannot connect to holder {ref.node_id} rank {route.holder_rank}: "
                              f"{type(exc).__name__}: {exc}")
                 self._connecting.pop(key, None)  # a later load may try again
+                inf.blame.add(ref.node_id)
+                inf.unposted |= {p[0].node_id for p in inf.pending}
                 inf.pending = []
                 return True
             if not self._connected(ref, route):  # that connect was for older metadata of this node
@@ -421,6 +453,7 @@ class WorkerSide:
                 continue
             self._post_read(inf, ref, route, r)
             if inf.error is not None:
+                inf.unposted |= {p[0].node_id for p in inf.pending}
                 inf.pending = []
                 return True
         inf.pending = still
@@ -435,40 +468,184 @@ class WorkerSide:
             return out
         delay = test_hook_float("read_delay_s")
         for req_id, inf in list(self._inflight.items()):
+            if inf.repull_lookup is not None:
+                if inf.repull_lookup.done() and self._repull_round(inf):
+                    out.add(req_id)
+                continue
             if inf.validation is None:
                 state = self._state(inf, delay)
                 if state is None:
                     continue
                 if state == "failed" or not inf.spec.lock_id:
                     self._drop_departed(inf)
-                    self._release_unused(inf.spec.lock_id)
-                    self._conclude(inf, False)
-                    del self._inflight[req_id]
-                    out.add(req_id)
-                    continue
-                maybe_corrupt_load(self.layout, req_id, inf.spec.blocks)  # test hook; off in production
+                    if not (inf.blame or self._erred(inf)) or not self._stopped(inf) or not self._may_repull(inf):
+                        self._release_unused(inf.spec.lock_id)
+                        self._conclude(inf, False)
+                        del self._inflight[req_id]
+                        out.add(req_id)
+                        continue
+                    # A holder failed it: re-pull from another one. Only what no finished read
+                    # wrote is read again; whether those reads count is this round's release.
+                    inf.round_failed = True
+                else:
+                    maybe_corrupt_load(self.layout, req_id, inf.spec.blocks)  # test hook; off in production
+                    self.stats.phases.add("read", time.monotonic() - inf.started)
                 # The bytes are in; only the master can say whether the lock held throughout.
                 # Ask off the step path; a quick answer is still taken in this same step.
                 inf.validating_since = time.monotonic()
-                self.stats.phases.add("read", inf.validating_since - inf.started)
                 inf.validation = self._releaser.submit(self._master().release, inf.spec.lock_id)
                 wait = _INLINE_RELEASE_WAIT_S
             else:
                 wait = 0.0
             try:
                 valid = bool(inf.validation.result(timeout=wait))
-                if not valid:
+                if not valid and not inf.round_failed:
                     inf.error = "lock expired during the read (master refused the release)"
             except FutureTimeout:
                 continue
             except Exception as exc:
                 valid = False
                 inf.error = f"release failed, bytes cannot be validated: {exc}"
+                inf.round_failed = False  # no master to look up at either: recompute
+            else:
+                self._record_round(inf, valid)
+                if (inf.round_failed or not valid) and self._may_repull(inf):
+                    self._start_repull(inf, valid)
+                    continue
             self.stats.phases.add("release", time.monotonic() - inf.validating_since)
-            self._conclude(inf, valid)
+            self._conclude(inf, valid and not inf.round_failed)
             del self._inflight[req_id]
             out.add(req_id)
         return out
+
+    # ------------------------------------------------------------------ re-pulls
+
+    def _record_round(self, inf: _Inflight, valid: bool) -> None:
+        """For the history checker: what this round's reads wrote, and whether it counts (the
+        lock held, and the holder's reads finished)."""
+        if self.round_log is None:
+            return
+        incomplete = sorted(self._incomplete(inf) | self._erred(inf)) if inf.round_failed else []
+        self.round_log.append({
+            "req": inf.spec.req_id, "round": inf.rounds, "lock": inf.spec.lock_id, "valid": valid,
+            "failed": inf.round_failed, "incomplete": incomplete,
+            "reads": [{"node": r.node_id, "local": list(r.local_blocks), "staged": bool(r.remote_block_size),
+                       "start": r.start, "tokens": r.num_tokens} for r in inf.spec.reads]})
+
+    def _past_load_bound(self, inf: _Inflight) -> bool:
+        """A re-pull round lives within its load's load_timeout_s, counted from the first post."""
+        return inf.rounds > 0 and time.monotonic() > inf.load_started + self.cfg.load_timeout_s
+
+    def _may_repull(self, inf: _Inflight) -> bool:
+        # Time for a lookup and a read is left, and not every round already failed.
+        left = inf.load_started + self.cfg.load_timeout_s - time.monotonic()
+        return (inf.spec.repull is not None and bool(inf.spec.lock_id) and inf.rounds < _MAX_REPULL_ROUNDS
+                and left > min(self.cfg.lookup_timeout_s, self.cfg.load_timeout_s / 4))
+
+    def _incomplete(self, inf: _Inflight) -> set[str]:
+        """Holders of this round with a read that did not finish (or was never posted)."""
+        nodes = set(inf.unposted) | set(inf.blame) | {p[0].node_id for p in inf.pending}
+        for h, (node, _) in zip(inf.handles, inf.handle_nodes):
+            if h is _NOT_POSTED or h.poll() is not ReadState.DONE:
+                nodes.add(node)
+        for s, slot in zip(inf.staged, inf.stream_slots):
+            if not s.finished:
+                nodes.add(inf.handle_nodes[slot][0])
+        posted = {node for node, _ in inf.handle_nodes}
+        return nodes | {r.node_id for r in inf.spec.reads if r.node_id not in posted}
+
+    def _start_repull(self, inf: _Inflight, valid: bool) -> None:
+        """Look the range up again (off the step path), skipping every holder that failed this load."""
+        spec, rp = inf.spec, inf.spec.repull
+        assert rp is not None and self.layout is not None
+        epochs = {h.node_id: h.epoch for h in spec.holders}
+        if valid:
+            failed = set(inf.blame) | self._erred(inf)
+            incomplete: set[str] | None = self._incomplete(inf) | failed
+        else:  # the master refused the lock: no byte of this round counts, and its holders are suspect
+            failed, incomplete = {r.node_id for r in spec.reads}, None
+        for node in failed:
+            inf.skipped[node] = epochs.get(node, 0)
+        t0 = rp_plan.restart_token(rp, spec.reads, incomplete, self.block_size)
+        skip = dict(rp.skip)
+        skip.update(inf.skipped)
+        inf.repull_from = t0
+        inf.error = inf.error or "lock refused at release"
+        log.info("pdxfer: %s: holder(s) %s failed the load (%s); looking tokens [%d, %d) up again without them",
+                 spec.req_id, ", ".join(sorted(failed)) or "?", inf.error, t0, rp.end)
+        inf.repull_lookup = self._releaser.submit(
+            self._master().lookup_and_lock, rp_plan.lookup_keys(rp, t0), rp.reader, lock_ttl_s=rp.lock_ttl_s,
+            parties=1, skip=skip, transport=self.cfg.transport)
+
+    @staticmethod
+    def _erred(inf: _Inflight) -> set[str]:
+        """Holders whose read failed by itself (not by our cancel, not a scatter on our device)."""
+        out = set()
+        for h, (node, _) in zip(inf.handles, inf.handle_nodes):
+            err = None if h is _NOT_POSTED or isinstance(h, ScatterHandle) else h.error
+            if err is not None and not isinstance(err, TransferCancelled):
+                out.add(node)
+        return out
+
+    def _readable(self, ref: HolderRef) -> bool:
+        if ref.transport != self.cfg.transport or ref.node_id == self.node_id:
+            return False
+        try:
+            self._routes_to(ref)
+            return True
+        except NotReadable:
+            return False
+
+    def _repull_round(self, inf: _Inflight) -> bool:
+        """The re-pull lookup answered: post the next round (False), or conclude the load (True)."""
+        spec, rp, t0 = inf.spec, inf.spec.repull, inf.repull_from
+        assert rp is not None
+        fut, inf.repull_lookup = inf.repull_lookup, None
+        lost = rp_plan.blocks_from(rp, t0, self.block_size)
+        try:
+            res = fut.result(timeout=0)
+        except Exception as exc:
+            return self._repull_failed(inf, lost, f"{inf.error}; re-pull lookup failed: {exc}")
+        try:
+            plan = rp_plan.plan_repull(rp, t0, res, self.block_size, self._readable)
+        except Exception as exc:
+            plan = None
+            why = f"{inf.error}; cannot plan the re-pull: {type(exc).__name__}: {exc}"
+        else:
+            why = f"{inf.error}; no other holder has tokens [{t0}, {rp.end})"
+        if plan is None or not plan.reads or res.lock_id is None:
+            if res.lock_id is not None:
+                self._release_unused(res.lock_id, all_parties=True)
+            return self._repull_failed(inf, lost, why)
+        new = dataclasses.replace(spec, lock_id=res.lock_id, num_tokens=plan.end - t0, reads=plan.reads,
+                                  lock_expires_at=time.time() + res.lock_ttl_s, blocks=tuple(sorted(lost)),
+                                  looked_up_at=0.0, holders=plan.holders, repull=plan.spec)
+        log.warning("pdxfer: %s: re-pulling %d chunk(s), tokens [%d, %d), from holder(s) %s instead of %s (%s)%s",
+                    spec.req_id, plan.chunks, t0, plan.end, ", ".join(h.node_id for h in plan.holders),
+                    ", ".join(sorted(inf.skipped)), inf.error,
+                    f"; {len(plan.lost)} block(s) past token {plan.end} are recomputed" if plan.lost else "")
+        nxt = self._post(new, {h.node_id: h for h in plan.holders})
+        nxt.load_started, nxt.load_tokens = inf.load_started, inf.load_tokens
+        nxt.rounds, nxt.skipped = inf.rounds + 1, inf.skipped
+        nxt.lost = inf.lost | plan.lost
+        nxt.repulled = inf.repulled + plan.chunks
+        self._discard_round(inf)
+        return False
+
+    def _repull_failed(self, inf: _Inflight, lost: set[int], why: str) -> bool:
+        """No re-pull could be made: the blocks from the re-pull's first token on are recomputed
+        (those before it were written by finished reads the master validated)."""
+        inf.error = why
+        inf.lost |= lost
+        self._conclude(inf, False, errors=inf.lost)
+        self._discard_round(inf)
+        del self._inflight[inf.spec.req_id]
+        return True
+
+    def _discard_round(self, inf: _Inflight) -> None:
+        """Staging of a round that stopped (all its reads did before its release was asked)."""
+        if inf.staged and self._staging is not None:
+            self._staging.release(inf.staged)
 
     def connected_holders(self) -> list[str]:
         """Holder node ids this reader keeps a transport connection to (to any of their ranks)."""
@@ -490,11 +667,11 @@ class WorkerSide:
                         log.debug("pdxfer: disconnect from departed holder %s: %s", node_id, exc)
                     log.info("pdxfer: dropped the connection to holder %s (%s)", node_id, h.error)
 
-    def _release_unused(self, lock_id: str) -> None:
+    def _release_unused(self, lock_id: str, all_parties: bool = False) -> None:
         """A failed load still pins its holder's entries at the master: let go, off the step path."""
         if lock_id:
             try:
-                self._releaser.submit(self._master().release, lock_id)
+                self._releaser.submit(self._master().release, lock_id, all_parties)
             except RuntimeError:  # closing
                 pass
 
@@ -552,9 +729,12 @@ class WorkerSide:
         """"done" when every read finished; sets ``inf.error`` when the load cannot succeed."""
         elapsed = time.monotonic() - inf.started
         if inf.pending and not self._post_pending(inf):
-            if inf.error is None and elapsed > self._connect_bound():
-                # A frozen or unreachable holder at first contact costs this bound, then a recompute.
-                inf.error = f"no connection to the holder after {self._connect_bound():.2f} s"
+            if inf.error is None and (elapsed > self._connect_bound() or self._past_load_bound(inf)):
+                # A frozen or unreachable holder at first contact costs this bound, then a re-pull
+                # from another holder or a recompute.
+                inf.error = f"no connection to the holder after {elapsed:.2f} s"
+                inf.blame |= {p[0].node_id for p in inf.pending}
+                inf.unposted |= inf.blame
                 inf.pending = []  # nothing may be posted for this load any more
             return None
         if inf.error is not None or (delay is not None and elapsed < delay):
@@ -579,7 +759,10 @@ class WorkerSide:
             moved = True
         if moved and all(s is ReadState.DONE for s in states):
             return "done"
-        if any(s is ReadState.PENDING for s in states) and time.monotonic() > inf.read_deadline:
+        if any(s is ReadState.PENDING for s in states) and (time.monotonic() > inf.read_deadline
+                                                            or self._past_load_bound(inf)):
+            inf.blame |= {key[0] for h, key in zip(inf.handles, inf.handle_nodes)
+                          if h is not _NOT_POSTED and not isinstance(h, ScatterHandle) and not self._handle_stopped(h)}
             inf.error = (f"read still pending after {time.monotonic() - inf.started:.2f} s, past its bound "
                          f"(the holder is frozen or much slower than it was)")
         return None
@@ -625,7 +808,7 @@ class WorkerSide:
             old = self._bandwidth.get(node_id)
             self._bandwidth[node_id] = seen if old is None else 0.7 * old + 0.3 * seen
 
-    def _conclude(self, inf: _Inflight, valid: bool) -> None:
+    def _conclude(self, inf: _Inflight, valid: bool, errors: set[int] | None = None) -> None:
         """Count and log a load that ended; a load not validated at the master fails its blocks.
         Its staging ranges are free again, unless a read may still land in them (quarantined)."""
         if inf.staged and self._staging is not None:
@@ -646,16 +829,24 @@ class WorkerSide:
         # rank 0's success: loads_failed is the signal to watch with TP).
         counts = 1 if self.rank == 0 else 0
         if inf.error is None and valid:
+            self.stats.repulls += inf.repulled  # only chunks a validated re-pull loaded
+        if inf.error is None and valid and not inf.lost:
             self.stats.loads_ok += counts
-            self.stats.tokens_loaded += spec.num_tokens * counts
+            self.stats.tokens_loaded += inf.load_tokens * counts
             self.stats.bytes_loaded += inf.nbytes
-            self.stats.transfer_s.append(elapsed)
+            self.stats.transfer_s.append(time.monotonic() - inf.load_started)
             self._observe(inf, elapsed)
-            log.info("pdxfer: loaded %d tokens (%.1f MiB) for %s in %.2f ms", spec.num_tokens,
-                     inf.nbytes / 2**20, spec.req_id, elapsed * 1e3)
+            log.info("pdxfer: loaded %d tokens (%.1f MiB) for %s in %.2f ms%s", inf.load_tokens,
+                     inf.nbytes / 2**20, spec.req_id, (time.monotonic() - inf.load_started) * 1e3,
+                     f" ({inf.repulled} chunk(s) re-pulled)" if inf.repulled else "")
             return
         self.stats.loads_failed += 1
-        self._load_errors |= spec.local_blocks
+        if inf.error is None and valid:  # re-pulled, but blocks past what the other holders had are lost
+            self._load_errors |= inf.lost
+            log.warning("pdxfer: load for %s re-pulled %d chunk(s); %d block(s) are recomputed", spec.req_id,
+                        inf.repulled, len(inf.lost))
+            return
+        self._load_errors |= errors if errors is not None else spec.local_blocks | inf.lost
         log.warning("pdxfer: load of %d tokens for %s failed (%s); recomputing", spec.num_tokens,
                     spec.req_id, inf.error)
 

@@ -169,6 +169,8 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
             continue
         validated += 1
         validated_chunks += len(r["locations"])
+        for v in repull_violations(r):
+            violate(v.pop("kind"), proc=r["proc"], req=r["req"], **v)
         if r["check"]["bad"]:
             violate("wrong_kv", proc=r["proc"], req=r["req"], prompt=r["prompt"], hit=r["hit"],
                     bad_tokens=r["check"]["bad"], bad_ranges=r["check"].get("bad_ranges"),
@@ -314,6 +316,41 @@ def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int
     return out
 
 
+def repull_violations(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """A validated load's rounds (its first read, then re-pulls from other holders): replay what
+    each round's reads wrote, token by token (a whole-block read writes its blocks whole, a staged
+    one exactly its tokens; a later round overwrites), and report every block of the hit whose last
+    writers include a read that does not count: its round's lock was refused, or its holder's
+    reads did not finish (``repull_mixed_block`` when two holders wrote the block,
+    ``repull_invalid_source`` when one did). Empty for loads without a round log."""
+    rounds, blocks, bs = rec.get("rounds"), rec.get("blocks"), rec.get("block_size")
+    if not rounds or not blocks or not bs:
+        return []
+    where = {int(b): j for j, b in enumerate(blocks)}
+    hit = int(rec["hit"])
+    writer: dict[int, tuple[int, str, bool]] = {}  # request token -> (round, holder, counts)
+    for rd in sorted(rounds, key=lambda x: x["round"]):
+        bad = set(rd["incomplete"])
+        for read in rd["reads"]:
+            counts = bool(rd["valid"]) and read["node"] not in bad
+            if read["staged"]:
+                toks = range(read["start"], read["start"] + read["tokens"])
+            else:
+                toks = (where[int(b)] * bs + o for b in read["local"] for o in range(bs))
+            for t in toks:
+                if t < hit:
+                    writer[t] = (rd["round"], read["node"], counts)
+    out = []
+    for j in range(-(-hit // bs)):
+        ws = {writer[t] for t in range(j * bs, min((j + 1) * bs, hit)) if t in writer}
+        if any(not c for _, _, c in ws):
+            holders = sorted({(n, rnd, c) for rnd, n, c in ws})
+            kind = "repull_mixed_block" if len({n for _, n, _ in ws}) > 1 else "repull_invalid_source"
+            out.append({"kind": kind, "block": j, "writers": [{"node": n, "round": rnd, "counts": c}
+                                                             for n, rnd, c in holders]})
+    return out
+
+
 def kv_summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """What the heterogeneous loads went through (empty without kv mode): loads by how each read
     went (direct, converted pairs, token range through staging), by holder block size, validated
@@ -322,7 +359,7 @@ def kv_summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
     reads: Counter[str] = Counter()
     holder_bs: Counter[str] = Counter()
     out: dict[str, Any] = {}
-    loads = ok = split = 0
+    loads = ok = split = repulled = 0
     unreadable: set[str] = set()
     formats: dict[str, str] = {}
     for r in recs:
@@ -335,6 +372,7 @@ def kv_summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         ok += 1
         split += 1 if r["split_blocks"] else 0
+        repulled += 1 if len(r.get("rounds") or ()) > 1 else 0
         for rd in r["reads"]:
             reads[rd["how"]] += 1
             holder_bs[str(rd["remote_block_size"] or "same")] += 1
@@ -343,5 +381,5 @@ def kv_summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
             formats[r["proc"]] = f"{r['kv_format']}/{r['block_size']}"
     if loads:
         out = {"loads": loads, "loads_ok": ok, "reads_by_path": dict(reads), "reads_by_holder_block": dict(holder_bs),
-               "split_block_loads": split, "unreadable_holders": sorted(unreadable), "readers": formats}
+               "split_block_loads": split, "repulled_loads": repulled, "unreadable_holders": sorted(unreadable), "readers": formats}
     return out

@@ -69,6 +69,7 @@ class ChaosConfig:
     # kv mode, a deliberately broken reader: groups one holder's chunk locations as if their
     # blocks continued each other (issue 16 hole 1), so the checker must find wrong KV.
     broken_grouping: bool = False
+    broken_repull: bool = False  # readers re-pull one block late (tests.chaos.kv_reader): must be caught
     wait_slack_s: float = 1.5  # scheduling slack on a loaded 2-core machine
     workdir: str = ""
 

@@ -98,6 +98,19 @@ def split_blocks(lk: Any, chunk_tokens: int) -> int:
     return n
 
 
+def _break_repull() -> None:
+    """The deliberately wrong re-pull: it starts one block after the first position a failed
+    read may have written, so that block keeps the failed holder's bytes next to the new ones."""
+    from pdxfer.vllm import repull
+
+    right = repull.restart_token
+
+    def wrong(rp: Any, reads: Any, incomplete: Any, block_size: int) -> int:
+        return min(right(rp, reads, incomplete, block_size) + block_size, rp.end)
+
+    repull.restart_token = wrong  # type: ignore[assignment]
+
+
 class KVReader:
     def __init__(self, cfg: ChaosConfig, idx: int, log: OpLog, master: str) -> None:
         self.cfg = cfg
@@ -118,6 +131,9 @@ class KVReader:
                                  expected_fingerprint=layout.fingerprint(), block_size=bs,
                                  kv_format=self.side.kv_format, tp_size=1, total_kv_heads=kv.HEADS)
         self.worker.register_kv_caches(caches)
+        self.worker.round_log = []  # every round of reads (first read, re-pulls) for the checker
+        if cfg.broken_repull:
+            _break_repull()
         self.hot = MasterClient(master, timeout_s=cfg.master_timeout_s)
         self.bg = MasterClient(master, timeout_s=cfg.master_timeout_s)
         self.stats = SchedulerStats()
@@ -174,6 +190,9 @@ class KVReader:
                 break
             time.sleep(0.002)
         failed = self.worker.take_load_errors() & set(blocks)
+        rec["rounds"] = [x for x in self.worker.round_log if x["req"] == req]
+        self.worker.round_log.clear()
+        rec["blocks"], rec["block_size"] = blocks, self.side.block_size
         rec["load"] = {"done": done, "ok": done and not failed, "err": self.reasons.reasons.pop(req, None),
                        **t.fields()}
         if rec["load"]["ok"]:

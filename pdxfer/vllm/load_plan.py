@@ -1,0 +1,67 @@
+"""A lookup's chunk locations -> the reads of one load into the request's blocks.
+
+Shared by the scheduler half (the load it hands to the workers) and the worker half (a re-pull
+from another holder after a read failed): both must plan exactly alike, or a re-pull would write
+other positions than the read it replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from pdxfer.hit_sources import ChunkPlace, Piece, hit_pieces, servable_end, token_reads
+from pdxfer.plan import pair_hit_blocks
+from pdxfer.vllm.metadata import NodeRead
+
+
+@dataclass(frozen=True)
+class HitShape:
+    """Where a hit sits in the prompt: ``locations[i]`` = (holder node, its block ids) of chunk
+    ``first_chunk + i``; with ``tail_tokens`` > 0 the last location is the prompt's partial last
+    chunk of that many tokens. ``block_sizes``: each holder's block size."""
+
+    first_chunk: int
+    locations: tuple[tuple[str, tuple[int, ...]], ...]
+    block_sizes: Mapping[str, int]
+    chunk_tokens: int
+    tail_tokens: int = 0
+
+    def same_block_size(self, block_size: int) -> bool:
+        return all(self.block_sizes[n] == block_size for n, _ in self.locations)
+
+    def pieces(self) -> list[Piece]:
+        places = [ChunkPlace(n, self.block_sizes[n], ids) for n, ids in self.locations]
+        return hit_pieces(self.first_chunk, places, self.chunk_tokens, self.tail_tokens)
+
+
+def exact_end(hit: HitShape, block_size: int, start: int, end: int) -> int:
+    """``end``, or less where holders of other block sizes cannot serve tokens ``[start, end)``
+    exactly into reader blocks of ``block_size`` (LayoutError when the blocks do not fit the chunks)."""
+    if end <= start or hit.same_block_size(block_size):
+        return end
+    return servable_end(hit.pieces(), start, end, block_size)
+
+
+def plan_reads(hit: HitShape, block_size: int, start: int, end: int,
+               block_ids: Sequence[int]) -> tuple[NodeRead, ...]:
+    """Reads loading tokens ``[start, end)`` (``start`` block aligned; a partial last block is
+    read whole) into the request's block table ``block_ids``; LayoutError when they cannot be."""
+    if hit.same_block_size(block_size):
+        per_node = pair_hit_blocks(hit.first_chunk, list(hit.locations), hit.chunk_tokens, block_size, start, end,
+                                   block_ids, tail_tokens=hit.tail_tokens)
+        return tuple(NodeRead(nid, tuple(r), tuple(loc)) for nid, (r, loc) in per_node.items())
+    reads = token_reads(hit.pieces(), start, end, block_ids, block_size)
+    return tuple(NodeRead(r.node_id, r.remote_blocks, r.local_blocks) if not r.staged else
+                 NodeRead(r.node_id, r.remote_blocks, r.local_blocks, r.remote_block_size, r.remote_first_token,
+                          r.local_first_token, r.start, r.end - r.start)
+                 for r in reads)
+
+
+def first_written(read: NodeRead, block_ids: Sequence[int], block_size: int) -> int:
+    """The first token position ``read`` may write into the request whose block table is
+    ``block_ids`` (a whole-block read writes its first block from the block's first token)."""
+    if read.remote_block_size:
+        return read.start
+    pos = {int(b): i for i, b in enumerate(block_ids)}
+    return min(pos[int(b)] for b in read.local_blocks) * block_size
