@@ -38,6 +38,7 @@ from pdxfer.master.index_records import (
     Lock,
     LookupOutcome,
     Node,
+    PeekOutcome,
     SupersededError,
     UnknownNodeError,
 )
@@ -47,7 +48,7 @@ EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's b
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 
-__all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "SupersededError", "UnknownNodeError"]
+__all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "PeekOutcome", "SupersededError", "UnknownNodeError"]
 
 
 class ChunkIndex:
@@ -302,6 +303,50 @@ class ChunkIndex:
             nodes,
         )
 
+    def peek(self, keys: Sequence[bytes], now: float, skip: Mapping[str, int] | None = None,
+             transport: str | None = None) -> PeekOutcome:
+        """What ``lookup_and_lock`` with the same ``skip`` and ``transport`` would hit now, and
+        how far each usable holder of key 0 holds the keys on its own. Read-only: no lock, no
+        pin, no lease or entry is changed (an expired node is left for the reaper)."""
+        self.counters.peeks += 1
+        usable = self._usable_filter(skip, transport)
+        entries = self.entries
+        prefix: dict[str, int] = {}
+        active: list[str] = []  # usable nodes that hold every key so far
+        hit = 0
+        for i, key in enumerate(keys):
+            holders = entries.get(key)
+            if holders is None:
+                break
+            if active:
+                # Node leases and the filter do not change within one call: only the entry's
+                # retention is left to check for nodes that passed them at key 0.
+                still = []
+                for nid in active:
+                    e = holders.get(nid)
+                    if e is not None and e.hold_until > now:
+                        still.append(nid)
+                    else:
+                        prefix[nid] = i
+                active = still
+                if still:
+                    hit += 1
+                    continue
+            live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now
+                    and (usable is None or usable(e.node))]
+            if not live:
+                break
+            if i == 0:
+                active = live
+            hit += 1
+        for nid in active:
+            prefix[nid] = hit
+        return PeekOutcome(hit, prefix, {nid: self.nodes[nid] for nid in prefix})
+
+    def live_nodes(self, now: float) -> list[Node]:
+        """The registrations whose lease has not run out (read-only, like ``peek``)."""
+        return [n for n in self.nodes.values() if n.expires_at > now]
+
     @staticmethod
     def _usable_filter(skip: Mapping[str, int] | None, transport: str | None) -> Callable[[Node], bool] | None:
         """The reader's filter on candidate holders; None when it rules nothing out (the hot path
@@ -390,6 +435,7 @@ class ChunkIndex:
             "keys": len(self.entries),
             "locks": len(self.locks),
             "lookups": c.lookups,
+            "peeks": c.peeks,
             "lookup_chunks": c.lookup_chunks,
             "hit_chunks": c.hit_chunks,
             "releases_ok": c.releases_ok,
