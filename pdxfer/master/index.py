@@ -11,9 +11,11 @@ Rules:
   hold-until an entry is no longer served to lookups; it stays until the holder unpublishes it
   (which then succeeds unless a lock is still valid) or its node goes away.
 - ``lookup_and_lock`` returns the longest contiguous prefix of the keys that some live node holds,
-  picks holders greedily (the node with the longest run from the current chunk, ties by node id:
-  deterministic, and the first pick is the node holding the longest prefix) and pins the chosen
-  entries under one lock with a deadline. Only holders the reader can use are candidates: a
+  picks holders greedily (the node with the longest run from the current chunk, so the first pick
+  is a node holding the longest prefix) and pins the chosen entries under one lock with a
+  deadline. When several holders tie for the longest run, the index rotates among them (by node
+  id, one step per tie it breaks, a counter of the index): copies of the same prefix on several
+  engines share its reads, and the choice is still deterministic for a given call sequence. Only holders the reader can use are candidates: a
   lookup names the registrations it cannot read (``skip``; epoch 0: any registration of the node)
   and its transport, so an unreadable holder's longer run never hides a readable one.
 - ``release`` is True only if the lock was still valid when the release arrived.
@@ -38,6 +40,7 @@ from pdxfer.master.index_records import (
     Lock,
     LookupOutcome,
     Node,
+    PeekOutcome,
     SupersededError,
     UnknownNodeError,
 )
@@ -46,8 +49,9 @@ INF = math.inf
 EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's bound of 2**62
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
+_HOLD = operator.attrgetter("hold_until")
 
-__all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "SupersededError", "UnknownNodeError"]
+__all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "PeekOutcome", "SupersededError", "UnknownNodeError"]
 
 
 class ChunkIndex:
@@ -68,6 +72,7 @@ class ChunkIndex:
         # also identify a registration in every later call of the node (hole 2).
         self._epochs = itertools.count((int.from_bytes(os.urandom(4), "big") & EPOCH_PREFIX_MASK) << 32 | 1)
         self._lock_heap: list[tuple[float, str]] = []
+        self._ties_broken = 0  # rotates the choice among holders tied for the longest run
         self.on_node_dropped: Callable[[str, str], None] | None = None  # (node id, why)
 
     # ---- membership ---------------------------------------------------------------------------
@@ -154,12 +159,16 @@ class ChunkIndex:
             raise FencedError(node_id, seq, node.fence_seq)
         hold_until = INF if retention_s is None else now + retention_s
         accepted = 0
+        pinned: set[bytes] | None = None  # the node's pinned keys, computed when first needed
         for key, blocks in items:
             old = node.entries.get(key)
             if old is not None:
-                if old.blocks != blocks and self._has_valid_lock(old, now):
-                    self.counters.publish_refused += 1
-                    continue
+                if old.blocks != blocks:
+                    if pinned is None:
+                        pinned = self._pinned_keys(node, now)
+                    if key in pinned:
+                        self.counters.publish_refused += 1
+                        continue
                 old.blocks = blocks
                 old.nblocks = len(blocks) // 4
                 old.hold_until = hold_until
@@ -180,13 +189,15 @@ class ChunkIndex:
         self.counters.published += accepted
         return accepted
 
-    def _has_valid_lock(self, entry: Entry, now: float) -> bool:
-        if entry.pins == 0 or entry.pin_until <= now:
-            return False
-        # Some pinning lock may have expired without being reaped yet: reap, then every lock
-        # still pinning has a deadline in the future.
-        self._reap_locks(now)
-        return entry.pins > 0
+    def _pinned_keys(self, node: Node, now: float) -> set[bytes]:
+        """The node's keys that a still-valid lock pins."""
+        pinned: set[bytes] = set()
+        locks = self.locks
+        for lid in node.locks:
+            lock = locks.get(lid)
+            if lock is not None and lock.deadline > now:
+                pinned.update(lock.pins.get(node.node_id, ()))
+        return pinned
 
     def fence(self, node_id: str, upto: int, now: float, epoch: int | None = None) -> int:
         """Refuse every later publish of the node with seq <= ``upto``; the node's fence (it never
@@ -208,12 +219,13 @@ class ChunkIndex:
             # be applied after these keys are reported free.
             node.fence_seq = fence
         removed: list[int] = []
+        pinned = self._pinned_keys(node, now) if node.locks else ()
         for i, key in enumerate(keys):
             entry = node.entries.get(key)
             if entry is None:
                 removed.append(i)
                 continue
-            if self._has_valid_lock(entry, now):
+            if key in pinned:
                 self.counters.unpublish_refused += 1
                 continue
             del node.entries[key]
@@ -240,57 +252,56 @@ class ChunkIndex:
         c.lookup_chunks += len(keys)
         entries = self.entries
         chosen: list[Entry] = []
-        append = chosen.append
         runs: list[tuple[str, int]] = []  # (node id, chunks)
-        cur: str | None = None  # current holder; its node lease was checked when we switched to it
-        run_start = 0
         n = len(keys)
         i = 0
-        # One pass: stay on the current holder while it holds the next chunk; when it does not,
-        # switch to the live holder with the longest run from here (ties: smallest node id). The
-        # first pick is thus the node holding the longest prefix, and the choice is deterministic.
-        # A chunk nobody live holds ends the prefix: a miss at chunk i hides chunks i+1...
+        # Greedy: at chunk i, take the live usable holder with the longest run from here (ties:
+        # rotate among them) and stay on it for its whole run. The first pick is thus a node
+        # holding the longest prefix. A chunk nobody live holds ends the prefix: a miss at chunk
+        # i hides chunks i+1... Each run is read with C-speed maps (see _run).
         while i < n:
             holders = entries.get(keys[i])
             if holders is None:
                 break
-            if cur is not None:
-                e = holders.get(cur)
-                if e is not None and e.hold_until > now:
-                    append(e)
-                    i += 1
-                    continue
-                runs.append((cur, i - run_start))
-                cur = None
-            live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now
+            live = [e.node for e in holders.values() if e.hold_until > now and e.node.expires_at > now
                     and (usable is None or usable(e.node))]
             if not live:
                 break
             if len(live) == 1:
-                cur = live[0]
+                node = live[0]
+                run = self._run(keys, i, node, now)
             else:
                 # Only live candidates are measured: each one's run holds only its own entries.
-                cur = min(live, key=lambda nid: (-self._run_length(keys, i, nid, now), nid))
-            run_start = i
-            append(holders[cur])
-            i += 1
-        if cur is not None:
-            runs.append((cur, i - run_start))
+                measured = [(self._run(keys, i, nd, now), nd.node_id, nd) for nd in live]
+                longest = max(len(r) for r, _, _ in measured)
+                tied = sorted((nid, r, nd) for r, nid, nd in measured if len(r) == longest)
+                if len(tied) == 1:
+                    _, run, node = tied[0]
+                else:
+                    _, run, node = tied[self._ties_broken % len(tied)]
+                    self._ties_broken += 1
+            chosen += run
+            runs.append((node.node_id, len(run)))
+            i += len(run)
         hit = len(chosen)
         if hit == 0:
             return LookupOutcome(None, 0, [], [], b"", {})
         lock_id = f"{self._lock_prefix}-{next(self._lock_seq):x}"
         deadline = now + ttl
-        for e in chosen:
-            e.pins += 1
-            if deadline > e.pin_until:
-                e.pin_until = deadline
         nodes = {}
-        for nid, _ in runs:
+        pins: dict[str, list[bytes]] = {}
+        start = 0
+        for nid, count in runs:
             node = self.nodes[nid]
             node.locks.add(lock_id)
             nodes[nid] = node
-        self.locks[lock_id] = Lock(lock_id, reader, deadline, chosen, set(nodes), max(1, parties))
+            got = pins.get(nid)
+            if got is None:
+                pins[nid] = keys[start : start + count] if isinstance(keys, list) else list(keys[start : start + count])
+            else:  # the same node again after another holder's run
+                got += keys[start : start + count]
+            start += count
+        self.locks[lock_id] = Lock(lock_id, reader, deadline, pins, max(1, parties))
         heapq.heappush(self._lock_heap, (deadline, lock_id))
         c.hit_chunks += hit
         return LookupOutcome(
@@ -301,6 +312,50 @@ class ChunkIndex:
             b"".join(map(_BLOCKS, chosen)),
             nodes,
         )
+
+    def peek(self, keys: Sequence[bytes], now: float, skip: Mapping[str, int] | None = None,
+             transport: str | None = None) -> PeekOutcome:
+        """What ``lookup_and_lock`` with the same ``skip`` and ``transport`` would hit now, and
+        how far each usable holder of key 0 holds the keys on its own. Read-only: no lock, no
+        pin, no lease or entry is changed (an expired node is left for the reaper)."""
+        self.counters.peeks += 1
+        usable = self._usable_filter(skip, transport)
+        entries = self.entries
+        prefix: dict[str, int] = {}
+        active: list[str] = []  # usable nodes that hold every key so far
+        hit = 0
+        for i, key in enumerate(keys):
+            holders = entries.get(key)
+            if holders is None:
+                break
+            if active:
+                # Node leases and the filter do not change within one call: only the entry's
+                # retention is left to check for nodes that passed them at key 0.
+                still = []
+                for nid in active:
+                    e = holders.get(nid)
+                    if e is not None and e.hold_until > now:
+                        still.append(nid)
+                    else:
+                        prefix[nid] = i
+                active = still
+                if still:
+                    hit += 1
+                    continue
+            live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now
+                    and (usable is None or usable(e.node))]
+            if not live:
+                break
+            if i == 0:
+                active = live
+            hit += 1
+        for nid in active:
+            prefix[nid] = hit
+        return PeekOutcome(hit, prefix, {nid: self.nodes[nid] for nid in prefix})
+
+    def live_nodes(self, now: float) -> list[Node]:
+        """The registrations whose lease has not run out (read-only, like ``peek``)."""
+        return [n for n in self.nodes.values() if n.expires_at > now]
 
     @staticmethod
     def _usable_filter(skip: Mapping[str, int] | None, transport: str | None) -> Callable[[Node], bool] | None:
@@ -318,16 +373,30 @@ class ChunkIndex:
 
         return usable
 
-    def _run_length(self, keys: Sequence[bytes], start: int, nid: str, now: float) -> int:
+    @staticmethod
+    def _run(keys: Sequence[bytes], start: int, node: Node, now: float) -> list[Entry]:
+        """The node's entries for keys[start:] up to its first miss or entry past retention (its
+        lease was checked by the caller). Read in growing windows, so a short run costs little
+        and a long one is a few C-speed maps."""
+        get = node.entries.get
+        out: list[Entry] = []
+        n = len(keys)
         j = start
-        entries = self.entries
-        while j < len(keys):
-            holders = entries.get(keys[j])
-            e = holders.get(nid) if holders else None
-            if e is None or not (e.hold_until > now and e.node.expires_at > now):
+        width = 64
+        while j < n:
+            window = list(map(get, keys[j : j + width]))
+            try:
+                end = window.index(None)
+            except ValueError:
+                end = len(window)
+            if end and min(map(_HOLD, window[:end])) <= now:  # some entry's retention is over
+                end = next(k for k in range(end) if window[k].hold_until <= now)
+            out += window[:end]
+            if end < len(window):
                 break
-            j += 1
-        return j - start
+            j += end
+            width *= 8
+        return out
 
     def release(self, lock_id: str, now: float, all_parties: bool = False) -> bool:
         """True if the lock was valid when this release arrived. The lock (and its pins) goes
@@ -349,12 +418,8 @@ class ChunkIndex:
         return valid
 
     def _unpin(self, lock: Lock) -> None:
-        for e in lock.pins:
-            e.pins -= 1
-            if e.pins == 0:
-                e.pin_until = 0.0
         lid = lock.lock_id
-        for nid in lock.nodes:
+        for nid in lock.pins:
             node = self.nodes.get(nid)
             if node is not None:
                 node.locks.discard(lid)
@@ -390,6 +455,7 @@ class ChunkIndex:
             "keys": len(self.entries),
             "locks": len(self.locks),
             "lookups": c.lookups,
+            "peeks": c.peeks,
             "lookup_chunks": c.lookup_chunks,
             "hit_chunks": c.hit_chunks,
             "releases_ok": c.releases_ok,

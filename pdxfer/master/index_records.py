@@ -62,16 +62,13 @@ class Node:
 
 
 class Entry:
-    __slots__ = ("node", "blocks", "nblocks", "hold_until", "pins", "pin_until")
+    __slots__ = ("node", "blocks", "nblocks", "hold_until")
 
     def __init__(self, node: Node, blocks: bytes, hold_until: float) -> None:
         self.node = node
         self.blocks = blocks  # little-endian uint32 block ids, in token order
         self.nblocks = len(blocks) // 4
         self.hold_until = hold_until
-        # Locks pinning this entry (not yet released or reaped) and the latest of their deadlines.
-        self.pins = 0
-        self.pin_until = 0.0
 
 
 @dataclass
@@ -79,8 +76,10 @@ class Lock:
     lock_id: str
     reader: str
     deadline: float
-    pins: list[Entry]
-    nodes: set[str]
+    # The keys this lock pins, per node. An entry is pinned while a lock that is still valid names
+    # its key on its node: the lookup pays for one list slice per holder instead of a counter
+    # update per entry, and the rare questions ("may this entry go?") ask the node's few locks.
+    pins: dict[str, list[bytes]]
     # Releases still expected: a TP reader's ranks each read their heads under the one lock and
     # each release it; the pins stay until the last one (or the deadline).
     parties: int = 1
@@ -97,8 +96,16 @@ class LookupOutcome:
 
 
 @dataclass
+class PeekOutcome:
+    hit: int
+    prefix_by_node: dict[str, int]  # node id -> leading keys it holds contiguously from key 0 (> 0)
+    nodes: dict[str, Node]  # the nodes in prefix_by_node
+
+
+@dataclass
 class Counters:
     lookups: int = 0
+    peeks: int = 0
     lookup_chunks: int = 0
     hit_chunks: int = 0
     releases_ok: int = 0

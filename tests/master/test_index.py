@@ -34,10 +34,21 @@ def test_prefers_the_node_with_the_longest_prefix_then_switches_minimally():
     assert out.runs == [("b", 5), ("c", 2)]
 
 
-def test_choice_is_deterministic_on_ties():
-    ix, keys = idx_with(("z", [0, 1]), ("m", [0, 1]))
-    for t in range(5):
-        assert ix.lookup_and_lock(keys[:2], "r", 5.0, now=1.0 + t).runs == [("m", 2)]
+def test_ties_rotate_among_the_holders_in_node_id_order():
+    """Holders tied for the longest run take turns (node id order, one step per tie broken), so
+    copies of one prefix on several engines share its reads."""
+    ix, keys = idx_with(("z", [0, 1]), ("m", [0, 1]), ("a", [0]))
+    got = [ix.lookup_and_lock(keys[:2], "r", 5.0, now=1.0 + t).runs for t in range(4)]
+    assert got == [[("m", 2)], [("z", 2)], [("m", 2)], [("z", 2)]]  # "a"'s run is shorter: never chosen
+    again, _ = idx_with(("z", [0, 1]), ("m", [0, 1]), ("a", [0]))
+    assert [again.lookup_and_lock(keys[:2], "r", 5.0, now=1.0 + t).runs for t in range(4)] == got
+
+
+def test_a_longer_run_always_wins_over_a_tie_elsewhere():
+    ix, keys = idx_with(("b", [0, 1, 2]), ("c", [0, 1, 2]), ("long", [0, 1, 2, 3, 4]), ("x", [5]), ("y", [5]))
+    for t in range(4):
+        runs = ix.lookup_and_lock(keys[:6], "r", 5.0, now=1.0 + t).runs
+        assert runs[0] == ("long", 5) and runs[1][0] in ("x", "y"), runs
 
 
 def test_release_after_deadline_is_false_even_if_entry_exists():
@@ -107,3 +118,24 @@ def test_reregistration_starts_a_new_incarnation():
     ix.register("a", "{}", 10.0, now=1.1)
     assert ix.n_entries == 0
     assert ix.release(lock, now=1.2) is False
+
+
+def test_long_runs_end_at_the_first_miss_or_expired_entry_past_any_window():
+    """Runs are read in growing windows: a run's end far from the start (a miss, or an entry past
+    its retention) is found exactly, wherever it falls."""
+    keys = keys_for("long", 700)
+    for end in (1, 63, 64, 65, 511, 575, 576, 577, 699):
+        ix = ChunkIndex()
+        ix.register("a", "{}", 10.0, now=0.0)
+        ix.register("b", "{}", 10.0, now=0.0)
+        ix.publish("a", [(k, pack_u32([i])) for i, k in enumerate(keys[:end])], None, now=0.0)
+        ix.publish("a", [(keys[end], pack_u32([end]))], 0.5, now=0.0)  # retained: over at 0.5
+        ix.publish("a", [(k, pack_u32([i])) for i, k in enumerate(keys[end + 1 :], end + 1)], None, now=0.0)
+        ix.publish("b", [(k, pack_u32([7])) for k in keys[end:]], None, now=0.0)
+        out = ix.lookup_and_lock(keys, "r", 5.0, now=1.0)
+        assert out.hit == 700 and out.runs[0] == ("a", end) and out.runs[1][0] == "b", (end, out.runs[:3])
+        assert unpack_u32(out.blocks)[:end] == list(range(end)) and unpack_u32(out.blocks)[end] == 7
+        assert ix.unpublish_if_unlocked("b", keys[end : end + 1], now=1.0) == []
+        assert ix.lookup_and_lock(keys, "r", 5.0, now=1.0).hit == 700  # b's entry was pinned: kept
+        assert ix.unpublish_if_unlocked("b", keys[end : end + 1], now=7.0) == [0]  # locks over
+        assert ix.lookup_and_lock(keys, "r", 5.0, now=7.0).hit == end
