@@ -1,14 +1,17 @@
-"""Master hot path vs etcd vs a dict, measured in one run.
+"""Master hot path vs etcd vs a dict, measured in one run, at several client counts.
 
 - master: lookup_and_lock(512 keys) then release, through a real pdxfer-master process (in-memory
-  store), from N concurrent client processes (default 4);
+  store), from N concurrent client processes;
 - etcd: the same 512-key lookups as ONE etcd transaction of gets via aetcd, same N clients, against
   a real etcd started here (127.0.0.1, own data dir, --max-txn-ops 2048);
 - dict: the same lookups in a plain Python dict, in-process (the floor).
 
-Prints medians, p99, lookups/s and the master/etcd ratio; ``--json FILE`` writes one object.
+For each N in ``--clients`` (default 1,4,16,64) the master and etcd phases run back to back (their
+order alternates between client counts, so a drift in machine load hits both). At ``--target-clients``
+(default 16) it checks the targets: master p99 <= etcd p50 / 5 and master p50 <= etcd p50 / 50.
+Prints a table; writes one JSON object (``--json``, default bench/results/master.json).
 
-    python bench/master.py [--clients 4] [--iters 300] [--keys 512] [--json out.json]
+    python bench/master.py [--clients 1,4,16,64] [--iters 200] [--keys 512] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def master_worker(address: str, prompt: int, n_keys: int, iters: int, warmup: in
     for _ in range(warmup):
         c.release(c.lookup_and_lock(keys, reader=f"w{prompt}").lock_id)
     lk, rl = [], []
-    barrier.wait()
+    barrier.wait(300)
     t_start = time.perf_counter()
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -83,7 +86,7 @@ def etcd_worker(endpoint: str, prompt: int, n_keys: int, iters: int, warmup: int
         for _ in range(warmup):
             await lookup()
         lat = []
-        barrier.wait()
+        barrier.wait(300)
         t_start = time.perf_counter()
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -149,14 +152,71 @@ def dict_floor(prompts: int, n_keys: int, iters: int) -> float:
     return statistics.median(lat) * 1e3
 
 
+def _layout() -> dict:
+    """A realistic node description: 32 layers, separate K and V regions (~12 KB of JSON)."""
+    return {
+        "v": 1, "kv_format": "bench", "dtype": "bfloat16", "num_blocks": 8192, "block_size": 128,
+        "kv_heads": 8, "head_dim": 128,
+        "regions": [{"index": i, "nbytes": 1 << 30, "device": "cuda:0"} for i in range(64)],
+        "segments": [{"layer": f"model.layers.{i}.self_attn.attn", "part": p, "region": 2 * i + (p == "v"),
+                      "base": 0, "block_stride": 262144, "block_bytes": 262144}
+                     for i in range(32) for p in ("k", "v")],
+    }
+
+
+def _client_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--clients {text!r}: a comma-separated list of client counts, e.g. 1,4,16,64") from None
+    if not counts or any(n < 1 for n in counts):
+        raise SystemExit(f"--clients {text!r}: every count must be >= 1")
+    return counts
+
+
+def _round(d: dict) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def measure(ctx, master_addr: str, etcd_endpoint: str, stats, n: int, args, etcd_first: bool) -> dict:
+    """Both phases at ``n`` clients, and the master's own time per lookup (inside its handler)."""
+    etcd_iters = max(10, args.etcd_iters if args.etcd_iters else args.iters // 3)
+
+    def master_phase() -> tuple[dict, float]:
+        st0 = stats()
+        m = run_phase(ctx, master_worker, master_addr, n, args.keys, args.iters, args.warmup)
+        st1 = stats()
+        handler = (st1["lookup_handler_s"] - st0["lookup_handler_s"]) / max(1, st1["lookups"] - st0["lookups"])
+        return m, handler * 1e3
+
+    if etcd_first:
+        e = run_phase(ctx, etcd_worker, etcd_endpoint, n, args.keys, etcd_iters, max(1, args.warmup // 2))
+        m, handler_ms = master_phase()
+    else:
+        m, handler_ms = master_phase()
+        e = run_phase(ctx, etcd_worker, etcd_endpoint, n, args.keys, etcd_iters, max(1, args.warmup // 2))
+    return {
+        "clients": n,
+        "master": _round({**m, "handler_ms_per_lookup": handler_ms}),
+        "etcd": _round(e),
+        "ratio_master_p50_over_etcd_p50": round(m["p50_ms"] / e["p50_ms"], 5),
+        "ratio_master_p99_over_etcd_p50": round(m["p99_ms"] / e["p50_ms"], 5),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=300, help="lookups per client per phase")
+    ap.add_argument("--clients", default="1,4,16,64", help="comma-separated client process counts")
+    ap.add_argument("--target-clients", type=int, default=16, help="client count the targets are checked at")
+    ap.add_argument("--iters", type=int, default=200, help="master lookups per client per phase")
+    ap.add_argument("--etcd-iters", type=int, default=0, help="etcd lookups per client per phase (default iters/3)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--keys", type=int, default=512)
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "master.json"),
+                    help="write the results here ('' for none)")
+    ap.add_argument("--note", default="", help="recorded with the results (e.g. what else ran on the machine)")
     args = ap.parse_args()
+    counts = _client_counts(args.clients)
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from pdxfer.master import MasterClient, NodeInfo, start_local_master
@@ -166,77 +226,54 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="pdxfer-bench-master-")
     master = start_local_master(workdir=work)
     etcd = LocalEtcd(work)
+    load_start = os.getloadavg()
     try:
         etcd.start()
         c = MasterClient(master.address, timeout_s=10)
-        # A realistic node description: 32 layers, separate K and V regions (~12 KB of JSON).
-        layout = {
-            "v": 1, "kv_format": "bench", "dtype": "bfloat16", "num_blocks": 8192, "block_size": 128,
-            "kv_heads": 8, "head_dim": 128,
-            "regions": [{"index": i, "nbytes": 1 << 30, "device": "cuda:0"} for i in range(64)],
-            "segments": [{"layer": f"model.layers.{i}.self_attn.attn", "part": p, "region": 2 * i + (p == "v"),
-                          "base": 0, "block_stride": 262144, "block_bytes": 262144}
-                         for i in range(32) for p in ("k", "v")],
-        }
-        c.register_node(NodeInfo("bench-holder", 0, "nixl", b"x" * 550, layout, "fp"), lease_ttl_s=600)
-        for p in range(args.clients):
+        c.register_node(NodeInfo("bench-holder", 0, "nixl", b"x" * 550, _layout(), "fp"), lease_ttl_s=3600)
+        prompts = max(counts)
+        for p in range(prompts):
             c.publish("bench-holder", [(k, [2 * i, 2 * i + 1]) for i, k in enumerate(_keys(p, args.keys))])
-        asyncio.run(etcd_load(etcd.endpoint, args.clients, args.keys))
-
-        res: dict[str, object] = {"keys": args.keys, "clients": args.clients, "iters_per_client": args.iters}
-        one_m = run_phase(ctx, master_worker, master.address, 1, args.keys, args.iters, args.warmup)
-        one_e = run_phase(ctx, etcd_worker, etcd.endpoint, 1, args.keys, max(50, args.iters // 3), args.warmup // 2)
-        st0 = c.stats()
-        many_m = run_phase(ctx, master_worker, master.address, args.clients, args.keys, args.iters, args.warmup)
-        st1 = c.stats()
-        many_e = run_phase(ctx, etcd_worker, etcd.endpoint, args.clients, args.keys, max(50, args.iters // 3),
-                           args.warmup // 2)
-        dict_ms = dict_floor(args.clients, args.keys, 2000)
+        asyncio.run(etcd_load(etcd.endpoint, prompts, args.keys))
+        runs = [measure(ctx, master.address, etcd.endpoint, c.stats, n, args, etcd_first=bool(j % 2))
+                for j, n in enumerate(counts)]
         st = c.stats()
-        # Server-side time per lookup (inside the handler): what the master itself costs, apart
-        # from queueing behind other clients and CPU contention on a shared machine.
-        handler_ms = (st1["lookup_handler_s"] - st0["lookup_handler_s"]) / max(1, st1["lookups"] - st0["lookups"]) * 1e3
         c.close()
-        res.update({
-            "master_p50_ms": round(many_m["p50_ms"], 4),
-            "master_p99_ms": round(many_m["p99_ms"], 4),
-            "master_release_p50_ms": round(many_m["release_p50_ms"], 4),
-            "lookups_per_s": round(many_m["lookups_per_s"], 1),
-            "etcd_p50_ms": round(many_e["p50_ms"], 4),
-            "etcd_p99_ms": round(many_e["p99_ms"], 4),
-            "etcd_lookups_per_s": round(many_e["lookups_per_s"], 1),
-            "dict_p50_ms": round(dict_ms, 4),
-            "master_handler_ms_per_lookup": round(handler_ms, 4),
-            "ratio_master_over_etcd_p50": round(many_m["p50_ms"] / many_e["p50_ms"], 4),
-            "single_client": {
-                "master_p50_ms": round(one_m["p50_ms"], 4),
-                "master_p99_ms": round(one_m["p99_ms"], 4),
-                "master_release_p50_ms": round(one_m["release_p50_ms"], 4),
-                "lookups_per_s": round(one_m["lookups_per_s"], 1),
-                "etcd_p50_ms": round(one_e["p50_ms"], 4),
-                "etcd_p99_ms": round(one_e["p99_ms"], 4),
-                "ratio_master_over_etcd_p50": round(one_m["p50_ms"] / one_e["p50_ms"], 4),
-            },
-            "master_stats": {k: st[k] for k in ("lookups", "hit_chunks", "releases_ok", "releases_expired", "locks")},
-            "cpus": os.cpu_count(),
-            "loadavg_at_end": os.getloadavg(),
-        })
     finally:
         master.kill()
         etcd.kill()
+    res: dict[str, object] = {
+        "keys": args.keys, "iters_per_client": args.iters, "runs": runs,
+        "dict_p50_ms": round(dict_floor(max(counts), args.keys, 2000), 4),
+        "master_stats": {k: st[k] for k in ("lookups", "hit_chunks", "releases_ok", "releases_expired", "locks")},
+        "cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
+        "note": args.note,
+    }
+    at = next((r for r in runs if r["clients"] == args.target_clients), None)
+    if at is not None:
+        res["target"] = {
+            "clients": args.target_clients,
+            "master_p99_over_etcd_p50": at["ratio_master_p99_over_etcd_p50"], "p99_limit": 0.2,
+            "master_p50_over_etcd_p50": at["ratio_master_p50_over_etcd_p50"], "p50_limit": 0.02,
+            "met": at["ratio_master_p99_over_etcd_p50"] <= 0.2 and at["ratio_master_p50_over_etcd_p50"] <= 0.02,
+        }
 
-    print(f"lookup_and_lock of {args.keys} keys, {args.clients} concurrent clients (medians; p99):")
-    print(f"  master   p50 {res['master_p50_ms']:.3f} ms  p99 {res['master_p99_ms']:.3f} ms  "
-          f"release p50 {res['master_release_p50_ms']:.3f} ms  {res['lookups_per_s']:.0f} lookups/s")
-    print(f"  etcd txn p50 {res['etcd_p50_ms']:.3f} ms  p99 {res['etcd_p99_ms']:.3f} ms  "
-          f"{res['etcd_lookups_per_s']:.0f} lookups/s")
-    print(f"  dict     p50 {res['dict_p50_ms']:.3f} ms (in-process floor)")
-    print(f"  master handler time per lookup {res['master_handler_ms_per_lookup']:.3f} ms (server side only)")
-    print(f"  master/etcd p50 ratio {res['ratio_master_over_etcd_p50']:.3f} (target <= 0.2)")
-    s1 = res["single_client"]
-    print(f"  one client: master p50 {s1['master_p50_ms']:.3f} ms vs etcd p50 {s1['etcd_p50_ms']:.3f} ms "
-          f"(ratio {s1['ratio_master_over_etcd_p50']:.3f})")
+    print(f"lookup_and_lock of {args.keys} keys (+ release), per client count (ms; lookups/s):")
+    print(f"{'clients':>7} | {'master p50':>10} {'p99':>8} {'lookups/s':>9} {'handler':>8} | "
+          f"{'etcd p50':>9} {'p99':>8} {'lookups/s':>9} | {'p50 ratio':>9} {'p99/etcd p50':>12}")
+    for r in runs:
+        m, e = r["master"], r["etcd"]
+        print(f"{r['clients']:>7} | {m['p50_ms']:>10.3f} {m['p99_ms']:>8.3f} {m['lookups_per_s']:>9.0f} "
+              f"{m['handler_ms_per_lookup']:>8.3f} | {e['p50_ms']:>9.3f} {e['p99_ms']:>8.3f} {e['lookups_per_s']:>9.0f} | "
+              f"{r['ratio_master_p50_over_etcd_p50']:>9.4f} {r['ratio_master_p99_over_etcd_p50']:>12.4f}")
+    print(f"dict p50 {res['dict_p50_ms']:.3f} ms (in-process floor); handler: the master's own time per lookup")
+    if at is not None:
+        t = res["target"]
+        print(f"at {t['clients']} clients: master p99 / etcd p50 = {t['master_p99_over_etcd_p50']:.4f} (target <= 0.2), "
+              f"master p50 / etcd p50 = {t['master_p50_over_etcd_p50']:.4f} (target <= 0.02): "
+              f"{'met' if t['met'] else 'NOT met'}")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
         print(f"wrote {args.json}")
