@@ -152,7 +152,8 @@ def test_publish_as_decode_false_keeps_a_decode_a_reader_only(fleet, master):
     assert decode.worker.stats.tokens_loaded == PROMPT - 1
     time.sleep(0.2)  # a publish would be queued at request_finished: give it time to show
     assert sent == [] and decode.side.held_chunks == 0 and decode.side.stats.published_chunks == 0
-    assert decode.side.holder.node_id is None and decode.side.fence is None  # never registered
+    assert decode.side.holder.node_id is None and decode.side.fence is None
+    assert "d4" not in _registrations(master.address) and "p4" in _registrations(master.address)
     assert decode.sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
     assert _holders(master.address, _keys(decode, tokens[:-1])[1:]) == (0, set())
 
@@ -171,12 +172,23 @@ def test_a_decode_publishes_only_what_its_device_confirmed_written(fleet, master
     assert _holders(master.address, _keys(decode, tokens[:-1]), skip={"p5": 0}) == (0, set())
 
 
-def test_the_registration_tells_a_router_what_the_instance_is(fleet):
-    url = "http://10.0.0.5:8100"
-    decode = fleet("d6", "kv_consumer", serve_url=url + "/")
+def _registrations(master_addr: str) -> dict[str, object]:
+    with MasterClient(master_addr) as c:
+        return {info.node_id: info for info in c.nodes()}
+
+
+def test_the_registration_tells_a_router_what_the_instance_is(fleet, master, monkeypatch):
+    monkeypatch.setenv("PDXFER_SERVE_URL", "http://10.0.0.6:8200")  # what a launcher sets
+    decode = fleet("d6", "kv_consumer", serve_url="http://10.0.0.5:8100/")
     prefill = fleet("p6", "kv_producer")
-    for engine, role in ((decode, "kv_consumer"), (prefill, "kv_producer")):
-        info = engine.side.holder._session.info
-        assert info.role == role and info.chunk_tokens == CHUNK
+    both = fleet("b6", "kv_both", chunk_tokens=2 * CHUNK)
+    regs = _registrations(master.address)
+    for engine, role, url in ((decode, "kv_consumer", "http://10.0.0.5:8100"),
+                              (prefill, "kv_producer", "http://10.0.0.6:8200"),
+                              (both, "kv_both", "http://10.0.0.6:8200")):
+        info = regs[engine.conn.engine_id]
+        assert (info.role, info.serve_url, info.chunk_tokens) == (role, url, engine.conn.cfg.chunk_tokens)
+        # A router hashes a prompt under this root and finds the keys this instance publishes.
         assert info.namespace == engine.side.namespace(None).root().hex()
-    assert decode.side.holder._session.info.serve_url == url and prefill.side.holder._session.info.serve_url == ""
+    assert regs["b6"].chunk_tokens == 2 * CHUNK and regs["b6"].namespace != regs["p6"].namespace
+    assert regs["d6"].namespace == regs["p6"].namespace
