@@ -9,12 +9,16 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from pdxfer.transport import KINDS
 
 # The launcher exports the address of the master it started; a config without "master" uses it.
 MASTER_ENV = "PDXFER_MASTER"
 MASTER_TOKEN_FILE_ENV = "PDXFER_MASTER_TOKEN_FILE"
+# The instance's own OpenAI HTTP base URL, announced to the master for routers; a launcher that
+# starts several instances sets it per instance.
+SERVE_URL_ENV = "PDXFER_SERVE_URL"
 # Test-only hooks (lock-expiry and slow-read faults) are read only when this names a directory.
 TEST_HOOKS_ENV = "PDXFER_TEST_HOOKS_DIR"
 
@@ -66,6 +70,13 @@ class ConnectorConfig:
     advertise_host: str | None = None
     model_id: str | None = None  # namespace model identity; default: vLLM's model path/name
     log_level: str | None = None
+    # A kv_consumer publishes what it holds when a request finishes (its prompt and the tokens it
+    # generated), like a prefill, so the next turn of a conversation finds it there. False: a
+    # kv_consumer only reads (it neither registers with the master nor holds blocks).
+    publish_as_decode: bool = True
+    # This instance's OpenAI HTTP base URL ("http://10.0.0.5:8100"), carried in its registration
+    # so a router can send requests to whichever instance holds a prompt. None: not announced.
+    serve_url: str | None = None
 
     @property
     def staging_enabled(self) -> bool:
@@ -111,6 +122,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] |
                                        f"\"etcd://host:port/prefix\"), or set ${MASTER_ENV}")
     if not extra.get("master_token_file") and env.get(MASTER_TOKEN_FILE_ENV):
         extra["master_token_file"] = env[MASTER_TOKEN_FILE_ENV]
+    if extra.get("serve_url") is None and env.get(SERVE_URL_ENV):
+        extra["serve_url"] = env[SERVE_URL_ENV]
     out: dict[str, Any] = {}
     for key, value in extra.items():
         out[key] = _check(key, value)
@@ -148,8 +161,33 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConnectorConfigError(f"{key} must be a positive number, got {value!r}")
         return float(value)
+    if key == "publish_as_decode":
+        if not isinstance(value, bool):
+            raise ConnectorConfigError(f"publish_as_decode must be true or false, got {value!r}")
+        return value
+    if key == "serve_url":
+        return _serve_url(value)
     if value is None and key in ("master_token_file", "advertise_host", "model_id", "log_level"):
         return None
     if not isinstance(value, str) or not value:
         raise ConnectorConfigError(f"{key} must be a non-empty string, got {value!r}")
     return value
+
+
+def _serve_url(value: Any) -> str | None:
+    """An http(s) base URL with a host, without a trailing slash (routers append paths to it)."""
+    if value is None:
+        return None
+    where = f"serve_url (or ${SERVE_URL_ENV})"
+    if not isinstance(value, str) or not value.strip():
+        raise ConnectorConfigError(f"{where} must be an http(s) base URL such as \"http://10.0.0.5:8100\", "
+                                   f"got {value!r}")
+    url = urlsplit(value.strip())
+    try:
+        url.port  # noqa: B018  (raises on a port that is not a number in range)
+    except ValueError as exc:
+        raise ConnectorConfigError(f"{where} {value!r} has a bad port: {exc}") from exc
+    if url.scheme not in ("http", "https") or not url.hostname or url.query or url.fragment:
+        raise ConnectorConfigError(f"{where} must be an http(s) base URL with a host such as "
+                                   f"\"http://10.0.0.5:8100\", got {value!r}")
+    return value.strip().rstrip("/")

@@ -257,6 +257,10 @@ class PdxferConnector(KVConnectorBase_V1):
         tokens = publishable_tokens(request)
         published = self.scheduler_side.request_finished(request.request_id, tokens, block_ids,
                                                          request.cache_salt, unkeyable=unkeyable_reason(request))
+        if not self.scheduler_side.producer:
+            # A decode's answer goes to the client, not to another instance: nobody waits for
+            # its publish, so its response carries no hint (as before it published).
+            return False, None
         # The decode this response is handed to (by a proxy) waits for these chunks, bounded.
         return False, publish_hint(published, request.num_prompt_tokens, self.scheduler_side.cfg.chunk_tokens,
                                    getattr(request, "prompt_token_ids", None))

@@ -61,6 +61,9 @@ class SchedulerSide:
         self.block_size = block_size
         self.producer = producer
         self.consumer = consumer
+        # A holder publishes its finished requests and serves reads of them: every prefill, and a
+        # decode too unless publish_as_decode is off (then it only reads, as before).
+        self.publishes = producer or (consumer and cfg.publish_as_decode)
         self.node_id: str | None = None  # set when the worker's handshake arrives
         self.stats = SchedulerStats()
         factory = client_factory or MasterClient
@@ -73,7 +76,7 @@ class SchedulerSide:
                                  reader_id=f"{engine_id}-reader", hot=self._hot, bg=self._bg, stats=self.stats,
                                  hasher=self._hasher, own_node=lambda: self.node_id)
         # Only a holder publishes, so only a holder needs to know when the device wrote its KV.
-        self.fence: WriteFence | None = WriteFence.create(engine_id, tp_size) if producer else None
+        self.fence: WriteFence | None = WriteFence.create(engine_id, tp_size) if self.publishes else None
         self._step_seq = 0  # of the newest step built
         self._req_step: dict[str, int] = {}  # request -> the newest step that scheduled it
         self._opaque_step = 0  # the newest step built without the list of what it scheduled
@@ -105,13 +108,18 @@ class SchedulerSide:
         rank0 = by_rank[0]
         self.node_id = rank0.node_id
         self.reader.set_local_layouts(layouts)
-        if self.producer:
+        if self.publishes:
             more = tuple(RankEndpoint(r, hs.transport_metadata, hs.layout, hs.layout_fingerprint)
                          for r, hs in sorted(by_rank.items()) if r != 0)
+            # Namespace, chunk size, role and URL let a router that reads the master's index
+            # hash prompts as this instance does and send a request to whoever holds it.
             self.holder.start(NodeInfo(node_id=rank0.node_id, rank=0, transport=rank0.transport,
                                        transport_metadata=rank0.transport_metadata, layout=rank0.layout,
                                        layout_fingerprint=rank0.layout_fingerprint, tp_size=self.tp_size,
-                                       total_kv_heads=self.total_kv_heads, more_ranks=more))
+                                       total_kv_heads=self.total_kv_heads, more_ranks=more,
+                                       serve_url=self.cfg.serve_url or "",
+                                       namespace=self.namespace(None).root().hex(),
+                                       chunk_tokens=self.cfg.chunk_tokens, role=self.role))
 
     def _check_rank(self, hs: PdxferHandshake) -> None:
         """One worker agrees with what this scheduler derived from the config (else the keys it
@@ -130,6 +138,13 @@ class SchedulerSide:
         if content != self.content_fingerprint:
             raise LayoutError(f"{who} holds KV content {content}, the scheduler derived {self.content_fingerprint} "
                               "from the config; keys would not name what the bytes are")
+
+    @property
+    def role(self) -> str:
+        """vLLM's name for what this instance does in a P/D pair."""
+        if self.producer and self.consumer:
+            return "kv_both"
+        return "kv_producer" if self.producer else "kv_consumer"
 
     def namespace(self, cache_salt: str | None) -> Namespace:
         # Content, not layout, and no TP (see Namespace): any instance of this model and dtype
@@ -188,21 +203,23 @@ class SchedulerSide:
         step = self._req_step.pop(req_id, None)
         return max(self._step_seq if step is None else step, self._opaque_step)
 
-    # ------------------------------------------------------------------ holder (producer) path
+    # ------------------------------------------------------------------ holder path
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
                          cache_salt: str | None, unkeyable: str | None = None) -> int:
-        """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
-        tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
+        """Publish every full chunk (and the tail) of a finished request and hold its blocks, on
+        a prefill and, with ``publish_as_decode``, on a decode. ``tokens``: the tokens whose KV is
+        in ``block_ids`` (None: nothing publishable, e.g. aborted); a decode's blocks hold what it
+        loaded and what it computed alike;
         ``unkeyable``: why the tokens do not name this request's KV (then: no publish).
         Returns the leading tokens the queued publish covers (0: none)."""
         self.reader.finish_request(req_id)
         hasher = self._hashers.pop(req_id, None)
         write_seq = self._write_seq(req_id)
-        if unkeyable is not None and self.producer and tokens is not None:
+        if unkeyable is not None and self.publishes and tokens is not None:
             self._keep_out(req_id, unkeyable)
             tokens = None
-        if not self.producer:
+        if not self.publishes:
             self.holder.drain_frees()
             return 0
         return self.holder.request_finished(req_id, tokens, block_ids, hasher,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdxfer.vllm.config import MASTER_ENV, ConnectorConfigError, parse_extra_config
+from pdxfer.vllm.config import MASTER_ENV, SERVE_URL_ENV, ConnectorConfigError, parse_extra_config
 from pdxfer.vllm.metadata import METADATA_VERSION, MetadataVersionError, PdxferConnectorMetadata
 
 
@@ -30,6 +30,15 @@ def test_defaults_and_master_from_env():
     ({"master": "h:1", "publish_wait_s": -0.1}, "publish_wait_s"),
     ({"master": "h:1", "publish_hint_wait_s": "soon"}, "publish_hint_wait_s"),
     ({"master": "h:1", "lease_ttl_s": 0}, "lease_ttl_s"),
+    ({"master": "h:1", "publish_as_decode": "false"}, "publish_as_decode"),
+    ({"master": "h:1", "publish_as_decode": 0}, "publish_as_decode"),
+    ({"master": "h:1", "serve_url": "10.0.0.5:8100"}, "serve_url"),
+    ({"master": "h:1", "serve_url": "ftp://h:8100"}, "serve_url"),
+    ({"master": "h:1", "serve_url": "http://:8100"}, "serve_url"),
+    ({"master": "h:1", "serve_url": "http://h:70000"}, "serve_url"),
+    ({"master": "h:1", "serve_url": "http://h:8100/?x=1"}, "serve_url"),
+    ({"master": "h:1", "serve_url": ""}, "serve_url"),
+    ({"master": "h:1", "serve_url": 8100}, "serve_url"),
 ])
 def test_bad_values_name_the_key(extra, needle):
     with pytest.raises(ConnectorConfigError, match=needle):
@@ -48,3 +57,17 @@ def test_metadata_version_is_checked():
     PdxferConnectorMetadata().check()
     with pytest.raises(MetadataVersionError, match="version"):
         PdxferConnectorMetadata(version=METADATA_VERSION + 1).check()
+
+
+def test_decodes_publish_by_default_and_the_serve_url_comes_from_the_config_or_env():
+    cfg = parse_extra_config({"master": "h:1"}, env={})
+    assert cfg.publish_as_decode is True and cfg.serve_url is None
+    assert parse_extra_config({"master": "h:1", "publish_as_decode": False}, env={}).publish_as_decode is False
+    # A router appends paths to it: no trailing slash.
+    env = {SERVE_URL_ENV: "http://10.0.0.5:8100/"}
+    assert parse_extra_config({"master": "h:1"}, env=env).serve_url == "http://10.0.0.5:8100"
+    # The config's own value wins over the environment's.
+    assert parse_extra_config({"master": "h:1", "serve_url": "https://d1.example:443"},
+                              env=env).serve_url == "https://d1.example:443"
+    with pytest.raises(ConnectorConfigError, match=SERVE_URL_ENV):
+        parse_extra_config({"master": "h:1"}, env={SERVE_URL_ENV: "nope"})
