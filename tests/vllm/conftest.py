@@ -345,7 +345,11 @@ class PDPair:
         common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0, "publish_hint_wait_s": 3.0,
                   **self.extra_cfg}
         p_cfg = pdxfer_kv_config("kv_producer", self.master_addr, self.transport, **common)
-        d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport, **common)
+        # These pairs test the prefill -> decode path; a decode holding its own chunks (the
+        # default, tested by the connector-flow and fleet tests) keeps blocks in use, and vLLM
+        # then refuses the /reset_prefix_cache these tests use to force a second remote load.
+        d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport,
+                                 **{"publish_as_decode": False, **common})
         self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
                                   cpu_bind=self.prefill_bind, log_dir=self.run_dir, name=f"prefill-{self.transport}",
                                   extra_args=PAIR_VLLM_ARGS + self.prefill_args,
