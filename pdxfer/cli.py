@@ -99,16 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(rc or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "make-tiny-model":
-        from pdxfer.vllm.tiny_model import make_tiny_model
+        from pdxfer.serve.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.out_dir, seed=args.seed))
         return 0
     if args.cmd == "proxy":
-        from pdxfer.vllm.proxy import run_proxy_cli
+        from pdxfer.serve.proxy import run_proxy_cli
 
         return run_proxy_cli(args)
     if args.cmd == "launch":
-        from pdxfer.vllm.launch import run_launch_cli
+        from pdxfer.serve.launch import run_launch_cli
 
         return run_launch_cli(args)
     raise AssertionError(args.cmd)  # argparse rejects unknown commands

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.vllm.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
-from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model
+from pdxfer.serve.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
+from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
 from tests.vllm.conftest import PAIR_VLLM_ARGS, ask_url, check_logprobs, prompt_of
 
 ROOT = Path(__file__).resolve().parents[2]

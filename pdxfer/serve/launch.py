@@ -31,8 +31,8 @@ from pdxfer.procs import (
     python_env,
     wait_port_file,
 )
-from pdxfer.vllm.serve_shim import served_model_name, start_vllm
-from pdxfer.vllm.tiny_model import make_tiny_model
+from pdxfer.serve.serve_shim import served_model_name, start_vllm
+from pdxfer.serve.tiny_model import make_tiny_model
 
 if TYPE_CHECKING:
     import argparse

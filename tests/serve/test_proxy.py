@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from pdxfer.procs import free_port, wait_http_ready
-from pdxfer.vllm.proxy import PDProxy, RunningProxy
+from pdxfer.serve.proxy import PDProxy, RunningProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 

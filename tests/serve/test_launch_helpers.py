@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.vllm.launch import split_cores
-from pdxfer.vllm.serve_shim import vllm_serve_argv, vllm_serve_env
-from pdxfer.vllm.tiny_model import make_tiny_model
+from pdxfer.serve.launch import split_cores
+from pdxfer.serve.serve_shim import vllm_serve_argv, vllm_serve_env
+from pdxfer.serve.tiny_model import make_tiny_model
 
 
 def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
 def test_vllm_argv_and_env(tmp_path: Path) -> None:
     argv = vllm_serve_argv(tmp_path, 1234, {"kv_connector": "PdxferConnector", "kv_role": "kv_both"},
                            ["--max-model-len", "4096"])
-    assert argv[:4] == [sys.executable, "-m", "pdxfer.vllm.serve_shim", "serve"]
+    assert argv[:4] == [sys.executable, "-m", "pdxfer.serve.serve_shim", "serve"]
     assert argv[argv.index("--port") + 1] == "1234"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert "--enforce-eager" in argv and argv[-2:] == ["--max-model-len", "4096"]
