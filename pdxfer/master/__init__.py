@@ -54,7 +54,7 @@ from pdxfer.master.errors import (
 from pdxfer.master.registrations import Registrations
 from pdxfer.master.local import LocalMaster, start_local_master
 from pdxfer.master.node_session import NodeSession
-from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, RankEndpoint, Registration
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, PeekResult, RankEndpoint, Registration
 
 __all__ = [
     "ChunkLocation",
@@ -69,6 +69,7 @@ __all__ = [
     "RankEndpoint",
     "NodeSession",
     "NotLeader",
+    "PeekResult",
     "PublishFenced",
     "Registration",
     "RegistrationSuperseded",

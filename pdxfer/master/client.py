@@ -34,7 +34,7 @@ from pdxfer.master.errors import (
     UnknownNode,
 )
 from pdxfer.master.locator import locator_for
-from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, Registration
+from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, PeekResult, Registration
 from pdxfer.master.registrations import SHARED, Registrations
 
 log = logging.getLogger("pdxfer.master.client")
@@ -327,6 +327,33 @@ class MasterClient:
             epochs = {nid: epoch for nid, (epoch, _) in reply.nodes.items()}
             return LookupResult(reply.lock_id, reply.hit, locations, nodes, reply.ttl, epochs)
         raise MasterProtocolError("lookup reply referenced node descriptions the client does not have")
+
+    def peek(self, keys: Sequence[bytes], *, skip: Mapping[str, int] | None = None,
+             transport: str | None = None) -> PeekResult:
+        """Read-only: how many leading ``keys`` the live fleet holds (what ``lookup_and_lock``
+        with the same ``skip`` and ``transport`` would hit now) and, per usable holder of key 0,
+        how many leading keys it holds on its own. Nothing is locked or pinned: holders may
+        unpublish right after, so a reader must still look up (and lock) before reading."""
+        keys = list(keys)
+        if not keys:
+            return PeekResult(0, {}, {})
+        joined = P.join_keys(keys)
+        for attempt in range(2):
+            with self._lock:
+                have = dict(self._have) if attempt == 0 else {}
+            reply = self._ask(ops.encode_peek(joined, have, dict(skip or {}), transport), ops.decode_peek_reply,
+                              len(keys))
+            try:
+                nodes = {nid: self._node_from(nid, epoch, info) for nid, (epoch, info) in reply.nodes.items()}
+            except _StaleNodeCache:
+                continue  # evicted meanwhile (another thread): ask again with full descriptions
+            return PeekResult(reply.hit, dict(reply.prefix_by_node), nodes)
+        raise MasterProtocolError("peek reply referenced node descriptions the client does not have")
+
+    def nodes(self) -> list[NodeInfo]:
+        """The live registrations (read-only): each engine's description, including what a router
+        needs (``serve_url``, ``namespace``, ``chunk_tokens``, ``role``; empty when not announced)."""
+        return [info for _, info in self._ask(ops.encode_nodes(), ops.decode_nodes_reply)]
 
     def _node_from(self, nid: str, epoch: int, info: NodeInfo | None) -> NodeInfo:
         ck = (nid, epoch)

@@ -11,9 +11,11 @@ Rules:
   hold-until an entry is no longer served to lookups; it stays until the holder unpublishes it
   (which then succeeds unless a lock is still valid) or its node goes away.
 - ``lookup_and_lock`` returns the longest contiguous prefix of the keys that some live node holds,
-  picks holders greedily (the node with the longest run from the current chunk, ties by node id:
-  deterministic, and the first pick is the node holding the longest prefix) and pins the chosen
-  entries under one lock with a deadline. Only holders the reader can use are candidates: a
+  picks holders greedily (the node with the longest run from the current chunk, so the first pick
+  is a node holding the longest prefix) and pins the chosen entries under one lock with a
+  deadline. When several holders tie for the longest run, the index rotates among them (by node
+  id, one step per tie it breaks, a counter of the index): copies of the same prefix on several
+  engines share its reads, and the choice is still deterministic for a given call sequence. Only holders the reader can use are candidates: a
   lookup names the registrations it cannot read (``skip``; epoch 0: any registration of the node)
   and its transport, so an unreadable holder's longer run never hides a readable one.
 - ``release`` is True only if the lock was still valid when the release arrived.
@@ -38,6 +40,7 @@ from pdxfer.master.index_records import (
     Lock,
     LookupOutcome,
     Node,
+    PeekOutcome,
     SupersededError,
     UnknownNodeError,
 )
@@ -47,7 +50,7 @@ EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's b
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 
-__all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "SupersededError", "UnknownNodeError"]
+__all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "PeekOutcome", "SupersededError", "UnknownNodeError"]
 
 
 class ChunkIndex:
@@ -68,6 +71,7 @@ class ChunkIndex:
         # also identify a registration in every later call of the node (hole 2).
         self._epochs = itertools.count((int.from_bytes(os.urandom(4), "big") & EPOCH_PREFIX_MASK) << 32 | 1)
         self._lock_heap: list[tuple[float, str]] = []
+        self._ties_broken = 0  # rotates the choice among holders tied for the longest run
         self.on_node_dropped: Callable[[str, str], None] | None = None  # (node id, why)
 
     # ---- membership ---------------------------------------------------------------------------
@@ -247,8 +251,8 @@ class ChunkIndex:
         n = len(keys)
         i = 0
         # One pass: stay on the current holder while it holds the next chunk; when it does not,
-        # switch to the live holder with the longest run from here (ties: smallest node id). The
-        # first pick is thus the node holding the longest prefix, and the choice is deterministic.
+        # switch to the live holder with the longest run from here (ties: rotate among them). The
+        # first pick is thus a node holding the longest prefix.
         # A chunk nobody live holds ends the prefix: a miss at chunk i hides chunks i+1...
         while i < n:
             holders = entries.get(keys[i])
@@ -270,7 +274,14 @@ class ChunkIndex:
                 cur = live[0]
             else:
                 # Only live candidates are measured: each one's run holds only its own entries.
-                cur = min(live, key=lambda nid: (-self._run_length(keys, i, nid, now), nid))
+                runs_from = [(self._run_length(keys, i, nid, now), nid) for nid in live]
+                longest = max(runs_from)[0]
+                tied = sorted(nid for r, nid in runs_from if r == longest)
+                if len(tied) == 1:
+                    cur = tied[0]
+                else:
+                    cur = tied[self._ties_broken % len(tied)]
+                    self._ties_broken += 1
             run_start = i
             append(holders[cur])
             i += 1
@@ -301,6 +312,50 @@ class ChunkIndex:
             b"".join(map(_BLOCKS, chosen)),
             nodes,
         )
+
+    def peek(self, keys: Sequence[bytes], now: float, skip: Mapping[str, int] | None = None,
+             transport: str | None = None) -> PeekOutcome:
+        """What ``lookup_and_lock`` with the same ``skip`` and ``transport`` would hit now, and
+        how far each usable holder of key 0 holds the keys on its own. Read-only: no lock, no
+        pin, no lease or entry is changed (an expired node is left for the reaper)."""
+        self.counters.peeks += 1
+        usable = self._usable_filter(skip, transport)
+        entries = self.entries
+        prefix: dict[str, int] = {}
+        active: list[str] = []  # usable nodes that hold every key so far
+        hit = 0
+        for i, key in enumerate(keys):
+            holders = entries.get(key)
+            if holders is None:
+                break
+            if active:
+                # Node leases and the filter do not change within one call: only the entry's
+                # retention is left to check for nodes that passed them at key 0.
+                still = []
+                for nid in active:
+                    e = holders.get(nid)
+                    if e is not None and e.hold_until > now:
+                        still.append(nid)
+                    else:
+                        prefix[nid] = i
+                active = still
+                if still:
+                    hit += 1
+                    continue
+            live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now
+                    and (usable is None or usable(e.node))]
+            if not live:
+                break
+            if i == 0:
+                active = live
+            hit += 1
+        for nid in active:
+            prefix[nid] = hit
+        return PeekOutcome(hit, prefix, {nid: self.nodes[nid] for nid in prefix})
+
+    def live_nodes(self, now: float) -> list[Node]:
+        """The registrations whose lease has not run out (read-only, like ``peek``)."""
+        return [n for n in self.nodes.values() if n.expires_at > now]
 
     @staticmethod
     def _usable_filter(skip: Mapping[str, int] | None, transport: str | None) -> Callable[[Node], bool] | None:
@@ -390,6 +445,7 @@ class ChunkIndex:
             "keys": len(self.entries),
             "locks": len(self.locks),
             "lookups": c.lookups,
+            "peeks": c.peeks,
             "lookup_chunks": c.lookup_chunks,
             "hit_chunks": c.hit_chunks,
             "releases_ok": c.releases_ok,

@@ -97,8 +97,16 @@ class LookupOutcome:
 
 
 @dataclass
+class PeekOutcome:
+    hit: int
+    prefix_by_node: dict[str, int]  # node id -> leading keys it holds contiguously from key 0 (> 0)
+    nodes: dict[str, Node]  # the nodes in prefix_by_node
+
+
+@dataclass
 class Counters:
     lookups: int = 0
+    peeks: int = 0
     lookup_chunks: int = 0
     hit_chunks: int = 0
     releases_ok: int = 0

@@ -58,6 +58,11 @@ MAGIC = b"PX"
 #            of the node, e.g. the reader's own) and "transport" (the reader's): the master chooses
 #            no holder that is skipped or registered another transport. A version-3 reader, which
 #            cannot say either, is refused rather than served holders it may not read.
+#
+#            Also in 4 (additions an older peer ignores or answers "unknown op"; no field changed
+#            meaning): register and node descriptions may carry "serve_url", "ns" (namespace root,
+#            hex), "ct" (chunk tokens) and "role"; op 12 "peek" (a lookup that locks nothing) and
+#            op 13 "nodes" (the live registrations' descriptions).
 PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
@@ -88,6 +93,8 @@ OP_STATS = 8
 OP_PING = 9
 OP_FENCE = 10
 OP_HELLO = 11  # first frame of a connection to a master with a token: authenticates the connection
+OP_PEEK = 12  # read-only lookup: what the fleet holds of some keys and where, nothing locked
+OP_NODES = 13  # the live registrations' descriptions
 
 OP_NAMES = {
     OP_REGISTER: "register",
@@ -101,6 +108,8 @@ OP_NAMES = {
     OP_PING: "ping",
     OP_FENCE: "fence",
     OP_HELLO: "hello",
+    OP_PEEK: "peek",
+    OP_NODES: "nodes",
 }
 
 # Error codes carried in an OP_ERROR reply's JSON ("err").

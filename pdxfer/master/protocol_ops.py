@@ -87,6 +87,50 @@ def get_block_counts(doc: dict[str, Any], n: int) -> list[int]:
 # ---- register -------------------------------------------------------------------------------------
 
 
+MAX_URL_CHARS = 2048
+MAX_NAMESPACE_CHARS = 128  # hex of a 32-byte namespace root is 64
+MAX_CHUNK_TOKENS = 1 << 20
+ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
+_HEX = frozenset("0123456789abcdef")
+
+
+class Serving(NamedTuple):
+    """What a router needs about an engine (optional in register requests and node descriptions;
+    absent fields mean "not announced", as from a registration that predates them)."""
+
+    serve_url: str = ""
+    namespace: str = ""
+    chunk_tokens: int = 0
+    role: str = ""
+
+
+def _put_serving(doc: dict[str, Any], s: Serving) -> None:
+    # Only what is announced: a registration without these fields is byte-for-byte as before.
+    for name, value in zip(("serve_url", "ns", "ct", "role"), s):
+        if value:
+            doc[name] = value
+
+
+def _get_serving(doc: dict[str, Any], node_id: str) -> Serving:
+    url = doc.get("serve_url", "")
+    if not isinstance(url, str) or len(url) > MAX_URL_CHARS or (url and not url.startswith(("http://", "https://"))):
+        raise _malformed(f"field 'serve_url' of node {node_id!r} must be an http:// or https:// URL of "
+                         f"<= {MAX_URL_CHARS} chars, got {url!r:.60}")
+    ns = doc.get("ns", "")
+    if not isinstance(ns, str) or len(ns) > MAX_NAMESPACE_CHARS or not _HEX.issuperset(ns):
+        raise _malformed(f"field 'ns' (namespace) of node {node_id!r} must be lowercase hex of "
+                         f"<= {MAX_NAMESPACE_CHARS} chars, got {ns!r:.60}")
+    ct = P.get_int(doc, "ct", 0, MAX_CHUNK_TOKENS) if "ct" in doc else 0
+    role = doc.get("role", "")
+    if role not in ROLES:
+        raise _malformed(f"field 'role' of node {node_id!r} must be one of {ROLES[1:]}, got {role!r:.40}")
+    return Serving(url, ns, ct, role)
+
+
+def serving_of(info: NodeInfo) -> Serving:
+    return Serving(info.serve_url, info.namespace, int(info.chunk_tokens), info.role)
+
+
 @dataclass(frozen=True)
 class RegisterRequest:
     node_id: str
@@ -99,6 +143,7 @@ class RegisterRequest:
     tp_size: int = 1
     total_kv_heads: int = 0
     more_ranks: tuple[RankEndpoint, ...] = ()
+    serving: Serving = Serving()
 
 
 def _encode_endpoints(eps: Sequence[RankEndpoint]) -> list[dict[str, Any]]:
@@ -140,6 +185,7 @@ def encode_register(info: NodeInfo, lease_ttl_s: float) -> Request:
         "layout": info.layout, "fp": info.layout_fingerprint, "ttl": float(lease_ttl_s),
         "tp": int(info.tp_size), "kvh": int(info.total_kv_heads), "eps": _encode_endpoints(info.more_ranks),
     }
+    _put_serving(doc, serving_of(info))
     return Request(P.OP_REGISTER, doc, bytes(info.transport_metadata))
 
 
@@ -155,7 +201,8 @@ def decode_register(doc: dict[str, Any], blob: bytes | memoryview) -> RegisterRe
     if len(blob) > P.MAX_METADATA_BYTES:
         raise P.ProtocolError(P.ERR_OVERSIZED, f"transport metadata of {len(blob)} bytes exceeds {P.MAX_METADATA_BYTES}")
     tp, kvh, eps = _decode_tp(doc, node_id)
-    return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob), tp, kvh, eps)
+    serving = _get_serving(doc, node_id)
+    return RegisterRequest(node_id, rank, transport, layout, fp, ttl, bytes(blob), tp, kvh, eps, serving)
 
 
 def encode_register_reply(epoch: int, ttl: float, max_lock_ttl: float) -> dict[str, Any]:
@@ -170,11 +217,13 @@ def decode_register_reply(doc: dict[str, Any], blob: bytes | memoryview, node_id
 
 def encode_node_description(req: RegisterRequest, epoch: int) -> str:
     """The JSON object a lookup reply carries for this registration (encoded once, spliced often)."""
-    return json.dumps({
+    d = {
         "node_id": req.node_id, "rank": req.rank, "transport": req.transport,
         "meta": base64.b64encode(req.metadata).decode(), "layout": req.layout, "fp": req.fingerprint,
         "epoch": epoch, "tp": req.tp_size, "kvh": req.total_kv_heads, "eps": _encode_endpoints(req.more_ranks),
-    }, separators=(",", ":"))
+    }
+    _put_serving(d, req.serving)
+    return json.dumps(d, separators=(",", ":"))
 
 
 def decode_node_description(node_id: str, d: Any) -> tuple[int, NodeInfo | None]:
@@ -193,7 +242,7 @@ def decode_node_description(node_id: str, d: Any) -> tuple[int, NodeInfo | None]
         raise _malformed(f"field 'meta' of node {node_id!r} must be base64 text") from None
     tp, kvh, eps = _decode_tp(d, node_id)
     info = NodeInfo(node_id, P.get_int(d, "rank", 0, MAX_RANK), P.get_str(d, "transport"), meta, layout,
-                    P.get_str(d, "fp"), tp, kvh, eps)
+                    P.get_str(d, "fp"), tp, kvh, eps, *_get_serving(d, node_id))
     return epoch, info
 
 
@@ -350,10 +399,7 @@ def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tu
     in ``runs``; one the client has at that epoch is sent as its epoch only."""
     head: dict[str, Any] = {"lock": lock_id, "hit": hit, "ttl": ttl, "runs": runs}
     put_block_counts(head, counts)
-    parts = ",".join(
-        f'{json.dumps(nid)}:{{"epoch":{epoch}}}' if have.get(nid) == epoch else f"{json.dumps(nid)}:{info_json}"
-        for nid, epoch, info_json in nodes
-    )
+    parts = _splice_nodes(nodes, have)
     return (json.dumps(head, separators=(",", ":"))[:-1] + ',"nodes":{' + parts + "}}").encode()
 
 
@@ -393,6 +439,96 @@ def decode_lookup_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: in
     offs = list(itertools.accumulate(counts, initial=0))
     block_lists = [blocks[offs[j] : offs[j + 1]] for j in range(hit)]
     return LookupReply(lock_id, hit, ttl, holders, block_lists, nodes)
+
+
+# ---- peek (read-only lookup) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeekRequest:
+    keys: list[bytes]
+    have: dict[str, int]  # as in lookups: descriptions the client holds are sent as epochs only
+    skip: dict[str, int] = field(default_factory=dict)
+    transport: str | None = None
+
+
+def encode_peek(joined_keys: bytes, have: dict[str, int], skip: dict[str, int] | None = None,
+                transport: str | None = None) -> Request:
+    doc: dict[str, Any] = {"n": len(joined_keys) // KEY_BYTES, "have": have}
+    if skip:
+        doc["skip"] = {str(k): int(v) for k, v in skip.items()}
+    if transport is not None:
+        doc["transport"] = transport
+    return Request(P.OP_PEEK, doc, joined_keys)
+
+
+def decode_peek(doc: dict[str, Any], blob: bytes | memoryview) -> PeekRequest:
+    keys = _keys_of(doc, blob)
+    have = doc.get("have")
+    return PeekRequest(keys, have if isinstance(have, dict) else {}, _get_skip(doc),
+                       P.get_str(doc, "transport", optional=True))
+
+
+def _splice_nodes(nodes: Iterable[tuple[str, int, str]], have: dict[str, int]) -> str:
+    return ",".join(
+        f'{json.dumps(nid)}:{{"epoch":{epoch}}}' if have.get(nid) == epoch else f"{json.dumps(nid)}:{info_json}"
+        for nid, epoch, info_json in nodes
+    )
+
+
+def encode_peek_reply(hit: int, prefix_by_node: dict[str, int], nodes: Iterable[tuple[str, int, str]],
+                      have: dict[str, int]) -> bytes:
+    """The reply's JSON part; ``nodes`` as in ``encode_lookup_reply`` (every node in the prefix map)."""
+    head = json.dumps({"hit": hit, "prefix": prefix_by_node}, separators=(",", ":"))
+    return (head[:-1] + ',"nodes":{' + _splice_nodes(nodes, have) + "}}").encode()
+
+
+@dataclass(frozen=True)
+class PeekReply:
+    hit: int
+    prefix_by_node: dict[str, int]
+    nodes: dict[str, tuple[int, NodeInfo | None]]  # node id -> (epoch, description or None)
+
+
+def decode_peek_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: int) -> PeekReply:
+    hit = P.get_int(doc, "hit", 0, asked)
+    prefix = doc.get("prefix")
+    if (not isinstance(prefix, dict)
+            or not all(isinstance(k, str) and type(v) is int and 0 < v <= hit for k, v in prefix.items())):
+        raise _malformed(f"field 'prefix' must map node ids to leading chunk counts in [1, {hit}]")
+    raw_nodes = doc.get("nodes")
+    if not isinstance(raw_nodes, dict) or not prefix.keys() <= raw_nodes.keys():
+        raise _malformed("field 'nodes' must describe every node named in 'prefix'")
+    return PeekReply(hit, prefix, {nid: decode_node_description(nid, d) for nid, d in raw_nodes.items()})
+
+
+# ---- nodes (live registrations) -------------------------------------------------------------------
+
+
+def encode_nodes() -> Request:
+    return Request(P.OP_NODES, {}, b"")
+
+
+def encode_nodes_reply(descriptions: Iterable[str]) -> bytes:
+    """The reply's JSON part: the pre-encoded description of each live registration."""
+    return ('{"nodes":[' + ",".join(descriptions) + "]}").encode()
+
+
+def decode_nodes_reply(doc: dict[str, Any], blob: bytes | memoryview) -> list[tuple[int, NodeInfo]]:
+    """(epoch, description) of every live registration."""
+    raw = doc.get("nodes")
+    if not isinstance(raw, list):
+        raise _malformed("field 'nodes' must be a list of node descriptions")
+    out = []
+    for d in raw:
+        nid = d.get("node_id") if isinstance(d, dict) else None
+        if not isinstance(nid, str) or not nid:
+            raise _malformed(f"a node description in a nodes reply lacks its 'node_id': {d!r:.60}")
+        epoch, info = decode_node_description(nid, d)
+        if info is None:
+            raise _malformed(f"node {nid!r} in a nodes reply has no description")
+        out.append((epoch, info))
+    return out
 
 
 # ---- release --------------------------------------------------------------------------------------

@@ -30,6 +30,12 @@ class NodeInfo:
     tp_size: int = 1
     total_kv_heads: int = 0  # 0: not announced (then rank 0's layout's kv_heads x tp_size)
     more_ranks: tuple[RankEndpoint, ...] = ()
+    # What a router needs to send requests to the engine and to ask the index about its prompts
+    # (all optional: "" / 0 mean not announced, as from a registration that predates them).
+    serve_url: str = ""  # the engine's OpenAI-compatible HTTP base URL, e.g. "http://10.0.0.5:8100"
+    namespace: str = ""  # hex of the engine's key namespace root (pdxfer.keys.Namespace.root())
+    chunk_tokens: int = 0  # tokens per chunk key
+    role: str = ""  # "kv_producer" | "kv_consumer" | "kv_both"
 
     @property
     def endpoints(self) -> tuple[RankEndpoint, ...]:
@@ -60,6 +66,18 @@ class ChunkLocation:
     key: bytes
     node_id: str
     block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class PeekResult:
+    """What a read-only peek says about some keys: nothing is locked or pinned, so by the time a
+    reader looks up the same keys, holders may have come or gone."""
+
+    hit: int  # leading chunks the live fleet holds: what lookup_and_lock would hit now
+    # node id -> how many leading keys (from key 0) that node alone holds contiguously; live,
+    # usable holders only, and only those holding key 0 (every value > 0)
+    prefix_by_node: dict[str, int]
+    nodes: dict[str, NodeInfo]  # descriptions of the nodes in prefix_by_node
 
 
 @dataclass

@@ -89,7 +89,7 @@ class MasterService:
             P.OP_LOOKUP: self._lookup, P.OP_RELEASE: self._release, P.OP_PUBLISH: self._publish,
             P.OP_UNPUBLISH: self._unpublish, P.OP_HEARTBEAT: self._heartbeat, P.OP_REGISTER: self._register,
             P.OP_DEREGISTER: self._deregister, P.OP_STATS: self._stats, P.OP_PING: self._ping,
-            P.OP_FENCE: self._fence,
+            P.OP_FENCE: self._fence, P.OP_PEEK: self._peek, P.OP_NODES: self._nodes,
         }
 
     # ---- leadership -----------------------------------------------------------------------------
@@ -298,6 +298,15 @@ class MasterService:
         head = ops.encode_lookup_reply(out.lock_id, out.hit, ttl, out.runs, out.counts, nodes, req.have)
         self.lookup_seconds += time.perf_counter() - t0
         return head, out.blocks
+
+    def _peek(self, doc: dict[str, Any], blob: memoryview, now: float) -> tuple[bytes, bytes]:
+        req = ops.decode_peek(doc, blob)
+        out = self.index.peek(req.keys, now, req.skip, req.transport)
+        nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
+        return ops.encode_peek_reply(out.hit, out.prefix_by_node, nodes, req.have), b""
+
+    def _nodes(self, doc: dict[str, Any], blob: memoryview, now: float) -> tuple[bytes, bytes]:
+        return ops.encode_nodes_reply(n.info_json for n in self.index.live_nodes(now)), b""
 
     def _release(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         lock_id, all_parties = ops.decode_release(doc, blob)

@@ -15,6 +15,7 @@ _METRICS = (
     ("entries", "gauge", "Published (key, node) entries.", "entries"),
     ("locks", "gauge", "Reader locks not yet released or reaped.", "locks"),
     ("lookups_total", "counter", "lookup_and_lock requests served.", "lookups"),
+    ("peeks_total", "counter", "Read-only peek requests served.", "peeks"),
     ("lookup_chunks_total", "counter", "Chunks asked for in lookups.", "lookup_chunks"),
     ("hit_chunks_total", "counter", "Chunks found (contiguous prefix) in lookups.", "hit_chunks"),
     ("hit_tokens_total", "counter", "hit_chunks_total times chunk tokens.", "hit_tokens"),

@@ -34,10 +34,21 @@ def test_prefers_the_node_with_the_longest_prefix_then_switches_minimally():
     assert out.runs == [("b", 5), ("c", 2)]
 
 
-def test_choice_is_deterministic_on_ties():
-    ix, keys = idx_with(("z", [0, 1]), ("m", [0, 1]))
-    for t in range(5):
-        assert ix.lookup_and_lock(keys[:2], "r", 5.0, now=1.0 + t).runs == [("m", 2)]
+def test_ties_rotate_among_the_holders_in_node_id_order():
+    """Holders tied for the longest run take turns (node id order, one step per tie broken), so
+    copies of one prefix on several engines share its reads."""
+    ix, keys = idx_with(("z", [0, 1]), ("m", [0, 1]), ("a", [0]))
+    got = [ix.lookup_and_lock(keys[:2], "r", 5.0, now=1.0 + t).runs for t in range(4)]
+    assert got == [[("m", 2)], [("z", 2)], [("m", 2)], [("z", 2)]]  # "a"'s run is shorter: never chosen
+    again, _ = idx_with(("z", [0, 1]), ("m", [0, 1]), ("a", [0]))
+    assert [again.lookup_and_lock(keys[:2], "r", 5.0, now=1.0 + t).runs for t in range(4)] == got
+
+
+def test_a_longer_run_always_wins_over_a_tie_elsewhere():
+    ix, keys = idx_with(("b", [0, 1, 2]), ("c", [0, 1, 2]), ("long", [0, 1, 2, 3, 4]), ("x", [5]), ("y", [5]))
+    for t in range(4):
+        runs = ix.lookup_and_lock(keys[:6], "r", 5.0, now=1.0 + t).runs
+        assert runs[0] == ("long", 5) and runs[1][0] in ("x", "y"), runs
 
 
 def test_release_after_deadline_is_false_even_if_entry_exists():

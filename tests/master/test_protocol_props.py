@@ -17,7 +17,7 @@ _values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=6,
 )
-_fields = ["node_id", "epoch", "seq", "upto", "fence", "rank", "transport", "fp", "layout", "ttl", "n", "per", "counts", "ret", "reader", "lock", "have"]
+_fields = ["node_id", "epoch", "seq", "upto", "fence", "rank", "transport", "fp", "layout", "ttl", "n", "per", "counts", "ret", "reader", "lock", "have", "skip", "transport", "serve_url", "ns", "ct", "role"]
 _docs = st.dictionaries(st.sampled_from(_fields), _values | st.just("h") | st.just(1), max_size=6)
 
 

@@ -56,6 +56,31 @@ def test_two_holders_longest_prefix_wins(master, masters):
     assert set(r.nodes) == {"long"}
 
 
+def test_two_holders_of_the_same_chunks_share_the_reads(master, masters):
+    c = masters.client(master.address)
+    keys = keys_for("copies", 4)
+    for nid in ("copy-a", "copy-b", "short"):
+        c.register_node(node_info(nid), 30)
+    c.publish("copy-a", [(k, [1]) for k in keys])
+    c.publish("copy-b", [(k, [2]) for k in keys])
+    c.publish("short", [(k, [3]) for k in keys[:3]])
+    chosen = []
+    for _ in range(4):
+        r = c.lookup_and_lock(keys, reader="d")
+        holders = {loc.node_id for loc in r.locations}
+        assert r.hit_chunks == 4 and len(holders) == 1, holders  # one holder for the whole run
+        chosen += holders
+        assert c.release(r.lock_id)
+    assert sorted(chosen) == ["copy-a", "copy-a", "copy-b", "copy-b"]
+    c.register_node(node_info("longer"), 30)
+    longer = keys + keys_for("copies-more", 1)
+    c.publish("longer", [(k, [4]) for k in longer])
+    for _ in range(3):
+        r = c.lookup_and_lock(longer, reader="d")
+        assert r.hit_chunks == 5 and {loc.node_id for loc in r.locations} == {"longer"}
+        assert c.release(r.lock_id)
+
+
 def test_lock_expiry_then_release_says_expired(master, masters):
     c = masters.client(master.address)
     c.register_node(node_info("p"), 30)
