@@ -65,6 +65,7 @@ def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdxfer.cli", "launch", str(model), "--port", "0",
              "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "400",
+             "--proxy-arg=--skip-prefill-tokens=0",  # the short demo prompt too goes through a prefill
              *(f"--vllm-arg={a}" for a in PAIR_VLLM_ARGS)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     pids: dict[str, int] = {}
