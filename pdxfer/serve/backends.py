@@ -91,13 +91,15 @@ class BackendPool:
         url = url.rstrip("/")
         return next((b for b in self.backends if b.url == url), None)
 
-    def pick(self, exclude: Iterable[Backend] = ()) -> Backend | None:
-        """A healthy instance not in ``exclude`` by the pool's policy (ties take turns), or None."""
+    def pick(self, exclude: Iterable[Backend] = (), last_resort: bool = False) -> Backend | None:
+        """A healthy instance not in ``exclude`` by the pool's policy (ties take turns), or None.
+        ``last_resort``: any instance not in ``exclude``, healthy or not (for when none is: one
+        taken out for a slow health check may well answer, and one that does not is named)."""
         skip = {id(b) for b in exclude}
         n = len(self.backends)
         start = next(self._turn) % n
         order = [b for b in self.backends[start:] + self.backends[:start]
-                 if b.healthy and id(b) not in skip]
+                 if (b.healthy or last_resort) and id(b) not in skip]
         if not order:
             return None
         if self.policy == "round_robin":

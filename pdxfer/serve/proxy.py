@@ -215,7 +215,7 @@ class PDProxy:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
-        backend = self.decode.pick()
+        backend = self.decode.pick() or self.decode.pick(last_resort=True)
         if backend is None:
             return self._no_healthy(self.decode)
         try:

@@ -9,7 +9,9 @@ tokens the fleet already holds and where:
   is held and the whole prompt is that short);
 - else prefill on the instance holding the longest prefix (its own prefix cache hits:
   ``prefill-holder``), else the least loaded (``least-loaded``);
-- decode on the decode instance holding the longest prefix (``holder``), else the least loaded.
+- decode on the decode instance holding the longest prefix (``holder``), else the least loaded;
+  with none healthy, one that is out is tried all the same (``last-resort``): a slow health check
+  must not turn every request away, and an instance that is really gone is named in the error.
 
 Without an index, or when it cannot answer in time, the request is routed as if nothing were held
 and the reason says why (``no-index``, ``index-down``, ``tokenize-failed``, ...). No healthy prefill
@@ -105,22 +107,28 @@ class Router:
         self.index = index
         self.cfg = cfg or RouteConfig()
 
+    def _least_loaded_decode(self) -> tuple[Backend, str]:
+        picked = self.decode.pick()
+        if picked is not None:
+            return picked, "least-loaded"
+        picked = self.decode.pick(last_resort=True)
+        if picked is None:  # only with an empty pool, which the proxy refuses
+            raise NoHealthyInstance(self.decode)
+        return picked, "last-resort"
+
     def _plain(self, reason: str, detail: str = "", prompt_tokens: int | None = None) -> Route:
         """Nothing known about what the fleet holds: least loaded on both sides."""
-        decode = self.decode.pick()
-        if decode is None:
-            raise NoHealthyInstance(self.decode)
+        decode, decode_reason = self._least_loaded_decode()
         prefill = self.prefill.pick()
         if prefill is None:
-            return Route(decode, None, "no-prefill", "least-loaded", prompt_tokens, None,
+            return Route(decode, None, "no-prefill", decode_reason, prompt_tokens, None,
                          f"{reason}: {detail}" if detail else reason)
-        return Route(decode, prefill, reason, "least-loaded", prompt_tokens, None, detail)
+        return Route(decode, prefill, reason, decode_reason, prompt_tokens, None, detail)
 
     async def route(self, session: aiohttp.ClientSession, path: str, body: Mapping[str, Any],
                     headers: Mapping[str, str]) -> Route:
-        """The route of one request; NoHealthyInstance when no decode instance can take it."""
-        if not self.decode.healthy():
-            raise NoHealthyInstance(self.decode)
+        """The route of one request (with no healthy decode instance, one that is out:
+        ``decode=last-resort``)."""
         if self.index is None:
             return self._plain("no-index")
         if not path.endswith("/chat/completions") and single_prompt(body) is None:
@@ -156,10 +164,7 @@ class Router:
         if decode_held is not None:
             decode, decode_reason = decode_held[0], "holder"
         else:
-            picked = self.decode.pick()
-            if picked is None:
-                raise NoHealthyInstance(self.decode)
-            decode, decode_reason = picked, "least-loaded"
+            decode, decode_reason = self._least_loaded_decode()
         P = h.prompt_tokens
         # A decode loads at most all but the last prompt token (it samples from that one).
         left = P - min(h.held_tokens, P - 1)
