@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 from pdxfer.keys import KEY_BYTES, IncrementalHasher
 from pdxfer.master import MasterClient, MasterError
+from pdxfer.master.locator import locator_for
 
 MAX_NAMESPACES = 4  # distinct (namespace, chunk size) groups one request is peeked in
 
@@ -72,6 +73,7 @@ class IndexView:
                  client_factory: Callable[..., Any] = MasterClient) -> None:
         if timeout_s <= 0 or nodes_ttl_s < 0 or backoff_s < 0:
             raise ValueError("index timeout must be positive, nodes_ttl_s and backoff_s not negative")
+        locator_for(master)  # a bad address is the operator's to fix now, not a per-request note
         self.master = master
         self.timeout_s = timeout_s
         self.nodes_ttl_s = nodes_ttl_s

@@ -146,6 +146,9 @@ class Router:
             return self._plain("tokenize-failed", str(e))
         except IndexUnavailable as e:
             return self._plain(e.code, str(e))
+        except Exception as e:  # noqa: BLE001 - the index is advice: it never fails a request
+            log.exception("asking the index failed unexpectedly")
+            return self._plain("index-error", f"{e.__class__.__name__}: {e}")
         return self.decide(holding)
 
     async def _holding(self, session: aiohttp.ClientSession, path: str, body: Mapping[str, Any],

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,6 +23,7 @@ from pdxfer.serve.index_view import IndexView, lookup_keys
 from pdxfer.serve.proxy import PDProxy, RunningProxy
 from pdxfer.serve.router import RouteConfig
 
+from .stand_ins import ROOT as REPO_ROOT
 from .stand_ins import StandIn, stand_in_tokens
 from .test_fleet_proxy import metric, post
 
@@ -233,3 +236,12 @@ def test_an_index_view_refuses_what_it_cannot_use(master) -> None:
         RouteConfig(skip_prefill_fraction=1.5)
     with pytest.raises(ValueError, match="skip_prefill_tokens"):
         RouteConfig(skip_prefill_tokens=-1)
+
+
+def test_a_bad_master_address_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match="is not host:port"):
+        PDProxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], master="not an address")
+    bad = subprocess.run([sys.executable, "-m", "pdxfer.cli", "proxy", "--prefill", "http://127.0.0.1:1",
+                          "--decode", "http://127.0.0.1:2", "--master", "http://x:1"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "unknown scheme" in bad.stderr
