@@ -6,6 +6,7 @@ tokenizes with a stand-in's /tokenize, peeks at the master and routes."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -140,7 +141,8 @@ def test_the_prefill_goes_to_the_instance_holding_the_longest_prefix(fleet) -> N
                   reason="prefill-holder") == 3
 
 
-def test_a_prompt_the_fleet_holds_skips_the_prefill_on_the_holding_decode(fleet) -> None:
+def test_a_prompt_the_fleet_holds_skips_the_prefill_on_the_holding_decode(fleet, caplog) -> None:
+    caplog.set_level(logging.INFO, "pdxfer.proxy")
     p = fleet.instance("P")
     d0, d1 = fleet.instance("D0"), fleet.instance("D1")
     t = tokens_of(PROMPT)
@@ -154,6 +156,9 @@ def test_a_prompt_the_fleet_holds_skips_the_prefill_on_the_holding_decode(fleet)
     assert d1.received[0][1] == {"prompt": PROMPT, "max_tokens": 5}  # untouched, no hint
     assert metric(px, "pdxfer_proxy_routes_total", decision="decode-only", reason="skip-prefill",
                   decode="holder") == 2
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route ")]
+    assert logged == [f"route /v1/completions decode-only={d1.url}; skip-prefill; decode=holder; "
+                      "held=200/200; left=1"] * 2
 
 
 def test_the_skip_threshold_in_tokens_and_as_a_fraction(fleet) -> None:
