@@ -70,9 +70,9 @@ from bench.pd_util import (
 from pdxfer.procs import default_run_dir
 from pdxfer.vllm.phase_times import PHASES
 from pdxfer.transport import KINDS
-from pdxfer.vllm.launch import split_cores
-from pdxfer.vllm.serve_shim import served_model_name
-from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model
+from pdxfer.serve.launch import split_cores
+from pdxfer.serve.serve_shim import served_model_name
+from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
 
 
 def _progress() -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.pd_util import post_json
 from pdxfer.procs import free_port
-from pdxfer.vllm.launch import Stack, pdxfer_kv_config
+from pdxfer.serve.launch import Stack, pdxfer_kv_config
 
 CONFIGS = ("plain", "pdxfer", "nixl")
 

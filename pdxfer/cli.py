@@ -1,7 +1,7 @@
 """`pdxfer` command line: one entry point, one subcommand per job.
 
-Own subcommands: `launch` (master + prefill + decode + proxy on loopback), `proxy` (the PD proxy
-alone), `make-tiny-model` (the tiny random Llama for tests and demos).
+Own subcommands: `launch` (master + N prefill + M decode instances + proxy on loopback), `proxy`
+(the PD proxy and router alone), `make-tiny-model` (the tiny random Llama for tests and demos).
 
 Other parts hook in through FORWARDED: `pdxfer NAME ARGS...` calls `module:function(ARGS)` of the
 part that owns NAME (its own argparse parses ARGS). Add an entry there to expose a new tool; a
@@ -46,42 +46,63 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", metavar="HOST:PORT",
                    help="use a running master instead of starting an in-memory one")
     p.add_argument("--chunk-tokens", type=int, default=None, help="chunk size in tokens")
-    p.add_argument("--prefill-cpus", default=None,
-                   help="cores for the prefill instance, e.g. 0 or 0-3 (default: first half of "
-                        "the cores this process may use)")
-    p.add_argument("--decode-cpus", default=None,
-                   help="cores for the decode instance (default: the other half)")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances (default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances (default 1)")
+    p.add_argument("--prefill-cpus", action="append", default=[], metavar="CORES",
+                   help="cores of one prefill instance, e.g. 0 or 0-3; once per instance "
+                        "(default: the cores this process may use, split among all instances)")
+    p.add_argument("--decode-cpus", action="append", default=[], metavar="CORES",
+                   help="cores of one decode instance; once per instance")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
     p.add_argument("--log-dir", type=Path, default=None, help="where the logs go")
     p.add_argument("--ready-timeout", type=float, default=300, help="seconds to wait for readiness")
     p.add_argument("--demo", action="store_true",
                    help="after readiness send a few prompts, print outputs and stats, then exit")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for both `vllm serve` (repeatable, e.g. --vllm-arg=--max-model-len=4096)")
+                   help="extra argument for every `vllm serve` (repeatable, e.g. --vllm-arg=--max-model-len=4096)")
+    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `pdxfer proxy` (repeatable, e.g. --proxy-arg=--skip-prefill-tokens=0)")
 
 
 def _add_proxy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="prefill instance base URL, e.g. http://127.0.0.1:8100 (repeatable)")
-    p.add_argument("--decode", action="append", required=True, metavar="URL",
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="decode instance base URL (repeatable)")
+    p.add_argument("--backends", type=Path, default=None, metavar="FILE",
+                   help='JSON file {"prefill": [URL, ...], "decode": [URL, ...]} (added to the flags)')
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="least_loaded")
+    p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="least_loaded",
+                   help="how to choose when the index names no holder")
     p.add_argument("--timeout", type=float, default=300, help="per backend request, seconds")
     p.add_argument("--connect-timeout", type=float, default=5, help="backend connect, seconds")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between health checks (GET /health) of every instance")
+    p.add_argument("--health-timeout", type=float, default=2.0, help="bound of one health check, seconds")
     p.add_argument("--handoff", choices=("none", "nixl"), default="none",
                    help="none: decode finds KV through the pdxfer master; nixl: pass vLLM "
                         "NixlConnector kv_transfer_params from prefill to decode")
-    p.add_argument("--prefill-failure", choices=("error", "decode"), default="error",
-                   help="when prefill fails: answer 502/504 (error) or let decode compute (decode)")
+    p.add_argument("--prefill-failure", choices=("error", "decode"), default="decode",
+                   help="when the prefill step fails on two instances: let decode compute the "
+                        "prompt (decode, the default) or answer 502/504 (error)")
+    p.add_argument("--master", metavar="HOST:PORT", default=None,
+                   help="the pdxfer master: route from its index (skip the prefill of what the "
+                        "fleet holds, prefer the instances holding a prompt's prefix)")
+    p.add_argument("--master-token-file", type=Path, default=None, help="the master's shared secret")
+    p.add_argument("--skip-prefill-tokens", type=int, default=256,
+                   help="skip the prefill when at most this many prompt tokens are left to compute")
+    p.add_argument("--skip-prefill-fraction", type=float, default=0.0,
+                   help="... or at most this fraction of the prompt (0: off)")
+    p.add_argument("--index-timeout", type=float, default=1.0,
+                   help="bound of tokenizing and asking the index, seconds (then: route without it)")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdxfer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    _add_launch_args(sub.add_parser("launch", help="start master, prefill, decode and proxy"))
+    _add_launch_args(sub.add_parser("launch", help="start master, prefill and decode instances, proxy"))
     _add_proxy_args(sub.add_parser("proxy", help="run the PD proxy"))
     t = sub.add_parser("make-tiny-model", help="build the tiny random Llama + local tokenizer")
     t.add_argument("out_dir", type=Path)
@@ -99,16 +120,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(rc or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "make-tiny-model":
-        from pdxfer.vllm.tiny_model import make_tiny_model
+        from pdxfer.serve.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.out_dir, seed=args.seed))
         return 0
     if args.cmd == "proxy":
-        from pdxfer.vllm.proxy import run_proxy_cli
+        from pdxfer.serve.proxy import run_proxy_cli
 
         return run_proxy_cli(args)
     if args.cmd == "launch":
-        from pdxfer.vllm.launch import run_launch_cli
+        from pdxfer.serve.launch import run_launch_cli
 
         return run_launch_cli(args)
     raise AssertionError(args.cmd)  # argparse rejects unknown commands

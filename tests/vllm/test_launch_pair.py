@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.vllm.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
-from pdxfer.vllm.tiny_model import default_tiny_model_dir, make_tiny_model
+from pdxfer.serve.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
+from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
 from tests.vllm.conftest import PAIR_VLLM_ARGS, ask_url, check_logprobs, prompt_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +65,7 @@ def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdxfer.cli", "launch", str(model), "--port", "0",
              "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "400",
+             "--proxy-arg=--skip-prefill-tokens=0",  # the short demo prompt too goes through a prefill
              *(f"--vllm-arg={a}" for a in PAIR_VLLM_ARGS)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     pids: dict[str, int] = {}

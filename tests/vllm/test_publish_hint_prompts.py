@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from pdxfer.vllm.proxy import PDProxy, RunningProxy
+from pdxfer.serve.proxy import PDProxy, RunningProxy
 from pdxfer.vllm import publish_hint as hints
-from tests.vllm.test_proxy import FakeInstance, instances, post  # noqa: F401  (instances: a fixture)
+from tests.serve.test_proxy import FakeInstance, instances, post  # noqa: F401  (instances: a fixture)
 
 C = 256
 

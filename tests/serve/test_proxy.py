@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from pdxfer.procs import free_port, wait_http_ready
-from pdxfer.vllm.proxy import PDProxy, RunningProxy
+from pdxfer.serve.proxy import PDProxy, RunningProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,10 @@ class FakeInstance:
         self.status = status
         self.kv_params = kv_params
         self.received: list[tuple[str, dict[str, Any]]] = []
+        self.headers: list[dict[str, str]] = []  # of each completion request
+        self.healthy = True
         app = web.Application()
+        app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
@@ -63,9 +66,13 @@ class FakeInstance:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "owner": self.name}]})
 
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append((request.path, body))
+        self.headers.append(dict(request.headers))
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.status != 200:
@@ -205,33 +212,45 @@ def test_down_decode_instance_is_named_in_502(instances) -> None:
         status, _, data = post(px.url + "/v1/completions", {"prompt": "x"})
     assert time.monotonic() - t0 < 5
     err = json.loads(data)["error"]
+    # Out or not (the health check may have taken it out first), it is tried and named.
     assert status == 502 and err["instance"] == dead and err["role"] == "decode"
     assert dead in err["message"]
 
 
-def test_down_prefill_instance_502_or_fallback(instances) -> None:
+def test_down_prefill_instance_fallback_or_502(instances) -> None:
     d = instances("D")
     dead = f"http://127.0.0.1:{free_port()}"
-    with RunningProxy(PDProxy([dead], [d.url])) as px:
+    with RunningProxy(PDProxy([dead], [d.url], prefill_failure="error")) as px:
         status, _, data = post(px.url + "/v1/completions", {"prompt": "x"})
         health = json.loads(urllib.request.urlopen(px.url + "/health", timeout=5).read())
     err = json.loads(data)["error"]
-    assert status == 502 and err["role"] == "prefill" and dead in err["message"]
+    # 502 when the request met the dead instance, 503 when the health check had taken it out.
+    assert status in (502, 503) and err["role"] == "prefill" and dead in err["message"]
     assert d.received == []  # no decode when the prefill step failed
-    assert health["prefill"][0]["errors"] == 1 and health["prefill"][0]["in_flight"] == 0
-    with RunningProxy(PDProxy([dead], [d.url], prefill_failure="decode")) as px:
+    assert health["prefill"][0]["in_flight"] == 0
+    assert health["prefill"][0]["healthy"] is False
+    with RunningProxy(PDProxy([dead], [d.url])) as px:  # the default: decode computes it
         status, headers, data = post(px.url + "/v1/completions", {"prompt": "x"})
     assert status == 200 and json.loads(data)["by"] == "D" and "X-Pdxfer-Prefill" not in headers
+    assert headers["x-pdxfer-route"] == f"decode-only={d.url}"
+    assert headers["x-pdxfer-route-reason"].startswith(("no-prefill", "prefill-failed"))
 
 
 def test_backend_errors_and_timeouts(instances) -> None:
     d = instances("D")
     broken, picky, hung = instances("B", status=500), instances("C", status=400), \
         instances("H", delay=2)
-    with RunningProxy(PDProxy([broken.url], [d.url])) as px:
+    with RunningProxy(PDProxy([broken.url], [d.url], prefill_failure="error")) as px:
         status, _, data = post(px.url + "/v1/completions", {"prompt": "x"})
     assert status == 502 and broken.url in json.loads(data)["error"]["message"]
     assert "HTTP 500" in json.loads(data)["error"]["message"]
+    assert d.received == []
+    with RunningProxy(PDProxy([broken.url], [d.url])) as px:  # default: decode computes it
+        status, headers, data = post(px.url + "/v1/completions", {"prompt": "x"})
+    assert status == 200 and json.loads(data)["by"] == "D"
+    reason = headers["x-pdxfer-route-reason"]
+    assert reason.startswith("prefill-failed") and broken.url in reason and "HTTP 500" in reason
+    d.received.clear()
     with RunningProxy(PDProxy([picky.url], [d.url])) as px:
         status, _, data = post(px.url + "/v1/completions", {"prompt": "x"})
     assert status == 400 and json.loads(data)["error"]["message"] == "C says no"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.vllm.launch import split_cores
-from pdxfer.vllm.serve_shim import vllm_serve_argv, vllm_serve_env
-from pdxfer.vllm.tiny_model import make_tiny_model
+from pdxfer.serve.launch import instance_names, pdxfer_kv_config, split_cores, split_cores_among, start_fleet
+from pdxfer.serve.serve_shim import vllm_serve_argv, vllm_serve_env
+from pdxfer.serve.tiny_model import make_tiny_model
 
 
 def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
 def test_vllm_argv_and_env(tmp_path: Path) -> None:
     argv = vllm_serve_argv(tmp_path, 1234, {"kv_connector": "PdxferConnector", "kv_role": "kv_both"},
                            ["--max-model-len", "4096"])
-    assert argv[:4] == [sys.executable, "-m", "pdxfer.vllm.serve_shim", "serve"]
+    assert argv[:4] == [sys.executable, "-m", "pdxfer.serve.serve_shim", "serve"]
     assert argv[argv.index("--port") + 1] == "1234"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert "--enforce-eager" in argv and argv[-2:] == ["--max-model-len", "4096"]
@@ -67,3 +67,27 @@ def test_split_cores_gives_disjoint_halves() -> None:
         split_cores([])
     p, d = split_cores()
     assert set(map(int, p.split(","))) | set(map(int, d.split(","))) == os.sched_getaffinity(0)
+
+
+def test_cores_are_split_among_every_instance_of_a_fleet() -> None:
+    assert split_cores_among(4, range(8)) == ["0,1", "2,3", "4,5", "6,7"]
+    assert split_cores_among(4, range(10)) == ["0,1", "2,3", "4,5,6", "7,8,9"]
+    assert split_cores_among(4, [0, 1]) == ["0", "1", "0", "1"]  # fewer cores: shared in turn
+    assert split_cores_among(1, [2, 3]) == ["2,3"]
+    with pytest.raises(ValueError, match="at least one instance"):
+        split_cores_among(0, [0])
+    assert instance_names("prefill", 1) == ["prefill"]
+    assert instance_names("decode", 2) == ["decode-0", "decode-1"]
+
+
+def test_a_fleet_refuses_bad_counts_and_core_lists_before_starting_anything(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        start_fleet(tmp_path, tmp_path, n_prefill=0)
+    with pytest.raises(ValueError, match="one core list per instance"):
+        start_fleet(tmp_path, tmp_path, n_prefill=2, n_decode=1, prefill_cpus=["0"])
+
+
+def test_each_instance_is_told_its_own_serve_url() -> None:
+    cfg = pdxfer_kv_config("kv_consumer", "127.0.0.1:5000", serve_url="http://127.0.0.1:8101")
+    assert cfg["kv_connector_extra_config"]["serve_url"] == "http://127.0.0.1:8101"
+    assert cfg["kv_role"] == "kv_consumer"

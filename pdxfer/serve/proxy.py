@@ -1,0 +1,532 @@
+"""The PD proxy: one OpenAI-compatible endpoint in front of a fleet of prefill and decode vLLM
+instances.
+
+For each `/v1/completions` or `/v1/chat/completions` request it
+1. asks the router (router.py) where to go: which prefill instance, or none, and which decode,
+   from what the master's index says the fleet holds of the prompt (when a master is given);
+2. sends the request to the prefill instance with `max_tokens=1` and `stream: false` (the prefill
+   computes the prompt's KV; its connector publishes the full chunks to the master),
+3. then sends the original request to the decode instance, whose connector finds those chunks
+   through the master and reads them; the decode answer (streamed or not) goes to the client.
+
+The client's headers (Authorization, X-Request-Id, ...; not the hop-by-hop ones) go to both steps.
+The route and its reason are in the response headers ``x-pdxfer-route`` (``prefill=<url>
+decode=<url>`` or ``decode-only=<url>``) and ``x-pdxfer-route-reason``, in the log and in
+``/metrics``.
+
+No block ids travel through the proxy (pdxfer's decode finds chunks by content hash). A prefill
+answer's `kv_transfer_params` go into the decode request: pdxfer's publish hint (the decode waits,
+bounded, for chunks whose publish is still on its way). vLLM answers a completion of several
+prompts with prompt 0's `kv_transfer_params` only, so such a completion is prefilled one prompt
+per request and the decode request carries every prompt's hint (each names its prompt; each
+decode prompt uses only its own). For vLLM's own NixlConnector, `handoff="nixl"` also asks
+prefill for `kv_transfer_params`, which carry its block ids.
+
+Failures: an instance that fails its health check or cannot be reached is taken out until its
+health check passes again (backends.py). A step whose instance fails before anything reached the
+client is retried once on another healthy instance. A prefill step that still fails is skipped:
+the decode computes the prompt itself (reason ``prefill-failed``; with
+``prefill_failure="error"`` the client gets the error instead). A decode step that still fails
+gives a JSON error naming the instance (502; 504 for a timeout, which is not retried: the
+instance may still be working on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdxfer.serve.backends import Backend, BackendPool, HealthChecker, load_backends_file
+from pdxfer.serve.http_headers import request_headers, response_headers
+from pdxfer.serve.index_view import IndexView
+from pdxfer.serve.proxy_metrics import ProxyMetrics
+from pdxfer.serve.router import NoHealthyInstance, Route, RouteConfig, Router
+from pdxfer.vllm.publish_hint import merge_hints
+
+log = logging.getLogger("pdxfer.proxy")
+
+HANDOFFS = ("none", "nixl")
+PREFILL_FAILURE = ("error", "decode")
+# Sampling fields that conflict with max_tokens=1 or would make the prefill step do extra work.
+# Nothing that shapes the prompt may be dropped (messages, tools, chat_template_kwargs, ...):
+# prefill and decode must see the same prompt tokens, or decode finds no chunks.
+_PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
+                 "best_of", "n", "echo", "stop", "stop_token_ids", "response_format",
+                 "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar")
+_NET_ERRORS = (aiohttp.ClientError, OSError)
+
+
+def _error_response(status: int, message: str, etype: str, backend: Backend | None = None,
+                    headers: Mapping[str, str] | None = None) -> web.Response:
+    body: dict[str, Any] = {"error": {"message": message, "type": etype, "code": status}}
+    if backend is not None:
+        body["error"]["instance"] = backend.url
+        body["error"]["role"] = backend.role
+    return web.json_response(body, status=status, headers=headers)
+
+
+def prefill_body(body: dict[str, Any], handoff: str) -> dict[str, Any]:
+    """The request the prefill instance gets: same prompt, one token, no streaming."""
+    p = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    p["max_tokens"] = 1
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p["stream"] = False
+    if handoff == "nixl":
+        p["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_engine_id": None, "remote_block_ids": None,
+                                   "remote_host": None, "remote_port": None}
+    return p
+
+
+def split_prompts(body: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a completion of several prompts (strings or token id lists), else None.
+    A flat list of token ids is one prompt."""
+    prompts = body.get("prompt")
+    if (isinstance(prompts, list) and len(prompts) > 1
+            and all(isinstance(p, (str, list)) for p in prompts)):
+        return prompts
+    return None
+
+
+class StepFailed(Exception):
+    """One step failed at one instance. ``retry``: nothing reached the client and another
+    instance may answer; ``status``: what the client gets if it is not retried (or the retry
+    fails too); ``data``/``content_type``: an instance's own client-error answer, passed through."""
+
+    def __init__(self, backend: Backend, status: int, message: str, retry: bool,
+                 data: bytes | None = None, content_type: str = "application/json") -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.status = status
+        self.retry = retry
+        self.data = data
+        self.content_type = content_type
+
+    def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
+        if self.data is not None:  # the instance's own 4xx: the client's error, not ours
+            return web.Response(body=self.data, status=self.status,
+                                content_type=self.content_type, headers=headers)
+        etype = "gateway_timeout" if self.status == 504 else "bad_gateway"
+        return _error_response(self.status, str(self), etype, self.backend, headers)
+
+
+class PDProxy:
+    """The aiohttp application and its state; `app` is ready to be served."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], policy: str = "least_loaded",
+                 timeout: float = 300, connect_timeout: float = 5, handoff: str = "none",
+                 prefill_failure: str = "decode", master: str | None = None,
+                 master_token: str | None = None, route: RouteConfig | None = None,
+                 health_interval: float = 2.0, health_timeout: float = 2.0) -> None:
+        if handoff not in HANDOFFS:
+            raise ValueError(f"unknown handoff {handoff!r}; known: {', '.join(HANDOFFS)}")
+        if prefill_failure not in PREFILL_FAILURE:
+            raise ValueError(f"unknown prefill_failure {prefill_failure!r}; known: "
+                             f"{', '.join(PREFILL_FAILURE)}")
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        self.prefill = BackendPool.from_urls("prefill", prefill, policy)
+        self.decode = BackendPool.from_urls("decode", decode, policy)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.handoff = handoff
+        self.prefill_failure = prefill_failure
+        route = route or RouteConfig()
+        # NixlConnector moves block ids from a prefill it ran: a decode-only route has none.
+        self.index = (IndexView(master, master_token, timeout_s=route.index_timeout_s)
+                      if master and handoff == "none" else None)
+        self.router = Router(self.prefill, self.decode, self.index, route)
+        self.metrics = ProxyMetrics()
+        for b in self.prefill.backends + self.decode.backends:
+            self.metrics.healthy.labels(b.role, b.url).set(1)
+        self.health = HealthChecker((self.prefill, self.decode), health_interval, health_timeout,
+                                    self.metrics.backend_changed)
+        self._session: aiohttp.ClientSession | None = None
+        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.app.router.add_get("/health", self.health_endpoint)
+        self.app.router.add_get("/metrics", self.metrics_endpoint)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.completions)
+        self.app.on_startup.append(self._startup)
+        self.app.on_cleanup.append(self._cleanup)
+
+    async def _startup(self, app: web.Application) -> None:
+        # No pool limit: concurrency is bounded by the instances, not by the proxy.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout,
+                                          sock_read=self.timeout),
+        )
+        self.health.start(self._session)
+
+    async def _cleanup(self, app: web.Application) -> None:
+        await self.health.stop()
+        if self._session is not None:
+            await self._session.close()
+        if self.index is not None:
+            await asyncio.to_thread(self.index.close)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "proxy not started"
+        return self._session
+
+    def _unreachable(self, b: Backend, e: BaseException) -> None:
+        """A request could not reach ``b``: out until its health check passes."""
+        b.errors += 1
+        if b.mark_down(f"unreachable: {e.__class__.__name__}: {e}"):
+            log.warning("%s instance %s taken out: %s", b.role, b.url, b.down_reason)
+            self.metrics.backend_changed(b, False)
+
+    @staticmethod
+    def _no_healthy(pool: BackendPool) -> web.Response:
+        body = {"error": {"message": f"no healthy {pool.role} instance ({pool.describe_down()})",
+                          "type": "service_unavailable", "code": 503, "role": pool.role,
+                          "instances": [b.url for b in pool.backends]}}
+        return web.json_response(body, status=503)
+
+    # --- plain endpoints ---------------------------------------------------------------------
+
+    async def health_endpoint(self, request: web.Request) -> web.Response:
+        ok = bool(self.decode.healthy())
+        return web.json_response({
+            "status": "ok" if ok else "no healthy decode instance",
+            "prefill": [b.as_dict() for b in self.prefill.backends],
+            "decode": [b.as_dict() for b in self.decode.backends],
+        }, status=200 if ok else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        backend = self.decode.pick() or self.decode.pick(last_resort=True)
+        if backend is None:
+            return self._no_healthy(self.decode)
+        try:
+            async with self.session.get(backend.url + "/v1/models",
+                                        headers=request_headers(request.headers),
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                return web.Response(body=await r.read(), status=r.status,
+                                    content_type=r.content_type)
+        except asyncio.TimeoutError:
+            backend.errors += 1
+            return _error_response(504, f"decode instance {backend.url} timed out",
+                                   "gateway_timeout", backend)
+        except _NET_ERRORS as e:
+            self._unreachable(backend, e)
+            return _error_response(502, f"decode instance {backend.url} unreachable: "
+                                   f"{e.__class__.__name__}: {e}", "bad_gateway", backend)
+
+    # --- the P/D flow ------------------------------------------------------------------------
+
+    def _failed(self, b: Backend, e: BaseException, what: str) -> StepFailed:
+        """A StepFailed for a network error or timeout of ``what`` at ``b``."""
+        self.metrics.failures.labels(b.role).inc()
+        if isinstance(e, asyncio.TimeoutError):
+            b.errors += 1
+            return StepFailed(b, 504, f"{b.role} instance {b.url} timed out ({what})", retry=False)
+        self._unreachable(b, e)
+        return StepFailed(b, 502, f"{b.role} instance {b.url} unreachable ({what}): "
+                          f"{e.__class__.__name__}: {e}", retry=True)
+
+    async def _post_prefill(self, b: Backend, path: str, body: dict[str, Any],
+                            headers: CIMultiDict[str]) -> dict | None:
+        """POST the prefill request to ``b``; its kv_transfer_params (None: none)."""
+        b.in_flight += 1
+        b.requests += 1
+        try:
+            async with self.session.post(
+                b.url + path, json=prefill_body(body, self.handoff), headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout),
+            ) as r:
+                data = await r.read()
+                if r.status != 200:
+                    if r.status < 500:
+                        raise StepFailed(b, r.status, f"HTTP {r.status}", retry=False, data=data,
+                                         content_type=r.content_type)
+                    b.errors += 1
+                    self.metrics.failures.labels(b.role).inc()
+                    raise StepFailed(b, 502, f"prefill instance {b.url} answered HTTP {r.status}: "
+                                     f"{data[:300].decode('utf-8', 'replace')}", retry=True)
+                try:
+                    return json.loads(data).get("kv_transfer_params")
+                except (ValueError, AttributeError):
+                    if self.handoff != "nixl":
+                        return None  # pdxfer's hint only shortens a wait: go on without it
+                    raise StepFailed(b, 502, f"prefill instance {b.url} sent a non-JSON answer",
+                                     retry=True) from None
+        except (asyncio.TimeoutError, *_NET_ERRORS) as e:
+            raise self._failed(b, e, "prefill") from e
+        finally:
+            b.in_flight -= 1
+
+    async def _prefill_one(self, first: Backend, path: str, body: dict[str, Any],
+                           headers: CIMultiDict[str]) -> tuple[Backend, dict | None]:
+        """The prefill of one prompt on ``first``, retried once on another healthy instance."""
+        try:
+            return first, await self._post_prefill(first, path, body, headers)
+        except StepFailed as e:
+            other = self.prefill.pick(exclude=[first]) if e.retry else None
+            if other is None:
+                raise
+            self.metrics.retries.labels("prefill").inc()
+            log.warning("%s; retrying the prefill on %s", e, other.url)
+            return other, await self._post_prefill(other, path, body, headers)
+
+    async def _prefill(self, first: Backend, path: str, body: dict[str, Any],
+                       headers: CIMultiDict[str]) -> tuple[Backend, dict | None]:
+        """The prefill step. Several prompts: one prefill request per prompt, concurrently (an
+        answer's hint is its own prompt's), and the decode gets all their hints."""
+        prompts = split_prompts(body) if self.handoff == "none" else None
+        if prompts is None:
+            return await self._prefill_one(first, path, body, headers)
+        done = await asyncio.gather(*(self._prefill_one(first, path, {**body, "prompt": p}, headers)
+                                      for p in prompts))
+        merged = merge_hints(params for _, params in done)
+        return done[0][0], merged if merged is not None else done[0][1]
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return _error_response(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error_response(400, "request body must be a JSON object",
+                                   "invalid_request_error")
+        path = request.path
+        headers = request_headers(request.headers)
+        try:
+            route = await self.router.route(self.session, path, body, headers)
+        except NoHealthyInstance as e:
+            return self._no_healthy(e.pool)
+        if route.reason == "no-prefill" and self.prefill_failure == "error":
+            return self._no_healthy(self.prefill)
+        t0 = time.perf_counter()
+        kv_params: dict | None = None
+        if route.prefill is not None:
+            try:
+                route.prefill, kv_params = await self._prefill(route.prefill, path, body, headers)
+            except StepFailed as e:
+                if e.data is not None or self.prefill_failure == "error":
+                    # Client errors (bad prompt, too long) are the client's: pass them through.
+                    return e.response()
+                log.warning("%s; decode computes the prompt", e)
+                route.prefill, route.reason, route.detail = None, "prefill-failed", str(e)
+        prefill_ms = (time.perf_counter() - t0) * 1000.0
+        self.metrics.routes.labels(route.decision, route.reason, route.decode_reason).inc()
+        log.info("route %s %s; %s", path, route.route_header(), route.reason_header())
+
+        decode_req = dict(body)
+        if kv_params is not None:
+            decode_req["kv_transfer_params"] = kv_params
+        return await self._decode(request, route, path, decode_req, headers, prefill_ms)
+
+    def _route_headers(self, route: Route, prefill_ms: float) -> dict[str, str]:
+        h = {"x-pdxfer-route": route.route_header(), "x-pdxfer-route-reason": route.reason_header(),
+             "X-Pdxfer-Decode": route.decode.url, "X-Pdxfer-Prefill-Ms": f"{prefill_ms:.2f}"}
+        if route.prefill is not None:
+            h["X-Pdxfer-Prefill"] = route.prefill.url
+        return h
+
+    async def _decode(self, request: web.Request, route: Route, path: str, body: dict[str, Any],
+                      headers: CIMultiDict[str], prefill_ms: float) -> web.StreamResponse:
+        """The decode step on the route's instance, retried once elsewhere while nothing reached
+        the client."""
+        backend = route.decode
+        for attempt in range(2):
+            try:
+                return await self._forward_decode(request, backend, path, body, headers,
+                                                  self._route_headers(route, prefill_ms))
+            except StepFailed as e:
+                other = self.decode.pick(exclude=[backend]) if e.retry and attempt == 0 else None
+                if other is None:
+                    if attempt:
+                        e = StepFailed(e.backend, e.status, f"{e} (after a retry: the first "
+                                       f"decode instance failed too)", e.retry, e.data,
+                                       e.content_type)
+                    return e.response(self._route_headers(route, prefill_ms))
+                self.metrics.retries.labels("decode").inc()
+                log.warning("%s; retrying the decode on %s", e, other.url)
+                route.decode = backend = other
+        raise AssertionError("unreachable")
+
+    async def _forward_decode(self, request: web.Request, backend: Backend, path: str,
+                              body: dict[str, Any], headers: CIMultiDict[str],
+                              route_headers: dict[str, str]) -> web.StreamResponse:
+        """Raises StepFailed only while nothing was sent to the client."""
+        streaming = bool(body.get("stream"))
+        # Non-streaming: one total bound. Streaming: bound the gap between chunks instead, so a
+        # long generation is not cut while a stalled instance still is.
+        timeout = (aiohttp.ClientTimeout(total=None, connect=self.connect_timeout,
+                                         sock_read=self.timeout) if streaming else
+                   aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout))
+        backend.in_flight += 1
+        backend.requests += 1
+        try:
+            try:
+                r = await self.session.post(backend.url + path, json=body, headers=headers,
+                                            timeout=timeout)
+            except (asyncio.TimeoutError, *_NET_ERRORS) as e:
+                raise self._failed(backend, e, "decode") from e
+            async with r:
+                out_headers = response_headers(r.headers)
+                out_headers.update(route_headers)
+                try:
+                    first = await (r.read() if not streaming or r.status != 200
+                                   else r.content.readany())
+                except (asyncio.TimeoutError, *_NET_ERRORS) as e:
+                    raise self._failed(backend, e, "decode, before its first byte") from e
+                if not streaming or r.status != 200:
+                    if r.status >= 500:
+                        backend.errors += 1
+                        self.metrics.failures.labels(backend.role).inc()
+                        raise StepFailed(backend, 502, f"decode instance {backend.url} answered "
+                                         f"HTTP {r.status}: {first[:300].decode('utf-8', 'replace')}",
+                                         retry=True)
+                    return web.Response(body=first, status=r.status, content_type=r.content_type,
+                                        headers=out_headers)
+                if not first:  # the instance closed the stream before sending anything
+                    self.metrics.failures.labels(backend.role).inc()
+                    raise StepFailed(backend, 502, f"decode instance {backend.url} closed its "
+                                     "stream before sending anything", retry=True)
+                resp = web.StreamResponse(status=200, headers=out_headers)
+                resp.content_type = r.content_type or "text/event-stream"
+                await resp.prepare(request)
+                await resp.write(first)
+                try:
+                    async for chunk in r.content.iter_any():
+                        await resp.write(chunk)
+                except (asyncio.TimeoutError, *_NET_ERRORS) as e:
+                    # Headers are gone already: tell the client in-band, as an SSE error event.
+                    backend.errors += 1
+                    self.metrics.failures.labels(backend.role).inc()
+                    msg = {"error": {"message": f"decode instance {backend.url} failed mid-stream: "
+                                     f"{e.__class__.__name__}: {e}", "type": "bad_gateway",
+                                     "code": 502, "instance": backend.url}}
+                    try:
+                        await resp.write(f"data: {json.dumps(msg)}\n\n".encode())
+                    except (ConnectionError, RuntimeError):
+                        pass
+                await resp.write_eof()
+                return resp
+        finally:
+            backend.in_flight -= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving
+# ---------------------------------------------------------------------------------------------
+
+
+class RunningProxy:
+    """A proxy served on its own event loop in a background thread (tests, benchmarks)."""
+
+    def __init__(self, proxy: PDProxy, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.proxy = proxy
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(proxy.app, access_log=None)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.port = 0
+        self._thread = threading.Thread(target=self._run, args=(host, port), daemon=True,
+                                        name="pdxfer-proxy")
+        self._thread.start()
+        if not self._started.wait(30):
+            raise TimeoutError("proxy did not start within 30 s")
+        if self._error is not None:
+            raise self._error
+        self.url = f"http://{host}:{self.port}"
+
+    def _run(self, host: str, port: int) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, host, port)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        except BaseException as e:  # noqa: BLE001 - handed to the starting thread
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def stop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(15)
+
+    def __enter__(self) -> "RunningProxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def _serve_forever(proxy: PDProxy, host: str, port: int, port_file: Path | None) -> None:
+    runner = web.AppRunner(proxy.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    if port_file is not None:
+        tmp = port_file.with_suffix(port_file.suffix + ".tmp")
+        tmp.write_text(f"{bound}\n")
+        tmp.replace(port_file)
+    print(f"pdxfer proxy on http://{host}:{bound}  prefill={[b.url for b in proxy.prefill.backends]}"
+          f" decode={[b.url for b in proxy.decode.backends]}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"--master-token-file {path}: {e}") from None
+
+
+def run_proxy_cli(args: argparse.Namespace) -> int:
+    """`pdxfer proxy`: serve until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        prefill, decode = list(args.prefill or []), list(args.decode or [])
+        if args.backends is not None:
+            more_p, more_d = load_backends_file(args.backends)
+            prefill, decode = prefill + more_p, decode + more_d
+        route = RouteConfig(skip_prefill_tokens=args.skip_prefill_tokens,
+                            skip_prefill_fraction=args.skip_prefill_fraction,
+                            index_timeout_s=args.index_timeout)
+        proxy = PDProxy(prefill, decode, policy=args.policy, timeout=args.timeout,
+                        connect_timeout=args.connect_timeout, handoff=args.handoff,
+                        prefill_failure=args.prefill_failure, master=args.master,
+                        master_token=_read_token(args.master_token_file), route=route,
+                        health_interval=args.health_interval, health_timeout=args.health_timeout)
+    except ValueError as e:
+        raise SystemExit(f"pdxfer proxy: {e}") from e
+    asyncio.run(_serve_forever(proxy, args.host, args.port, args.port_file))
+    return 0

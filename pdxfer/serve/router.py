@@ -1,0 +1,185 @@
+"""Where a request goes: a prefill instance (or none) and a decode instance, and why.
+
+With an index view (the master's read-only index) the router learns how many leading prompt
+tokens the fleet already holds and where:
+
+- **skip the prefill** when what is left to compute (prompt minus what a decode can load) is at
+  most ``skip_prefill_tokens`` or ``skip_prefill_fraction`` of the prompt: the decode loads the
+  held prefix and computes the rest itself (reason ``skip-prefill``; ``short-prompt`` when nothing
+  is held and the whole prompt is that short);
+- else prefill on the instance holding the longest prefix (its own prefix cache hits:
+  ``prefill-holder``), else the least loaded (``least-loaded``);
+- decode on the decode instance holding the longest prefix (``holder``), else the least loaded;
+  with none healthy, one that is out is tried all the same (``last-resort``): a slow health check
+  must not turn every request away, and an instance that is really gone is named in the error.
+
+Without an index, or when it cannot answer in time, the request is routed as if nothing were held
+and the reason says why (``no-index``, ``index-down``, ``tokenize-failed``, ...). No healthy prefill
+instance: the decode computes the prompt (``no-prefill``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import aiohttp
+
+from pdxfer.serve.backends import Backend, BackendPool
+from pdxfer.serve.index_view import Holding, IndexUnavailable, IndexView
+from pdxfer.serve.tokenize import TokenizeError, prompt_tokens, single_prompt
+
+log = logging.getLogger("pdxfer.proxy")
+
+DECISIONS = ("prefill+decode", "decode-only")
+MAX_REASON_CHARS = 400
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    skip_prefill_tokens: int = 256
+    skip_prefill_fraction: float = 0.0  # 0: only the token count decides
+    index_timeout_s: float = 1.0  # tokenize + peek, together
+
+    def __post_init__(self) -> None:
+        if self.skip_prefill_tokens < 0:
+            raise ValueError(f"skip_prefill_tokens must not be negative, got {self.skip_prefill_tokens}")
+        if not 0.0 <= self.skip_prefill_fraction <= 1.0:
+            raise ValueError(f"skip_prefill_fraction must be in [0, 1], got {self.skip_prefill_fraction}")
+        if self.index_timeout_s <= 0:
+            raise ValueError(f"index_timeout_s must be positive, got {self.index_timeout_s}")
+
+
+@dataclass
+class Route:
+    decode: Backend
+    prefill: Backend | None
+    reason: str  # why this prefill (or none): a short code, also a metrics label
+    decode_reason: str  # "holder" | "least-loaded"
+    prompt_tokens: int | None = None
+    held_tokens: int | None = None
+    detail: str = ""
+
+    @property
+    def decision(self) -> str:
+        return DECISIONS[0] if self.prefill is not None else DECISIONS[1]
+
+    def route_header(self) -> str:
+        if self.prefill is None:
+            return f"decode-only={self.decode.url}"
+        return f"prefill={self.prefill.url} decode={self.decode.url}"
+
+    def reason_header(self) -> str:
+        parts = [self.reason, f"decode={self.decode_reason}"]
+        if self.prompt_tokens is not None and self.held_tokens is not None:
+            parts.append(f"held={self.held_tokens}/{self.prompt_tokens}")
+        if self.detail:
+            parts.append(self.detail)
+        # A header value: one printable line, bounded (details quote instances' error bodies).
+        text = "; ".join(parts)
+        text = "".join(c if c.isprintable() and c.isascii() else " " for c in text)
+        return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 3] + "..."
+
+
+class NoHealthyInstance(Exception):
+    def __init__(self, pool: BackendPool) -> None:
+        super().__init__(f"no healthy {pool.role} instance ({pool.describe_down()})")
+        self.pool = pool
+
+
+def _holder(pool: BackendPool, by_url: Mapping[str, int]) -> tuple[Backend, int] | None:
+    """The healthy instance of ``pool`` holding the longest prefix (ties: least loaded)."""
+    best: tuple[Backend, int] | None = None
+    for b in pool.healthy():
+        n = by_url.get(b.url, 0)
+        if n > 0 and (best is None or n > best[1] or (n == best[1] and b.in_flight < best[0].in_flight)):
+            best = (b, n)
+    return best
+
+
+class Router:
+    def __init__(self, prefill: BackendPool, decode: BackendPool, index: IndexView | None,
+                 cfg: RouteConfig | None = None) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.index = index
+        self.cfg = cfg or RouteConfig()
+
+    def _least_loaded_decode(self) -> tuple[Backend, str]:
+        picked = self.decode.pick()
+        if picked is not None:
+            return picked, "least-loaded"
+        picked = self.decode.pick(last_resort=True)
+        if picked is None:  # only with an empty pool, which the proxy refuses
+            raise NoHealthyInstance(self.decode)
+        return picked, "last-resort"
+
+    def _plain(self, reason: str, detail: str = "", prompt_tokens: int | None = None) -> Route:
+        """Nothing known about what the fleet holds: least loaded on both sides."""
+        decode, decode_reason = self._least_loaded_decode()
+        prefill = self.prefill.pick()
+        if prefill is None:
+            return Route(decode, None, "no-prefill", decode_reason, prompt_tokens, None,
+                         f"{reason}: {detail}" if detail else reason)
+        return Route(decode, prefill, reason, decode_reason, prompt_tokens, None, detail)
+
+    async def route(self, session: aiohttp.ClientSession, path: str, body: Mapping[str, Any],
+                    headers: Mapping[str, str]) -> Route:
+        """The route of one request (with no healthy decode instance, one that is out:
+        ``decode=last-resort``)."""
+        if self.index is None:
+            return self._plain("no-index")
+        if not path.endswith("/chat/completions") and single_prompt(body) is None:
+            return self._plain("multi-prompt")
+        if body.get("cache_salt") is not None:
+            return self._plain("cache-salt", "the index knows unsalted namespaces only")
+        if "prompt_embeds" in body:
+            return self._plain("unkeyable", "prompt embeddings have no token ids")
+        try:
+            holding = await asyncio.wait_for(self._holding(session, path, body, headers),
+                                             self.cfg.index_timeout_s)
+        except asyncio.TimeoutError:
+            return self._plain("index-timeout", f"no answer within {self.cfg.index_timeout_s:g} s")
+        except TokenizeError as e:
+            return self._plain("tokenize-failed", str(e))
+        except IndexUnavailable as e:
+            return self._plain(e.code, str(e))
+        except Exception as e:  # noqa: BLE001 - the index is advice: it never fails a request
+            log.exception("asking the index failed unexpectedly")
+            return self._plain("index-error", f"{e.__class__.__name__}: {e}")
+        return self.decide(holding)
+
+    async def _holding(self, session: aiohttp.ClientSession, path: str, body: Mapping[str, Any],
+                       headers: Mapping[str, str]) -> Holding:
+        assert self.index is not None
+        via = self.decode.pick() or self.prefill.pick()
+        if via is None:
+            raise TokenizeError("no healthy instance to tokenize with")
+        tokens = await prompt_tokens(session, via.url, path, body, headers, self.cfg.index_timeout_s)
+        # The master client blocks (bounded by its own timeout): off the event loop.
+        return await asyncio.to_thread(self.index.holding, tokens)
+
+    def decide(self, h: Holding) -> Route:
+        """The route for a prompt of which the fleet holds ``h``."""
+        decode_held = _holder(self.decode, h.by_url)
+        if decode_held is not None:
+            decode, decode_reason = decode_held[0], "holder"
+        else:
+            decode, decode_reason = self._least_loaded_decode()
+        P = h.prompt_tokens
+        # A decode loads at most all but the last prompt token (it samples from that one).
+        left = P - min(h.held_tokens, P - 1)
+        route = Route(decode, None, "", decode_reason, P, h.held_tokens)
+        if left <= self.cfg.skip_prefill_tokens or left <= self.cfg.skip_prefill_fraction * P:
+            route.reason = "skip-prefill" if h.held_tokens > 0 else "short-prompt"
+            route.detail = f"left={left}"
+            return route
+        holder = _holder(self.prefill, h.by_url)
+        if holder is not None:
+            route.prefill, route.reason = holder[0], "prefill-holder"
+            return route
+        route.prefill = self.prefill.pick()
+        route.reason = "least-loaded" if route.prefill is not None else "no-prefill"
+        return route

@@ -1,0 +1,28 @@
+"""pdxfer.serve never imports vLLM: the proxy and launcher must run where vLLM is not installed
+(or would take seconds to import). Checked in a fresh interpreter, where nothing else imported it."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pdxfer.serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_no_module_of_pdxfer_serve_imports_vllm() -> None:
+    names = sorted(m.name for m in pkgutil.iter_modules(pdxfer.serve.__path__, "pdxfer.serve."))
+    assert {"pdxfer.serve.proxy", "pdxfer.serve.launch", "pdxfer.serve.serve_shim",
+            "pdxfer.serve.tiny_model"} <= set(names)
+    code = ("import importlib, sys\n"
+            f"for n in {names!r}: importlib.import_module(n)\n"
+            "import pdxfer.cli\n"
+            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.'))\n"
+            "print('VLLM:' + ','.join(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "VLLM:\n" in out.stdout, f"vllm modules imported: {out.stdout}"

@@ -1,0 +1,252 @@
+"""Routing from the master's index, through a real master process: the test publishes a prompt's
+keys as fake holders (MasterClient, as a connector would: same namespace root, same keys) whose
+registrations name aiohttp stand-ins (tests/serve/stand_ins.py) as their serve_url; the proxy
+tokenizes with a stand-in's /tokenize, peeks at the master and routes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from pdxfer.keys import Namespace, chunk_hashes, tail_key
+from pdxfer.master import MasterClient, NodeInfo, start_local_master
+from pdxfer.serve.index_view import IndexView, lookup_keys
+from pdxfer.serve.proxy import PDProxy, RunningProxy
+from pdxfer.serve.router import RouteConfig
+
+from .stand_ins import ROOT as REPO_ROOT
+from .stand_ins import StandIn, stand_in_tokens
+from .test_fleet_proxy import metric, post
+
+C = 16
+NS = Namespace("tiny", "content-fp", C)
+ROOT = NS.root()
+PROMPT = "".join(f"w{i:03d} " for i in range(40))  # 200 tokens: 12 full chunks + a 8-token tail
+assert len(PROMPT) == 200
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory) -> Iterator[Any]:
+    m = start_local_master(workdir=tmp_path_factory.mktemp("master"))
+    yield m
+    m.stop()
+
+
+class Fleet:
+    """Stand-ins, fake holder registrations naming them, and proxies; all undone at the end."""
+
+    def __init__(self, master_address: str) -> None:
+        self.address = master_address
+        self.client = MasterClient(master_address, timeout_s=5.0)
+        self.nodes: list[str] = []
+        self.stand_ins: list[StandIn] = []
+        self.proxies: list[RunningProxy] = []
+
+    def instance(self, name: str) -> StandIn:
+        s = StandIn(name)
+        self.stand_ins.append(s)
+        return s
+
+    def hold(self, inst: StandIn, tokens: list[int], n_keys: int | None = None,
+             role: str = "kv_producer") -> None:
+        """``inst`` publishes the first ``n_keys`` lookup keys of ``tokens`` (all: None)."""
+        node_id = f"{inst.name}-{len(self.nodes)}-{time.monotonic_ns()}"
+        info = NodeInfo(node_id, 0, "tcp", b"meta", {"v": 1, "block_size": C}, "fp-test",
+                        serve_url=inst.url, namespace=ROOT.hex(), chunk_tokens=C, role=role)
+        self.client.register_node(info, 60)
+        self.nodes.append(node_id)
+        keys, _ = lookup_keys(tokens, C, ROOT)
+        keys = keys if n_keys is None else keys[:n_keys]
+        assert self.client.publish(node_id, [(k, [i]) for i, k in enumerate(keys)]) == len(keys)
+
+    def proxy(self, prefill: list[StandIn], decode: list[StandIn], **route: Any) -> RunningProxy:
+        px = RunningProxy(PDProxy([p.url for p in prefill], [d.url for d in decode],
+                                  master=self.address, route=RouteConfig(**route)))
+        self.proxies.append(px)
+        return px
+
+    def close(self) -> None:
+        for px in self.proxies:
+            px.stop()
+        for n in self.nodes:
+            try:
+                self.client.deregister_node(n)
+            except Exception:  # noqa: BLE001 - a stopped master is the test's own doing
+                pass
+        self.client.close()
+        for s in self.stand_ins:
+            s.stop()
+
+
+@pytest.fixture
+def fleet(master) -> Iterator[Fleet]:
+    f = Fleet(master.address)
+    yield f
+    f.close()
+
+
+def tokens_of(prompt: str) -> list[int]:
+    return stand_in_tokens({"prompt": prompt})
+
+
+def route_of(px: RunningProxy, body: dict[str, Any], path: str = "/v1/completions"
+             ) -> tuple[str, str, dict[str, Any]]:
+    status, headers, data = post(px.url + path, body)
+    assert status == 200, data
+    return headers["x-pdxfer-route"], headers["x-pdxfer-route-reason"], json.loads(data)
+
+
+def test_the_views_keys_are_the_connectors_lookup_keys() -> None:
+    tokens = tokens_of(PROMPT)
+    keys, n_full = lookup_keys(tokens, C, ROOT)
+    full = chunk_hashes(tokens, C, ROOT)
+    assert n_full == 12 and keys == full + [tail_key(full[-1], tokens[12 * C:])]
+    keys, n_full = lookup_keys(tokens[:192], C, ROOT)  # on a chunk boundary: no tail key
+    assert n_full == 12 and keys == full
+
+
+def test_nothing_held_goes_to_the_least_loaded(fleet) -> None:
+    p, d = fleet.instance("P"), fleet.instance("D")
+    fleet.hold(p, tokens_of("something else entirely " * 4))  # announces the namespace
+    px = fleet.proxy([p], [d], skip_prefill_tokens=32)
+    route, reason, _ = route_of(px, {"model": "tiny", "prompt": PROMPT})
+    assert route == f"prefill={p.url} decode={d.url}"
+    assert reason.startswith("least-loaded; decode=least-loaded; held=0/200")
+    assert d.tokenized == [{"model": "tiny", "prompt": PROMPT}]  # asked the decode to tokenize
+
+
+def test_the_prefill_goes_to_the_instance_holding_the_longest_prefix(fleet) -> None:
+    p0, p1, p2 = fleet.instance("P0"), fleet.instance("P1"), fleet.instance("P2")
+    d = fleet.instance("D")
+    t = tokens_of(PROMPT)
+    fleet.hold(p0, t, 3)
+    fleet.hold(p2, t, 8)  # 128 tokens: 72 left, more than the 32 a decode may compute itself
+    px = fleet.proxy([p0, p1, p2], [d], skip_prefill_tokens=32)
+    for _ in range(3):  # not by turns: every time
+        route, reason, _ = route_of(px, {"prompt": PROMPT})
+        assert route == f"prefill={p2.url} decode={d.url}"
+        assert reason.startswith("prefill-holder; decode=least-loaded; held=128/200")
+    assert len(p2.received) == 3 and not p0.received and not p1.received
+    assert metric(px, "pdxfer_proxy_routes_total", decision="prefill+decode",
+                  reason="prefill-holder") == 3
+
+
+def test_a_prompt_the_fleet_holds_skips_the_prefill_on_the_holding_decode(fleet, caplog) -> None:
+    caplog.set_level(logging.INFO, "pdxfer.proxy")
+    p = fleet.instance("P")
+    d0, d1 = fleet.instance("D0"), fleet.instance("D1")
+    t = tokens_of(PROMPT)
+    fleet.hold(d1, t, role="kv_consumer")  # every chunk and the tail: the whole prompt
+    px = fleet.proxy([p], [d0, d1])
+    for _ in range(2):
+        route, reason, out = route_of(px, {"prompt": PROMPT, "max_tokens": 5})
+        assert route == f"decode-only={d1.url}" and out["by"] == "D1"
+        assert reason.startswith("skip-prefill; decode=holder; held=200/200; left=1")
+    assert p.received == [] and not d0.received
+    assert d1.received[0][1] == {"prompt": PROMPT, "max_tokens": 5}  # untouched, no hint
+    assert metric(px, "pdxfer_proxy_routes_total", decision="decode-only", reason="skip-prefill",
+                  decode="holder") == 2
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route ")]
+    assert logged == [f"route /v1/completions decode-only={d1.url}; skip-prefill; decode=holder; "
+                      "held=200/200; left=1"] * 2
+
+
+def test_the_skip_threshold_in_tokens_and_as_a_fraction(fleet) -> None:
+    p, d = fleet.instance("P"), fleet.instance("D")
+    t = tokens_of(PROMPT)
+    fleet.hold(p, t, 10)  # 160 of 200 held: 40 left
+    by_tokens_40 = fleet.proxy([p], [d], skip_prefill_tokens=40)
+    by_tokens_39 = fleet.proxy([p], [d], skip_prefill_tokens=39)
+    by_fraction = fleet.proxy([p], [d], skip_prefill_tokens=0, skip_prefill_fraction=0.2)
+    assert route_of(by_tokens_40, {"prompt": PROMPT})[0] == f"decode-only={d.url}"
+    assert route_of(by_tokens_39, {"prompt": PROMPT})[1].startswith("prefill-holder")
+    route, reason, _ = route_of(by_fraction, {"prompt": PROMPT})
+    assert route == f"decode-only={d.url}" and reason.startswith("skip-prefill; decode=least-loaded")
+    # A short prompt nobody holds is computed by the decode too: a prefill would cost more.
+    route, reason, _ = route_of(by_tokens_40, {"prompt": "short and new"})
+    assert route == f"decode-only={d.url}" and reason.startswith("short-prompt")
+
+
+def test_a_chat_is_tokenized_with_its_template_fields(fleet) -> None:
+    p, d = fleet.instance("P"), fleet.instance("D")
+    messages = [{"role": "system", "content": PROMPT[:100]}, {"role": "user", "content": PROMPT[100:]}]
+    body = {"model": "tiny", "messages": messages, "tools": [{"type": "function"}],
+            "chat_template_kwargs": {"x": 1}, "add_generation_prompt": True, "temperature": 0}
+    t = stand_in_tokens(body)
+    fleet.hold(d, t, role="kv_consumer")
+    px = fleet.proxy([p], [d])
+    route, reason, _ = route_of(px, body, "/v1/chat/completions")
+    assert route == f"decode-only={d.url}" and reason.startswith("skip-prefill")
+    (asked,) = d.tokenized
+    assert asked == {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs",
+                                           "add_generation_prompt")}
+
+
+def test_requests_the_index_cannot_name_are_routed_without_it(fleet) -> None:
+    p, d = fleet.instance("P"), fleet.instance("D")
+    fleet.hold(d, tokens_of(PROMPT), role="kv_consumer")
+    px = fleet.proxy([p], [d])
+    assert route_of(px, {"prompt": PROMPT, "cache_salt": "s"})[1].startswith("cache-salt")
+    assert route_of(px, {"prompt": [PROMPT, PROMPT]})[1].startswith("multi-prompt")
+    # Token ids in the request: no tokenize round trip, the same decision.
+    route, reason, _ = route_of(px, {"prompt": tokens_of(PROMPT)})
+    assert route == f"decode-only={d.url}" and reason.startswith("skip-prefill")
+    assert d.tokenized == []
+
+
+def test_a_master_that_is_down_or_frozen_never_fails_a_request(tmp_path: Path) -> None:
+    m = start_local_master(workdir=tmp_path)
+    f = Fleet(m.address)
+    try:
+        p, d = f.instance("P"), f.instance("D")
+        f.hold(d, tokens_of(PROMPT), role="kv_consumer")
+        px = f.proxy([p], [d], index_timeout_s=0.5)
+        assert route_of(px, {"prompt": PROMPT})[0] == f"decode-only={d.url}"
+        os.kill(m.proc.pid, signal.SIGSTOP)  # frozen: connections hang, nothing answers
+        try:
+            t0 = time.monotonic()
+            route, reason, _ = route_of(px, {"prompt": PROMPT})
+            assert time.monotonic() - t0 < 3
+            assert route == f"prefill={p.url} decode={d.url}"
+            assert reason.startswith(("index-timeout", "index-down")), reason
+        finally:
+            os.kill(m.proc.pid, signal.SIGCONT)
+        m.kill()
+        m.proc.stop(5)
+        for _ in range(3):  # refused at once, then not asked again for a while
+            t0 = time.monotonic()
+            route, reason, _ = route_of(px, {"prompt": PROMPT})
+            assert time.monotonic() - t0 < 3
+            assert route == f"prefill={p.url} decode={d.url}" and reason.startswith("index-")
+        assert metric(px, "pdxfer_proxy_routes_total", reason="skip-prefill") == 1
+    finally:
+        f.close()
+        m.stop()
+
+
+def test_an_index_view_refuses_what_it_cannot_use(master) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        IndexView(master.address, timeout_s=0)
+    with pytest.raises(ValueError, match="skip_prefill_fraction"):
+        RouteConfig(skip_prefill_fraction=1.5)
+    with pytest.raises(ValueError, match="skip_prefill_tokens"):
+        RouteConfig(skip_prefill_tokens=-1)
+
+
+def test_a_bad_master_address_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match="is not host:port"):
+        PDProxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], master="not an address")
+    bad = subprocess.run([sys.executable, "-m", "pdxfer.cli", "proxy", "--prefill", "http://127.0.0.1:1",
+                          "--decode", "http://127.0.0.1:2", "--master", "http://x:1"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "unknown scheme" in bad.stderr

@@ -1,0 +1,222 @@
+"""A 2x2 fleet through `pdxfer launch --prefill 2 --decode 2` (tiny model, float32), checked
+against a plain `vllm serve` of the same model (no connector) computing every prompt itself:
+
+- a multi-turn conversation (each turn: the previous prompt + its answer + a new message) whose
+  every answer has the plain instance's top-k logprobs, whose decodes computed only the last
+  prompt token, and whose second turn goes to the instances holding the first turn's prefix;
+- a prompt the fleet already holds (a prefill computed it, no decode has it) skips the prefill:
+  the route header and the proxy's metric say so, no prefill instance sees it, and the decode
+  loads every prompt token but the last.
+
+Heavy: five vLLM instances (four in the fleet, the plain one), several minutes on small boxes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
+from pdxfer.serve.index_view import IndexView
+from pdxfer.serve.launch import read_prom_counter
+from pdxfer.serve.serve_shim import start_vllm
+from tests.vllm.conftest import (EXTERNAL_HITS, PAIR_VLLM_ARGS, READY_TIMEOUT_S, TOP_K, Answer,
+                                 ask_url, check_logprobs, post_json, prompt_of)
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSWER_TOKENS = 12
+_TABLE = re.compile(r"^\s+(master|proxy|prefill-\d+|decode-\d+)\s+pid (\d+)\s+(\S+)", re.M)
+
+
+class Fleet:
+    """The launched fleet: component URLs by name (the master's is its host:port)."""
+
+    def __init__(self, proc: subprocess.Popen, urls: dict[str, str], pgids: list[int]) -> None:
+        self.proc = proc
+        self.urls = urls
+        self.pgids = pgids
+
+    @property
+    def proxy(self) -> str:
+        return self.urls["proxy"]
+
+    def role(self, role: str) -> list[str]:
+        return [u for n, u in sorted(self.urls.items()) if n.startswith(role + "-")]
+
+    def counter(self, role: str, name: str) -> float:
+        return sum(read_prom_counter(u, name) for u in self.role(role))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_model) -> Iterator[Fleet]:
+    run = tmp_path_factory.mktemp("fleet")
+    log = run / "launch.out"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdxfer.cli", "launch", str(tiny_model), "--prefill", "2",
+             "--decode", "2", "--port", "0", "--log-dir", str(run / "logs"),
+             "--ready-timeout", str(READY_TIMEOUT_S), *(f"--vllm-arg={a}" for a in PAIR_VLLM_ARGS)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    pgids: list[int] = []
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S + 60
+        while "Ctrl-C stops everything" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        found = _TABLE.findall(log.read_text())
+        urls = {name: url for name, _, url in found}
+        pgids = [int(pid) for _, pid, _ in found]  # each child leads its own process group
+        assert set(urls) == {"master", "proxy", "prefill-0", "prefill-1", "decode-0", "decode-1"}
+        yield Fleet(proc, urls, pgids)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for g in pgids:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, tiny_model) -> Iterator[str]:
+    """The reference: the same model served without any connector."""
+    port = free_port()
+    proc: ManagedProcess = start_vllm(tiny_model, port, None, cpu_bind=str(min(os.sched_getaffinity(0))),
+                                      log_dir=tmp_path_factory.mktemp("plain"), extra_args=PAIR_VLLM_ARGS,
+                                      name="plain")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ready(url + "/health", READY_TIMEOUT_S, proc)
+        yield url
+    finally:
+        proc.stop(15)
+
+
+def ask_routed(proxy_url: str, prompt: list[int], max_tokens: int) -> tuple[Answer, dict[str, str]]:
+    """A greedy completion of token ids through the proxy, with top-k logprobs; the response headers."""
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "logprobs": TOP_K, "return_tokens_as_token_ids": True}
+    rid = f"t-{uuid.uuid4().hex[:16]}"
+    req = urllib.request.Request(proxy_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "X-Request-Id": rid})
+    with urllib.request.urlopen(req, timeout=180) as r:
+        out = json.loads(r.read())
+        headers = {k.lower(): v for k, v in r.headers.items()}
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return Answer(choice["text"], list(lp["tokens"]), [dict(t or {}) for t in lp["top_logprobs"]],
+                  details.get("cached_tokens"), rid), headers
+
+
+def answer_ids(a: Answer) -> list[int]:
+    return [int(t.split(":", 1)[1]) for t in a.tokens]  # "token_id:N" (return_tokens_as_token_ids)
+
+
+def wait_held(view: IndexView, prompt: list[int], tokens: int, url: str | None = None,
+              timeout: float = 15.0) -> None:
+    """Publishes land after the answer: wait (bounded) until the fleet (or ``url``) holds
+    ``tokens`` leading tokens of ``prompt``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = view.holding(prompt)
+        have = h.held_tokens if url is None else h.by_url.get(url, 0)
+        if have >= tokens:
+            return
+        assert time.monotonic() < deadline, f"the fleet holds {have} of {tokens} tokens ({url or 'any'})"
+        time.sleep(0.1)
+
+
+def routes_metric(proxy_url: str, **labels: str) -> float:
+    text = urllib.request.urlopen(proxy_url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdxfer_proxy_routes_total{")
+               and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def _route_urls(headers: dict[str, str]) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in headers["x-pdxfer-route"].split())
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+def test_a_multi_turn_conversation_through_a_2x2_fleet(fleet: Fleet, plain: str) -> None:
+    view = IndexView(fleet.urls["master"], timeout_s=5.0)
+    C = 256  # the connector's default chunk size (launch sets none)
+    system = prompt_of(600, seed=8100)
+    prompt = system + prompt_of(100, seed=8101)
+    first_route: dict[str, str] = {}
+    previous: Answer | None = None
+    try:
+        for turn, new_message in enumerate((0, 300, 280)):
+            if previous is not None:  # the next turn: what was said so far + a new message
+                prompt = prompt + answer_ids(previous) + prompt_of(new_message, seed=8100 + 10 * turn)
+            ref = ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False)
+            if turn == 1:
+                # The first turn's decode publishes its prompt + answer: wait until it is in the
+                # index, then the second turn must go where the first turn's prefix is.
+                wait_held(view, prompt, 2 * C, first_route["decode"])
+            answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
+            check_logprobs(answer, ref)
+            # Whatever the route, the decode computed only the last prompt token itself.
+            assert answer.cached_tokens == len(prompt) - 1, (turn, headers)
+            route = _route_urls(headers)
+            if turn == 0:
+                assert set(route) == {"prefill", "decode"}, headers
+                assert headers["x-pdxfer-route-reason"].startswith("least-loaded"), headers
+                first_route = route
+            if turn == 1:
+                assert route == first_route, headers
+                assert headers["x-pdxfer-route-reason"].startswith("prefill-holder; decode=holder"), headers
+            previous = answer
+    finally:
+        view.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_a_prompt_the_fleet_holds_skips_the_prefill_and_loads_all_but_its_last_token(
+        fleet: Fleet, plain: str) -> None:
+    view = IndexView(fleet.urls["master"], timeout_s=5.0)
+    try:
+        prompt = prompt_of(700, seed=8200)
+        ref = ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False)
+        # A prefill instance computes it outside the proxy: the fleet holds it, no decode has it.
+        post_json(fleet.role("prefill")[0] + "/v1/completions",
+                  {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        wait_held(view, prompt, len(prompt))
+        skips = routes_metric(fleet.proxy, decision="decode-only", reason="skip-prefill")
+        prefill_requests = fleet.counter("prefill", "vllm:request_success_total")
+        hits = fleet.counter("decode", EXTERNAL_HITS)
+        answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
+        assert headers["x-pdxfer-route"].startswith("decode-only="), headers
+        assert headers["x-pdxfer-route-reason"].startswith(
+            f"skip-prefill; decode=least-loaded; held={len(prompt)}/{len(prompt)}"), headers
+        assert routes_metric(fleet.proxy, decision="decode-only", reason="skip-prefill") == skips + 1
+        check_logprobs(answer, ref)
+        assert answer.cached_tokens == len(prompt) - 1
+        deadline = time.monotonic() + 10  # vLLM's counters move one engine step later
+        while fleet.counter("decode", EXTERNAL_HITS) - hits < len(prompt) - 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert fleet.counter("decode", EXTERNAL_HITS) - hits == len(prompt) - 1
+        assert fleet.counter("prefill", "vllm:request_success_total") == prefill_requests
+    finally:
+        view.close()
