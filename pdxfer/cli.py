@@ -94,6 +94,9 @@ def _add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="skip the prefill when at most this many prompt tokens are left to compute")
     p.add_argument("--skip-prefill-fraction", type=float, default=0.0,
                    help="... or at most this fraction of the prompt (0: off)")
+    p.add_argument("--holder-max-extra-load", type=int, default=2,
+                   help="prefer an instance holding the prompt's prefix only while it has at most "
+                        "this many more requests in flight than the least loaded one")
     p.add_argument("--index-timeout", type=float, default=1.0,
                    help="bound of tokenizing and asking the index, seconds (then: route without it)")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")

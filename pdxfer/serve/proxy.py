@@ -520,7 +520,8 @@ def run_proxy_cli(args: argparse.Namespace) -> int:
             prefill, decode = prefill + more_p, decode + more_d
         route = RouteConfig(skip_prefill_tokens=args.skip_prefill_tokens,
                             skip_prefill_fraction=args.skip_prefill_fraction,
-                            index_timeout_s=args.index_timeout)
+                            index_timeout_s=args.index_timeout,
+                            holder_max_extra_load=args.holder_max_extra_load)
         proxy = PDProxy(prefill, decode, policy=args.policy, timeout=args.timeout,
                         connect_timeout=args.connect_timeout, handoff=args.handoff,
                         prefill_failure=args.prefill_failure, master=args.master,

@@ -10,6 +10,8 @@ tokens the fleet already holds and where:
 - else prefill on the instance holding the longest prefix (its own prefix cache hits:
   ``prefill-holder``), else the least loaded (``least-loaded``);
 - decode on the decode instance holding the longest prefix (``holder``), else the least loaded;
+  a holder is passed over while it has more than ``holder_max_extra_load`` requests in flight
+  beyond the least loaded instance of its role (a hot prefix must not pin all its traffic to one);
   with none healthy, one that is out is tried all the same (``last-resort``): a slow health check
   must not turn every request away, and an instance that is really gone is named in the error.
 
@@ -42,6 +44,10 @@ class RouteConfig:
     skip_prefill_tokens: int = 256
     skip_prefill_fraction: float = 0.0  # 0: only the token count decides
     index_timeout_s: float = 1.0  # tokenize + peek, together
+    # A holder is preferred only while it has at most this many more requests in flight than
+    # the least loaded healthy instance of its role: reuse must not pile a hot prefix's whole
+    # traffic onto one instance while the others idle.
+    holder_max_extra_load: int = 2
 
     def __post_init__(self) -> None:
         if self.skip_prefill_tokens < 0:
@@ -50,6 +56,8 @@ class RouteConfig:
             raise ValueError(f"skip_prefill_fraction must be in [0, 1], got {self.skip_prefill_fraction}")
         if self.index_timeout_s <= 0:
             raise ValueError(f"index_timeout_s must be positive, got {self.index_timeout_s}")
+        if self.holder_max_extra_load < 0:
+            raise ValueError(f"holder_max_extra_load must not be negative, got {self.holder_max_extra_load}")
 
 
 @dataclass
@@ -89,10 +97,17 @@ class NoHealthyInstance(Exception):
         self.pool = pool
 
 
-def _holder(pool: BackendPool, by_url: Mapping[str, int]) -> tuple[Backend, int] | None:
-    """The healthy instance of ``pool`` holding the longest prefix (ties: least loaded)."""
+def _holder(pool: BackendPool, by_url: Mapping[str, int], max_extra_load: int) -> tuple[Backend, int] | None:
+    """The healthy instance of ``pool`` holding the longest prefix (ties: least loaded), among
+    those with at most ``max_extra_load`` more requests in flight than the least loaded."""
+    healthy = pool.healthy()
+    if not healthy:
+        return None
+    bound = min(b.in_flight for b in healthy) + max_extra_load
     best: tuple[Backend, int] | None = None
-    for b in pool.healthy():
+    for b in healthy:
+        if b.in_flight > bound:
+            continue
         n = by_url.get(b.url, 0)
         if n > 0 and (best is None or n > best[1] or (n == best[1] and b.in_flight < best[0].in_flight)):
             best = (b, n)
@@ -163,7 +178,7 @@ class Router:
 
     def decide(self, h: Holding) -> Route:
         """The route for a prompt of which the fleet holds ``h``."""
-        decode_held = _holder(self.decode, h.by_url)
+        decode_held = _holder(self.decode, h.by_url, self.cfg.holder_max_extra_load)
         if decode_held is not None:
             decode, decode_reason = decode_held[0], "holder"
         else:
@@ -176,7 +191,7 @@ class Router:
             route.reason = "skip-prefill" if h.held_tokens > 0 else "short-prompt"
             route.detail = f"left={left}"
             return route
-        holder = _holder(self.prefill, h.by_url)
+        holder = _holder(self.prefill, h.by_url, self.cfg.holder_max_extra_load)
         if holder is not None:
             route.prefill, route.reason = holder[0], "prefill-holder"
             return route

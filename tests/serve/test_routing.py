@@ -250,3 +250,28 @@ def test_a_bad_master_address_is_refused_at_start() -> None:
                           "--decode", "http://127.0.0.1:2", "--master", "http://x:1"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and "unknown scheme" in bad.stderr
+
+
+def test_a_busy_holder_is_passed_over_for_the_least_loaded() -> None:
+    """A hot prefix must not pin all its traffic to its holder: a holder more than
+    holder_max_extra_load requests busier than the least loaded instance is passed over."""
+    from pdxfer.serve.backends import BackendPool
+    from pdxfer.serve.index_view import Holding
+    from pdxfer.serve.router import Router
+
+    prefill = BackendPool.from_urls("prefill", ["http://p0:1", "http://p1:1"], "least_loaded")
+    decode = BackendPool.from_urls("decode", ["http://d0:1", "http://d1:1"], "least_loaded")
+    for b in prefill.backends + decode.backends:
+        b.healthy = True
+    router = Router(prefill, decode, index=None, cfg=RouteConfig(skip_prefill_tokens=16, holder_max_extra_load=2))
+    held = Holding(prompt_tokens=600, held_tokens=512, by_url={"http://p1:1": 512, "http://d1:1": 512})
+    prefill.backends[1].in_flight = decode.backends[1].in_flight = 2  # at the bound: still the holders
+    route = router.decide(held)
+    assert (route.prefill.url, route.reason, route.decode.url, route.decode_reason) == \
+        ("http://p1:1", "prefill-holder", "http://d1:1", "holder")
+    prefill.backends[1].in_flight = decode.backends[1].in_flight = 3  # past it: the idle ones
+    route = router.decide(held)
+    assert (route.prefill.url, route.reason, route.decode.url, route.decode_reason) == \
+        ("http://p0:1", "least-loaded", "http://d0:1", "least-loaded")
+    with pytest.raises(ValueError, match="holder_max_extra_load"):
+        RouteConfig(holder_max_extra_load=-1)

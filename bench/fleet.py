@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Fleet benchmark: multi-turn conversations against a 2x2 fleet, one configuration at a time.
+
+  routed   pdxfer: 2 prefill + 2 decode instances, the proxy routing from the master's index
+           (prefill skipped when the fleet holds the prompt, requests sent to the holders)
+  rr       pdxfer: the same fleet, the proxy round-robin (no index)
+  nixl     vLLM's NixlConnector: 2 prefill + 2 decode instances behind the same proxy,
+           round-robin, block ids handed over (the baseline)
+
+The workload: shared system prompts, users arriving a few per round, each turn's prompt the
+conversation so far (system prompt, every earlier message and answer) plus a new message. Every
+configuration gets the same conversations (same seeds); answers are greedy.
+
+The headline number does not depend on the machine: fleet-wide prompt tokens *computed* per
+request (vLLM's ``prompt_tokens_by_source{source="local_compute"}`` summed over every instance,
+prefill steps included), next to tokens loaded from other instances, local prefix-cache hits,
+prefills skipped and re-pulls. TTFT (first streamed token at the client, through the proxy) is
+reported too, but four instances share two cores here, so it is indicative only.
+
+    PYTHONPATH=. .venv/bin/python bench/fleet.py --json bench/results/fleet.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import shlex
+import signal
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from bench.pd_util import med  # noqa: E402
+from pdxfer.procs import default_run_dir, free_port  # noqa: E402
+from pdxfer.serve.launch import Component, Stack, split_cores_among, start_fleet, start_proxy  # noqa: E402
+from pdxfer.serve.serve_shim import served_model_name  # noqa: E402
+from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model  # noqa: E402
+
+CONFIGS = ("routed", "rr", "nixl")
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+@dataclass
+class Fleet:
+    name: str
+    stack: Stack
+    proxy_url: str
+    instances: list[str]  # every vLLM instance's base URL
+    decodes: list[str]
+
+
+@dataclass
+class Conversation:
+    system: list[int]
+    messages: list[list[int]]
+    answers: list[list[int]] = field(default_factory=list)
+
+    def prompt(self, turn: int) -> list[int]:
+        out = list(self.system)
+        for i in range(turn):
+            out += self.messages[i] + self.answers[i]
+        return out + self.messages[turn]
+
+
+def make_conversations(args: argparse.Namespace, vocab: int) -> list[Conversation]:
+    rng = random.Random(args.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(5, vocab - 1) for _ in range(n)]
+
+    systems = [tokens(args.system_tokens) for _ in range(args.system_prompts)]
+    lo, hi = args.message_tokens
+    return [Conversation(systems[u % len(systems)], [tokens(rng.randint(lo, hi)) for _ in range(args.turns)])
+            for u in range(args.users)]
+
+
+def schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(user, turn) in the order sent: each round every active user takes a turn, and
+    ``--arrivals`` new users join per round (so histories of different lengths interleave)."""
+    out = []
+    r = 0
+    while True:
+        this_round = [(u, r - u // args.arrivals) for u in range(args.users)
+                      if 0 <= r - u // args.arrivals < args.turns]
+        if not this_round and r > args.users // args.arrivals + args.turns:
+            return out
+        out += this_round
+        r += 1
+
+
+def counters(base_url: str) -> dict[str, float]:
+    """The vLLM (or proxy) counters this benchmark reads, summed over engines; prompt tokens by
+    source keyed ``source:<name>``, proxy routes keyed ``route:<decision>``."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "vllm:prompt_tokens_by_source_total":
+                k = "source:" + s.labels.get("source", "")
+            elif s.name == "pdxfer_proxy_routes_total":
+                k = "route:" + s.labels.get("decision", "")
+            elif s.name in ("vllm:pdxfer_repulls_total", "vllm:prompt_tokens_total"):
+                k = s.name
+            else:
+                continue
+            out[k] = out.get(k, 0.0) + s.value
+    return out
+
+
+def fleet_counters(fleet: Fleet) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for url in fleet.instances + [fleet.proxy_url]:
+        for k, v in counters(url).items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def stream_completion(proxy_url: str, model: str, prompt: list[int], max_tokens: int,
+                      timeout: float) -> tuple[float, list[int]]:
+    """A greedy streamed completion through the proxy: (seconds to the first token, answer ids)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    req = urllib.request.Request(proxy_url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    ids: list[int] = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[5:])["choices"][0]
+            toks = (choice.get("logprobs") or {}).get("tokens") or []
+            if toks and ttft is None:
+                ttft = time.perf_counter() - t0
+            ids += [int(t.split(":", 1)[1]) for t in toks]
+    if ttft is None:
+        raise RuntimeError("the stream carried no token")
+    return ttft, ids
+
+
+def start(name: str, model_dir: Path, log_dir: Path, args: argparse.Namespace) -> Fleet:
+    vargs = ["--dtype", args.dtype]
+    if name in ("routed", "rr"):
+        proxy_args = ["--policy", "round_robin"]
+        stack, proxy = start_fleet(model_dir, log_dir / name, n_prefill=2, n_decode=2,
+                                   kv_cache_gib=args.kv_cache_gib, vllm_args=vargs,
+                                   index_routing=(name == "routed"), proxy_args=proxy_args,
+                                   die_with_parent=True)
+        inst = [c.url for c in stack.components if c.name.startswith(("prefill", "decode"))]
+        dec = [c.url for c in stack.components if c.name.startswith("decode")]
+        return Fleet(name, stack, proxy, inst, dec)
+    cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+           "kv_connector_extra_config": {"num_threads": 1}}
+    stack = Stack()
+    try:
+        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+        cores = split_cores_among(4)
+        for i, (role, cpu) in enumerate(zip(("prefill", "prefill", "decode", "decode"), cores)):
+            env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
+                   "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            urls[role].append(stack.add_vllm(f"nixl-{role}-{i % 2}", model_dir, log_dir / name, cfg, cpu,
+                                             vargs, env, die_with_parent=True))
+        proc, proxy = start_proxy(urls["prefill"], urls["decode"], log_dir / name,
+                                  extra_args=["--handoff", "nixl", "--policy", "round_robin"],
+                                  die_with_parent=True)
+        stack.add(Component("proxy", proc, proxy + "/health", url=proxy))
+    except BaseException:
+        stack.stop(5)
+        raise
+    return Fleet(name, stack, proxy, urls["prefill"] + urls["decode"], urls["decode"])
+
+
+def run_config(name: str, model_dir: Path, model: str, log_dir: Path, args: argparse.Namespace,
+               vocab: int) -> dict[str, Any]:
+    (log_dir / name).mkdir(parents=True, exist_ok=True)
+    print(f"\n== {name}: starting (load avg {os.getloadavg()[0]:.2f})", flush=True)
+    fleet = start(name, model_dir, log_dir, args)
+    try:
+        took = fleet.stack.wait_ready(args.ready_timeout)
+        print(f"  ready in {took:.0f} s", flush=True)
+        convs = make_conversations(args, vocab)
+        before = fleet_counters(fleet)
+        ttfts: list[float] = []
+        prompt_tokens = 0
+        order = schedule(args)
+        t0 = time.monotonic()
+        for u, t in order:
+            prompt = convs[u].prompt(t)
+            prompt_tokens += len(prompt)
+            ttft, answer = stream_completion(fleet.proxy_url, model, prompt, args.answer_tokens,
+                                             args.request_timeout)
+            convs[u].answers.append(answer)
+            ttfts.append(round(ttft * 1e3, 2))
+        wall = time.monotonic() - t0
+        time.sleep(args.settle)  # late counter updates (vLLM logs stats per step)
+        after = fleet_counters(fleet)
+        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
+        n = len(order)
+        out = {
+            "requests": n, "wall_s": round(wall, 1),
+            "client_prompt_tokens_per_request": round(prompt_tokens / n, 1),
+            "computed_per_request": round(d.get("source:local_compute", 0.0) / n, 1),
+            "loaded_per_request": round(d.get("source:external_kv_transfer", 0.0) / n, 1),
+            "local_hits_per_request": round(d.get("source:local_cache_hit", 0.0) / n, 1),
+            "prefills_skipped": int(d.get("route:decode-only", 0.0)),
+            "routes": {k[6:]: int(v) for k, v in d.items() if k.startswith("route:") and v},
+            "repulls": int(d.get("vllm:pdxfer_repulls_total", 0.0)),
+            "ttft_ms": {"p50": med(ttfts), "p99": round(sorted(ttfts)[min(n - 1, int(0.99 * n))], 2),
+                        "samples": ttfts},
+        }
+        print(f"  {n} requests in {wall:.0f} s: computed {out['computed_per_request']} tok/req of "
+              f"{out['client_prompt_tokens_per_request']}, loaded {out['loaded_per_request']}, local hits "
+              f"{out['local_hits_per_request']}, prefills skipped {out['prefills_skipped']}, re-pulls "
+              f"{out['repulls']}, TTFT p50 {out['ttft_ms']['p50']} ms p99 {out['ttft_ms']['p99']} ms",
+              flush=True)
+        return out
+    finally:
+        fleet.stack.stop()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="run these, in this order")
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--arrivals", type=int, default=2, help="new users per round")
+    ap.add_argument("--system-prompts", type=int, default=2)
+    ap.add_argument("--system-tokens", type=int, default=600)
+    ap.add_argument("--message-tokens", default="60,180", help="range of a user message's length")
+    ap.add_argument("--answer-tokens", type=int, default=24, help="max_tokens of each answer")
+    ap.add_argument("--kv-cache-gib", type=int, default=1)
+    ap.add_argument("--ready-timeout", type=float, default=600)
+    ap.add_argument("--request-timeout", type=float, default=120)
+    ap.add_argument("--settle", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in args.configs:
+        if c not in CONFIGS:
+            ap.error(f"unknown config {c!r} ({', '.join(CONFIGS)})")
+    lo, _, hi = args.message_tokens.partition(",")
+    args.message_tokens = (int(lo), int(hi or lo))
+    if not 0 < args.message_tokens[0] <= args.message_tokens[1]:
+        ap.error(f"--message-tokens must be 'LO,HI' with 0 < LO <= HI, got {args.message_tokens}")
+    if min(args.users, args.turns, args.arrivals, args.system_prompts) < 1:
+        ap.error("--users, --turns, --arrivals and --system-prompts must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    model_dir = (args.model or make_tiny_model(default_tiny_model_dir())).resolve()
+    mcfg = json.loads((model_dir / "config.json").read_text())
+    model = served_model_name(model_dir)
+    longest = args.system_tokens + args.turns * (args.message_tokens[1] + args.answer_tokens)
+    if longest + 2 > mcfg.get("max_position_embeddings", 1 << 30):
+        sys.exit(f"bench/fleet.py: conversations reach {longest} tokens, over the model's max_position_embeddings")
+    log_dir = (args.log_dir or default_run_dir() / time.strftime("bench-fleet-%Y%m%d-%H%M%S")).resolve()
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    print(f"{started} | {args.users} users x {args.turns} turns, {args.system_prompts} system prompts of "
+          f"{args.system_tokens} tokens | logs {log_dir}", flush=True)
+    results = {name: run_config(name, model_dir, model, log_dir, args, mcfg["vocab_size"]) for name in args.configs}
+    print("\nfleet-wide prompt tokens computed per request:")
+    base = results.get("nixl", {}).get("computed_per_request")
+    ratios = {}
+    for name, r in results.items():
+        ratio = round(r["computed_per_request"] / base, 3) if base else None
+        ratios[name] = ratio
+        print(f"  {name:7s} {r['computed_per_request']:8.1f}" + (f"  ({ratio}x NixlConnector round-robin)" if ratio else ""))
+    if args.json:
+        argv_used = sys.argv if argv is None else [sys.argv[0], *argv]
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "command": " ".join(shlex.quote(a) for a in argv_used), "started_utc": started,
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "cpu_count": os.cpu_count(), "results": results, "computed_ratio_to_nixl": ratios,
+            "target": "routed computes at most 0.5x NixlConnector round-robin per request",
+        }, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
