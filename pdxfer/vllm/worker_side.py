@@ -24,7 +24,7 @@ from pdxfer.vllm.worker_staging import (ReaderStaging, ScatterHandle, StagedStre
                                         auto_staging_bytes, region_tensors)
 from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion
-from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.vllm.config import ConnectorConfig, check_reachable
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.load_corruption import maybe_corrupt_load
 from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
@@ -163,8 +163,9 @@ class WorkerSide:
             raise LayoutMismatch(f"KV tensors have layout {layout.fingerprint()} but the scheduler "
                                  f"derived {self.expected_fingerprint} from the vLLM config; keys "
                                  "would not match what the bytes are")
+        check_reachable(self.cfg)
         opts = transport_options(self.cfg.transport, listen_host=self.cfg.listen_host,
-                                 advertise_host=self.cfg.advertise_host)
+                                 listen_port=self.cfg.listen_port, advertise_host=self.cfg.advertise_host)
         transport = create_transport(self.cfg.transport, **opts)
         if not self.total_kv_heads:
             self.total_kv_heads = layout.kv_heads * self.tp_size
