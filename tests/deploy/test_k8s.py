@@ -213,7 +213,6 @@ def test_instance_settings_are_accepted_by_the_connector_config(overlay):
         assert args[0] == _by_id(objs)[("ConfigMap", "pdxfer-model")]["data"]["model_path"]
         kvt = _kv_transfer_config(args)
         assert kvt["kv_connector"] == "PdxferConnector" and kvt["kv_role"] == kv_role
-        mod = importlib.import_module(kvt["kv_connector_module_path"]) if False else None  # noqa: F841
         assert importlib.util.find_spec(kvt["kv_connector_module_path"]) is not None
         cfg = parse_extra_config(kvt["kv_connector_extra_config"], env=env)
         check_reachable(cfg)  # the pod IP is advertised, the master is remote: no refusal
