@@ -130,6 +130,9 @@ async def _start_on_range(svc: MasterService, args: argparse.Namespace) -> None:
             # svc.port stays 0 until the wire socket is bound: a failure after that (the HTTP
             # port, etcd) is not the range's business.
             if svc.port:
+                if exc.errno == errno.EADDRINUSE:
+                    raise SystemExit(f"pdxfer-master: HTTP port {args.http_port} on {args.http_host or args.host} "
+                                     f"is in use (--http-port, $PDXFER_MASTER_HTTP_PORT)") from None
                 raise
             if exc.errno != errno.EADDRINUSE or spec.any:
                 raise SystemExit(f"pdxfer-master: cannot listen on {args.host}:{port}: {exc}") from None

@@ -8,6 +8,7 @@ import argparse
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,8 +217,6 @@ def test_master_process_takes_the_next_port_of_its_range(tmp_path):
         p = subprocess.Popen([sys.executable, "-m", "pdxfer.master.service", "--port-file", str(port_file)],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
-            import time
-
             deadline = time.monotonic() + 30
             while not port_file.exists():
                 assert p.poll() is None, p.stderr.read()
@@ -232,3 +231,8 @@ def test_master_process_takes_the_next_port_of_its_range(tmp_path):
                                text=True, timeout=30)
         assert r.returncode != 0
         assert f"every port of $PDXFER_MASTER_LISTEN_PORT {base}-{base + 1} on 127.0.0.1 is in use" in r.stderr
+    # The HTTP port is fixed, not a range: taken, the master says which one.
+    with _listening(base + 1):
+        r = subprocess.run([sys.executable, "-m", "pdxfer.master.service", "--port", "0", "--http-port",
+                            str(base + 1)], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and f"HTTP port {base + 1} on 127.0.0.1 is in use" in r.stderr, r.stderr[-500:]
