@@ -174,7 +174,7 @@ def check_reachable(cfg: ConnectorConfig) -> None:
             f"(or ${ADDRESS_ENV['advertise_host']}, e.g. the pod IP)")
     if is_loopback_host(cfg.listen_host):
         raise ConnectorConfigError(
-            f"listen_host {cfg.listen_host!r} is a loopback address (the default) but the master "
+            f"listen_host {cfg.listen_host!r} is a loopback address (the default is 127.0.0.1) but the master "
             f"({cfg.master}) is not: readers on other hosts could not reach this instance's KV. Set "
             f"listen_host (or ${ADDRESS_ENV['listen_host']}) to this host's address, or to 0.0.0.0 with "
             f"advertise_host (${ADDRESS_ENV['advertise_host']})")
