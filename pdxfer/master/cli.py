@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
 import sys
+from typing import Mapping
 
 from pdxfer.master import etcd_layout
 from pdxfer.master.coordinator import coordinator_for
+from pdxfer.ports import PortRange, PortSpecError, parse_port_spec
 from pdxfer.master.service import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -21,6 +24,13 @@ from pdxfer.master.service import (
 )
 
 log = logging.getLogger("pdxfer.master")
+
+# Flags an environment can set instead (a unit's EnvironmentFile, a pod's env); a flag given wins.
+# Names of their own, so a master and a vLLM instance can share one environment file.
+ENV_FALLBACKS = {"host": "PDXFER_MASTER_LISTEN_HOST", "port": "PDXFER_MASTER_LISTEN_PORT",
+                 "http_host": "PDXFER_MASTER_HTTP_HOST", "http_port": "PDXFER_MASTER_HTTP_PORT",
+                 "advertise": "PDXFER_MASTER_ADVERTISE"}
+_DEFAULTS = {"host": "127.0.0.1", "port": "0", "http_host": None, "http_port": "0", "advertise": None}
 
 
 def _write_port_file(path: str, port: int, http_port: int) -> None:
@@ -32,12 +42,18 @@ def _write_port_file(path: str, port: int, http_port: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdxfer-master", description="pdxfer chunk index service")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on for the wire protocol")
-    p.add_argument("--port", type=int, default=0, help="wire protocol port (0: chosen by the OS)")
+    env = ENV_FALLBACKS
+    p.add_argument("--host", help=f"address to listen on for the wire protocol (${env['host']}; "
+                                  "default 127.0.0.1)")
+    p.add_argument("--port", help=f"wire protocol port: 0 (chosen by the OS), N, or a range N-M, the first "
+                                  f"free one is taken (${env['port']}; default 0)")
     p.add_argument("--port-file", help="write '<port>\\n<http port>\\n' here once listening")
-    p.add_argument("--http-host", help="address for /metrics and /health (default: --host)")
-    p.add_argument("--http-port", type=int, default=0, help="HTTP port (0: chosen by the OS, -1: off)")
-    p.add_argument("--advertise", help="host:port published as leader address in etcd (default host:port)")
+    p.add_argument("--http-host", help=f"address for /metrics and /health (${env['http_host']}; "
+                                       "default: --host)")
+    p.add_argument("--http-port", help=f"HTTP port (0: chosen by the OS, -1: off; ${env['http_port']}; "
+                                       "default 0)")
+    p.add_argument("--advertise", help=f"HOST:PORT, or HOST with a fixed --port, published as the leader "
+                                       f"address in etcd (${env['advertise']}; default host:port)")
     p.add_argument("--token-file", help="shared secret every request must carry")
     p.add_argument("--etcd", help="host:port[,host:port] of etcd: HA mode (default: standalone, in memory)")
     p.add_argument("--etcd-prefix", default="/pdxfer/master", help="key prefix in etcd")
@@ -55,6 +71,74 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an authenticated connection may stay idle")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def apply_env_fallbacks(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> None:
+    """Fill the listen/advertise flags not given from ENV_FALLBACKS, then defaults; check them.
+    ``args.port`` becomes a PortRange, ``args.http_port`` an int; a bad value exits naming the
+    flag or variable it came from."""
+    env = os.environ if env is None else env
+    source: dict[str, str] = {}
+    for key, var in ENV_FALLBACKS.items():
+        if getattr(args, key) is not None:
+            source[key] = f"--{key.replace('_', '-')}"
+        elif env.get(var, "").strip():
+            setattr(args, key, env[var].strip())
+            source[key] = f"${var}"
+        else:
+            setattr(args, key, _DEFAULTS[key])
+            source[key] = f"--{key.replace('_', '-')}"
+    args.port_source = source["port"]
+    try:
+        args.port = parse_port_spec(args.port, source["port"])
+    except PortSpecError as exc:
+        raise SystemExit(f"pdxfer-master: {exc}") from None
+    try:
+        args.http_port = int(str(args.http_port).strip(), 10)
+        if not -1 <= args.http_port <= 65535:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"pdxfer-master: {source['http_port']} must be -1 (off), 0 (any free port) or a "
+                         f"port 1-65535, got {args.http_port!r}") from None
+    if args.advertise is not None and _split_port(args.advertise) is None and args.port.any:
+        raise SystemExit(f"pdxfer-master: {source['advertise']} {args.advertise!r} has no port and the wire "
+                         f"port is chosen by the OS; give HOST:PORT or a fixed --port")
+
+
+def _split_port(hostport: str) -> int | None:
+    """The port of "host:port" / "[v6]:port"; None when there is none."""
+    head, sep, tail = hostport.rpartition(":")
+    if not sep or not tail.isdigit() or (":" in head and not head.endswith("]")):
+        return None
+    return int(tail)
+
+
+def _advertise_for(advertise: str | None, port: int) -> str | None:
+    if advertise is None or _split_port(advertise) is not None:
+        return advertise
+    return f"{advertise}:{port}"
+
+
+async def _start_on_range(svc: MasterService, args: argparse.Namespace) -> None:
+    """Start on the first free port of ``args.port``; only the wire port moves along the range."""
+    spec: PortRange = args.port
+    for port in spec.ports():
+        try:
+            await svc.start(args.host, port, args.http_host, args.http_port, _advertise_for(args.advertise, port))
+            return
+        except OSError as exc:
+            # svc.port stays 0 until the wire socket is bound: a failure after that (the HTTP
+            # port, etcd) is not the range's business.
+            if svc.port:
+                if exc.errno == errno.EADDRINUSE:
+                    raise SystemExit(f"pdxfer-master: HTTP port {args.http_port} on {args.http_host or args.host} "
+                                     f"is in use (--http-port, $PDXFER_MASTER_HTTP_PORT)") from None
+                raise
+            if exc.errno != errno.EADDRINUSE or spec.any:
+                raise SystemExit(f"pdxfer-master: cannot listen on {args.host}:{port}: {exc}") from None
+    what = f"port {spec} of {args.port_source}" if spec.first == spec.last else \
+        f"every port of {args.port_source} {spec}"
+    raise SystemExit(f"pdxfer-master: {what} on {args.host} is in use; free it or give a range N-M")
 
 
 def _read_token(path: str) -> str:
@@ -96,7 +180,7 @@ async def _amain(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await svc.start(args.host, args.port, args.http_host, args.http_port, args.advertise)
+    await _start_on_range(svc, args)
     if args.port_file:
         _write_port_file(args.port_file, svc.port, svc.http_port)
     log.info("pdxfer-master listening on %s:%d (http %d, store %s)", args.host, svc.port, svc.http_port,
@@ -108,6 +192,7 @@ async def _amain(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    apply_env_fallbacks(args)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

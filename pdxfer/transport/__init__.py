@@ -19,9 +19,10 @@ from pdxfer.transport.base import Transport, TransportError
 
 # Settings callers hand to ``transport_options``; each kind takes the subset it names.
 #   listen_host     address a holder listens on (connector config, probe --host, tests)
+#   listen_port     its port: 0 (the OS picks), N, or a range "N-M" tried in order (connector config)
 #   advertise_host  address readers are told to connect to (connector config, probe --advertise)
 #   connections     parallel connections per peer (probe --tcp-connections)
-SETTINGS = frozenset({"listen_host", "advertise_host", "connections"})
+SETTINGS = frozenset({"listen_host", "listen_port", "advertise_host", "connections"})
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ REGISTRY: dict[str, TransportKind] = {k.name: k for k in (
     TransportKind("tcp", "pdxfer.transport.tcp.transport:TcpTransport",
                   "pdxfer's own TCP transport (host memory; GPU memory through a pinned bounce buffer; "
                   "clusters without RDMA)",
-                  settings=frozenset({"listen_host", "advertise_host", "connections"})),
+                  settings=frozenset({"listen_host", "listen_port", "advertise_host", "connections"})),
     TransportKind("nixl", "pdxfer.transport.nixl.transport:NixlTransport",
                   "NIXL agent with the UCX backend (DRAM here; VRAM and RDMA where UCX has them)",
                   check="pdxfer.transport.nixl.env:unavailable_reason", test_marker="nixl"),

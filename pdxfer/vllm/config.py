@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from pdxfer.transport import KINDS
+from pdxfer.ports import PortSpecError, is_loopback_host, is_wildcard_host, parse_port_spec
+from pdxfer.transport import KINDS, kind_spec
 
 # The launcher exports the address of the master it started; a config without "master" uses it.
 MASTER_ENV = "PDXFER_MASTER"
@@ -21,6 +22,10 @@ MASTER_TOKEN_FILE_ENV = "PDXFER_MASTER_TOKEN_FILE"
 SERVE_URL_ENV = "PDXFER_SERVE_URL"
 # Test-only hooks (lock-expiry and slow-read faults) are read only when this names a directory.
 TEST_HOOKS_ENV = "PDXFER_TEST_HOOKS_DIR"
+# Where this instance's holder listens and what readers are told, when the config leaves them out
+# (a pod's IP comes in through PDXFER_ADVERTISE_HOST from the downward API).
+ADDRESS_ENV = {"listen_host": "PDXFER_LISTEN_HOST", "advertise_host": "PDXFER_ADVERTISE_HOST",
+               "listen_port": "PDXFER_LISTEN_PORT"}
 
 TRANSPORTS = KINDS  # the transport registry's names
 
@@ -67,6 +72,8 @@ class ConnectorConfig:
     staging_max_mib: int = 512
     lease_ttl_s: float = 10.0
     listen_host: str = "127.0.0.1"
+    # 0: the OS picks; N; or "N-M", tried in order (one port per TP rank on the host)
+    listen_port: int | str = 0
     advertise_host: str | None = None
     model_id: str | None = None  # namespace model identity; default: vLLM's model path/name
     log_level: str | None = None
@@ -127,6 +134,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] |
     out: dict[str, Any] = {}
     for key, value in extra.items():
         out[key] = _check(key, value)
+    for key, var in ADDRESS_ENV.items():
+        if out.get(key) is None and env.get(var, "").strip():
+            try:
+                out[key] = _check(key, env[var].strip())
+            except ConnectorConfigError as exc:
+                raise ConnectorConfigError(f"${var}: {exc}") from None
     cfg = ConnectorConfig(**out)
     if cfg.transport not in TRANSPORTS:
         raise ConnectorConfigError(f"transport {cfg.transport!r} is not one of {list(TRANSPORTS)}")
@@ -136,6 +149,48 @@ def parse_extra_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] |
         raise ConnectorConfigError(f"lock_ttl_s ({cfg.lock_ttl_s}) must exceed lookup_timeout_s "
                                    f"({cfg.lookup_timeout_s})")
     return cfg
+
+
+def _master_hosts(master: str) -> list[str]:
+    """The hosts of a master address: "host:port", or "etcd://host:port[,host:port]/prefix"."""
+    rest = master.split("://", 1)[1] if "://" in master else master
+    hosts = []
+    for hp in rest.split("/", 1)[0].split(","):
+        host = hp.rsplit(":", 1)[0] if hp.count(":") == 1 or hp.startswith("[") else hp
+        hosts.append(host.strip("[]"))
+    return [h for h in hosts if h]
+
+
+def check_reachable(cfg: ConnectorConfig) -> None:
+    """Refuse a holder address other hosts cannot reach while the master is on another host: every
+    read of this instance's KV would fail and quietly recompute. Checked when the worker starts
+    its transport (host names are not resolved: only "localhost" counts as loopback)."""
+    if "advertise_host" not in kind_spec(cfg.transport).settings:
+        return  # the transport finds its own addresses (NIXL/UCX)
+    if cfg.advertise_host is not None and is_wildcard_host(cfg.advertise_host):
+        raise ConnectorConfigError(f"advertise_host {cfg.advertise_host!r} is a wildcard; give the address "
+                                   f"readers connect to (${ADDRESS_ENV['advertise_host']})")
+    remote = [h for h in _master_hosts(cfg.master) if not is_loopback_host(h)]
+    if not remote:
+        return
+    if cfg.advertise_host is not None:
+        if is_loopback_host(cfg.advertise_host):
+            raise ConnectorConfigError(
+                f"advertise_host {cfg.advertise_host!r} is a loopback address but the master ({cfg.master}) "
+                f"is not: readers on other hosts could not reach this instance's KV. Set advertise_host "
+                f"(or ${ADDRESS_ENV['advertise_host']}) to an address of this host they can reach")
+        return
+    if is_wildcard_host(cfg.listen_host):
+        raise ConnectorConfigError(
+            f"listen_host {cfg.listen_host!r} with no advertise_host while the master ({cfg.master}) is on "
+            f"another host: say which address readers connect to with advertise_host "
+            f"(or ${ADDRESS_ENV['advertise_host']}, e.g. the pod IP)")
+    if is_loopback_host(cfg.listen_host):
+        raise ConnectorConfigError(
+            f"listen_host {cfg.listen_host!r} is a loopback address (the default is 127.0.0.1) but the master "
+            f"({cfg.master}) is not: readers on other hosts could not reach this instance's KV. Set "
+            f"listen_host (or ${ADDRESS_ENV['listen_host']}) to this host's address, or to 0.0.0.0 with "
+            f"advertise_host (${ADDRESS_ENV['advertise_host']})")
 
 
 def _check(key: str, value: Any) -> Any:
@@ -153,6 +208,12 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConnectorConfigError(f"staging_max_mib must be an int >= 0, got {value!r}")
         return value
+    if key == "listen_port":
+        try:
+            spec = parse_port_spec(value)
+        except PortSpecError as exc:
+            raise ConnectorConfigError(str(exc)) from None
+        return spec.first if spec.first == spec.last else str(spec)
     if key in _NONNEG_FLOATS:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ConnectorConfigError(f"{key} must be a number >= 0, got {value!r}")

@@ -26,7 +26,7 @@ from pdxfer.vllm.worker_staging import (ReaderStaging, ScatterHandle, StagedStre
 from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import (PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion,
                                    TransferCancelled)
-from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.vllm.config import ConnectorConfig, check_reachable
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.load_corruption import maybe_corrupt_load
 from pdxfer.vllm import repull as rp_plan
@@ -188,8 +188,9 @@ class WorkerSide:
             raise LayoutMismatch(f"KV tensors have layout {layout.fingerprint()} but the scheduler "
                                  f"derived {self.expected_fingerprint} from the vLLM config; keys "
                                  "would not match what the bytes are")
+        check_reachable(self.cfg)
         opts = transport_options(self.cfg.transport, listen_host=self.cfg.listen_host,
-                                 advertise_host=self.cfg.advertise_host)
+                                 listen_port=self.cfg.listen_port, advertise_host=self.cfg.advertise_host)
         transport = create_transport(self.cfg.transport, **opts)
         if not self.total_kv_heads:
             self.total_kv_heads = layout.kv_heads * self.tp_size

@@ -25,8 +25,8 @@ def test_unknown_kind_and_unknown_setting_are_named():
         T.create_transport("verbs")
     with pytest.raises(ValueError, match=r"unknown transport 'verbs'"):
         T.unavailable_reason("verbs")
-    with pytest.raises(ValueError, match=r"unknown transport setting\(s\) \['listen_port'\]"):
-        T.transport_options("tcp", listen_port=1)
+    with pytest.raises(ValueError, match=r"unknown transport setting\(s\) \['listen_backlog'\]"):
+        T.transport_options("tcp", listen_backlog=1)
 
 
 def test_availability_gives_a_reason_when_a_kind_cannot_load(monkeypatch):

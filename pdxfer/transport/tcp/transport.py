@@ -50,6 +50,7 @@ from pdxfer.transport.tcp.metadata import encode_metadata, parse_metadata
 from pdxfer.transport.runs import SMALL_PLAN, check_plan
 from pdxfer.transport.tcp.plan import split_runs
 from pdxfer.transport.tcp.server import RegionTable, TcpServer
+from pdxfer.ports import bind_in_range, parse_port_spec
 
 
 class TcpTransport(Transport):
@@ -67,7 +68,7 @@ class TcpTransport(Transport):
     def __init__(
         self,
         listen_host: str = "127.0.0.1",
-        listen_port: int = 0,
+        listen_port: int | str = 0,
         advertise_host: str | None = None,
         connections: int = 2,
         split_min_bytes: int = 2 << 20,
@@ -96,7 +97,7 @@ class TcpTransport(Transport):
         self._device_ops = device_ops
         self._local_dev = np.zeros(0, dtype=bool)
         self._has_dev = False
-        self._listen = (listen_host, int(listen_port))
+        self._listen = (listen_host, parse_port_spec(listen_port))
         self._advertise = advertise_host
         self._nconns = int(connections)
         self._split_min = int(split_min_bytes)
@@ -166,12 +167,12 @@ class TcpTransport(Transport):
     def _ensure_server(self) -> TcpServer:
         with self._lock:
             if self._server is None:
-                host, port = self._listen
+                host, ports = self._listen
                 try:
-                    self._server = TcpServer(self._table, self._instance, host, port, self._bufsize,
-                                             **self._server_limits)
+                    self._server = bind_in_range(ports, host, lambda port: TcpServer(
+                        self._table, self._instance, host, port, self._bufsize, **self._server_limits))
                 except OSError as exc:
-                    raise TransportError(f"tcp transport cannot listen on {host}:{port}: {exc}") from exc
+                    raise TransportError(f"tcp transport cannot listen on {host}:{ports}: {exc}") from exc
             return self._server
 
     @property
