@@ -2,7 +2,8 @@
 # Idempotent set-up of everything the test suite needs on a fresh Debian machine (as root), so that
 # CI (where a skip fails: tests/conftest.py) skips nothing:
 #   Debian packages (root + apt-get; only what is missing): python3-venv, g++ (native kernels;
-#     binutils' nm/readelf for the CUDA compile test), iproute2 (network-namespace test), and the
+#     binutils' nm/readelf for the CUDA compile test), iproute2 (network-namespace test), systemd (its
+#     systemd-analyze/-sysusers/-tmpfiles check the shipped units), and the
 #     soft-RoCE testbed's list (tools/softroce/testbed.py PACKAGES: qemu-system-x86,
 #     linux-image-amd64, busybox-static, rdma-core, kmod, ibverbs-utils, ibverbs-providers,
 #     perftest, python3-pyverbs, ucx-utils)
@@ -22,7 +23,7 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 missing=()
-for pkg in python3-venv g++ binutils iproute2; do
+for pkg in python3-venv g++ binutils iproute2 systemd; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
