@@ -34,12 +34,16 @@ from pdxfer.master.errors import (
     UnknownNode,
 )
 from pdxfer.master.locator import locator_for
-from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, PeekResult, Registration
+from pdxfer.master.locations import ChunkLocations
+from pdxfer.master.records import LookupResult, NodeInfo, PeekResult, Registration
 from pdxfer.master.registrations import SHARED, Registrations
 
 log = logging.getLogger("pdxfer.master.client")
 
 T = TypeVar("T")
+
+
+_RECV_BYTES = 1 << 16
 
 
 class _Closed(Exception):
@@ -78,8 +82,21 @@ class _Conn:
         self.sock.sendall(P.encode_frame(op, req_id, doc, blob))
         self.used = True
         self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        hdr = P.parse_header(self._recv_exact(P.HEADER_BYTES))
-        body = self._recv_exact(hdr.json_len + hdr.blob_len) if hdr.json_len + hdr.blob_len else b""
+        # One recv usually brings the whole reply (header and body): not one call for each.
+        data = self.sock.recv(_RECV_BYTES)
+        while len(data) < P.HEADER_BYTES:
+            more = self.sock.recv(_RECV_BYTES)
+            if not more:
+                raise _Closed(f"connection closed while reading master reply ({len(data)} of {P.HEADER_BYTES} "
+                              "header bytes)")
+            data += more
+        hdr = P.parse_header(data[: P.HEADER_BYTES])
+        need = P.HEADER_BYTES + hdr.json_len + hdr.blob_len
+        if len(data) > need:
+            raise P.ProtocolError(P.ERR_MALFORMED, f"{len(data) - need} bytes after the reply to request {req_id}")
+        body = data[P.HEADER_BYTES :]
+        if len(data) < need:
+            body += self._recv_exact(need - len(data))
         if hdr.req_id != req_id:
             raise P.ProtocolError(P.ERR_MALFORMED, f"reply to request {hdr.req_id}, expected {req_id}")
         return hdr.op, P.decode_json(body[: hdr.json_len]), body[hdr.json_len :]
@@ -323,7 +340,7 @@ class MasterClient:
                 if reply.lock_id:
                     self.release(reply.lock_id, all_parties=True)
                 continue
-            locations = list(map(ChunkLocation, keys[: reply.hit], reply.holders, reply.block_lists))
+            locations = ChunkLocations(keys, reply) if reply.hit else []
             epochs = {nid: epoch for nid, (epoch, _) in reply.nodes.items()}
             return LookupResult(reply.lock_id, reply.hit, locations, nodes, reply.ttl, epochs)
         raise MasterProtocolError("lookup reply referenced node descriptions the client does not have")

@@ -158,9 +158,13 @@ class ChunkIndex:
             self.counters.publish_fenced += 1
             raise FencedError(node_id, seq, node.fence_seq)
         hold_until = INF if retention_s is None else now + retention_s
+        if hold_until < node.hold_floor:
+            node.hold_floor = hold_until
         accepted = 0
         pinned: set[bytes] | None = None  # the node's pinned keys, computed when first needed
         for key, blocks in items:
+            if node.per != len(blocks) >> 2:
+                node.per = len(blocks) >> 2 if node.per == -2 else -1
             old = node.entries.get(key)
             if old is not None:
                 if old.blocks != blocks:
@@ -308,7 +312,7 @@ class ChunkIndex:
             lock_id,
             hit,
             runs,
-            list(map(_NBLOCKS, chosen)),
+            self._counts(chosen, runs),
             b"".join(map(_BLOCKS, chosen)),
             nodes,
         )
@@ -373,6 +377,15 @@ class ChunkIndex:
 
         return usable
 
+    def _counts(self, chosen: list[Entry], runs: list[tuple[str, int]]) -> list[int]:
+        """Block ids per chosen entry; a node whose entries all have the same count is not asked
+        entry by entry."""
+        if len(runs) == 1:
+            per = self.nodes[runs[0][0]].per
+            if per >= 0:
+                return [per] * len(chosen)
+        return list(map(_NBLOCKS, chosen))
+
     @staticmethod
     def _run(keys: Sequence[bytes], start: int, node: Node, now: float) -> list[Entry]:
         """The node's entries for keys[start:] up to its first miss or entry past retention (its
@@ -389,7 +402,7 @@ class ChunkIndex:
                 end = window.index(None)
             except ValueError:
                 end = len(window)
-            if end and min(map(_HOLD, window[:end])) <= now:  # some entry's retention is over
+            if end and node.hold_floor <= now and min(map(_HOLD, window[:end])) <= now:  # some entry's retention is over
                 end = next(k for k in range(end) if window[k].hold_until <= now)
             out += window[:end]
             if end < len(window):

@@ -44,7 +44,7 @@ class FencedError(ValueError):
 
 class Node:
     __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks", "fence_seq",
-                 "transport")
+                 "transport", "hold_floor", "per")
 
     def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int,
                  transport: str | None = None) -> None:
@@ -59,6 +59,11 @@ class Node:
         # Publishes with seq <= this are refused: the holder gave up on them (and may have freed
         # their blocks). Per registration: a new registration starts with a new Node.
         self.fence_seq = 0
+        # Bounds that let a lookup skip a per-entry pass (index.py): no entry of the node is held
+        # for less than hold_floor, and every entry has ``per`` block ids (-1: not all the same;
+        # -2: no entry yet). Both only ever loosen, so a stale value costs speed, never truth.
+        self.hold_floor = float("inf")
+        self.per = -2
 
 
 class Entry:

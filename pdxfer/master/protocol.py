@@ -261,13 +261,20 @@ def pack_u32(values: Sequence[int]) -> bytes:
 
 
 def unpack_u32(data: bytes | memoryview) -> list[int]:
+    return unpack_u32_array(data).tolist()
+
+
+def unpack_u32_array(data: bytes | memoryview) -> array:
+    """Little-endian uint32s as an ``array('I')`` (no Python int per value until asked)."""
     if len(data) % 4:
         raise ProtocolError(ERR_MALFORMED, f"uint32 array of {len(data)} bytes is not a multiple of 4")
     arr = array("I")
-    arr.frombytes(bytes(data))
+    if arr.itemsize != 4:  # pragma: no cover - every platform CPython runs on has 4-byte 'I'
+        arr = array("L")
+    arr.frombytes(data)
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
-    return arr.tolist()
+    return arr
 
 
 def parse_hostport(text: str) -> tuple[str, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -405,45 +406,68 @@ def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tu
 
 @dataclass(frozen=True)
 class LookupReply:
+    """A decoded lookup reply. Checked in full when decoded; the per-chunk lists (``holders``,
+    ``block_lists``) are built only when asked for, from the runs and the raw block id array (a
+    caller that uses only the hit count and lock never pays for 2 lists per chunk)."""
+
     lock_id: str | None
     hit: int
     ttl: float
-    holders: list[str]  # node id per hit chunk
-    block_lists: list[list[int]]  # block ids per hit chunk
+    runs: list[tuple[str, int]]  # (node id, chunks) in chunk order, covering the hit
+    blocks: array  # every hit chunk's block ids, concatenated (uint32)
+    per: int  # block ids per chunk when uniform, else 0 and ``counts`` says
+    counts: list[int] | None
     nodes: dict[str, tuple[int, NodeInfo | None]]  # node id -> (epoch, description or None)
+
+    @property
+    def holders(self) -> list[str]:
+        """Node id per hit chunk."""
+        out: list[str] = []
+        for nid, n in self.runs:
+            out += [nid] * n
+        return out
+
+    @property
+    def block_lists(self) -> list[list[int]]:
+        """Block ids per hit chunk."""
+        ids = self.blocks.tolist()
+        if self.per:  # uniform chunks (the usual case): split in C, not a Python slice per chunk
+            return list(map(list, zip(*[iter(ids)] * self.per)))
+        offs = list(itertools.accumulate(self.counts or (), initial=0))
+        return [ids[offs[j] : offs[j + 1]] for j in range(self.hit)]
 
 
 def decode_lookup_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: int) -> LookupReply:
     hit = P.get_int(doc, "hit", 0, asked)
     ttl = P.get_float(doc, "ttl", 0.0, MAX_TTL_S)
     if hit == 0:
-        return LookupReply(None, 0, ttl, [], [], {})
+        return LookupReply(None, 0, ttl, [], array("I"), 0, None, {})
     lock_id = P.get_str(doc, "lock")
     runs = doc.get("runs")
     if not isinstance(runs, list):
         raise _malformed("field 'runs' must be a list of [node id, chunks]")
-    holders: list[str] = []
+    covered = 0
     for run in runs:
         if (not isinstance(run, list) or len(run) != 2 or not isinstance(run[0], str)
                 or type(run[1]) is not int or run[1] < 1):
             raise _malformed(f"field 'runs' holds {run!r:.60}, not [node id, chunks >= 1]")
-        holders += [run[0]] * run[1]
-    counts = get_block_counts(doc, hit)
-    blocks = P.unpack_u32(blob)
-    if len(holders) != hit or sum(counts) != len(blocks):
-        raise _malformed(f"lookup reply inconsistent: {len(holders)} holders, {len(blocks)} block ids, hit {hit}")
+        covered += run[1]
+    per = doc.get("per")
+    if type(per) is int and per > 0 and per <= P.MAX_BLOCKS_PER_CHUNK:
+        counts = None
+        total = per * hit
+    else:
+        per = 0
+        counts = get_block_counts(doc, hit)
+        total = sum(counts)
+    blocks = P.unpack_u32_array(blob)
+    if covered != hit or total != len(blocks):
+        raise _malformed(f"lookup reply inconsistent: {covered} holders, {len(blocks)} block ids, hit {hit}")
     raw_nodes = doc.get("nodes")
-    if not isinstance(raw_nodes, dict) or not set(holders) <= raw_nodes.keys():
+    if not isinstance(raw_nodes, dict) or not {run[0] for run in runs} <= raw_nodes.keys():
         raise _malformed("field 'nodes' must describe every holder named in 'runs'")
     nodes = {nid: decode_node_description(nid, d) for nid, d in raw_nodes.items()}
-    per = doc.get("per")
-    if type(per) is int and per > 0:
-        # Uniform chunks (the usual case): split in C, not with a Python slice per chunk.
-        block_lists = list(map(list, zip(*[iter(blocks)] * per)))
-    else:
-        offs = list(itertools.accumulate(counts, initial=0))
-        block_lists = [blocks[offs[j] : offs[j + 1]] for j in range(hit)]
-    return LookupReply(lock_id, hit, ttl, holders, block_lists, nodes)
+    return LookupReply(lock_id, hit, ttl, [(r[0], r[1]) for r in runs], blocks, per, counts, nodes)
 
 
 # ---- peek (read-only lookup) ---------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class PeekResult:
 class LookupResult:
     lock_id: str | None
     hit_chunks: int
-    locations: list[ChunkLocation]
+    locations: Sequence[ChunkLocation]  # a list, or the client's lazily built equivalent
     nodes: dict[str, NodeInfo]
     lock_ttl_s: float
     # The registration (epoch) of each holder in ``nodes``: what a reader names in a later

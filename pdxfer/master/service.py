@@ -11,12 +11,12 @@ import asyncio
 import gc
 import hmac
 import logging
-import socket
 import time
 from typing import Any, Callable
 
 from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
+from pdxfer.master.conn import MasterConnection
 from pdxfer.master.coordinator import Coordinator, Standalone
 from pdxfer.master.httpd import serve_http
 from pdxfer.master.index import (
@@ -30,7 +30,6 @@ from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats
 log = logging.getLogger("pdxfer.master")
 
 DEFAULT_MAX_LOCK_TTL_S = 30.0  # announced in register replies; readers asking for more get this
-_BODY_TIMEOUT_S = 10.0  # a client that sent a header must send the body within this
 DEFAULT_MAX_CONNECTIONS = 4096
 DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0  # a new connection's first frame (hello) must arrive within this
 DEFAULT_IDLE_TIMEOUT_S = 600.0  # an authenticated connection idle this long is closed (clients reconnect)
@@ -82,7 +81,7 @@ class MasterService:
         self.rate = LookupRate()
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[Any]] = []
-        self._conns: set[asyncio.StreamWriter] = set()
+        self._conns: set[MasterConnection] = set()
         self.port = 0
         self.http_port = 0
         self._handlers: dict[int, Callable[[dict[str, Any], memoryview, float], Any]] = {
@@ -102,14 +101,14 @@ class MasterService:
         # so they reconnect to whoever leads now.
         log.warning("lost leadership: clearing the index and closing client connections")
         self.index.clear()
-        for w in list(self._conns):
-            w.close()
+        for conn in list(self._conns):
+            conn.close()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self, host: str, port: int, http_host: str | None, http_port: int, advertise: str | None) -> None:
-        # A small reader limit would pause/resume the socket many times per 16 KiB lookup body.
-        server = await asyncio.start_server(self._serve_conn, host, port, limit=1 << 20)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: MasterConnection(self), host, port)
         self._servers.append(server)
         self.port = server.sockets[0].getsockname()[1]
         if http_port >= 0:
@@ -125,8 +124,8 @@ class MasterService:
             t.cancel()
         for s in self._servers:
             s.close()
-        for w in list(self._conns):
-            w.close()
+        for conn in list(self._conns):
+            conn.close()
         await self.coord.stop()
 
     async def _reaper(self) -> None:
@@ -146,79 +145,14 @@ class MasterService:
 
     # ---- connections ----------------------------------------------------------------------------
 
-    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        if len(self._conns) >= self.max_connections:
-            self._refuse_connection(peer, writer)
-            return
-        self._conns.add(writer)
-        _keepalive(writer.get_extra_info("socket"))
-        authed = self.token is None  # with a token, only a hello is read until one succeeds
-        first = True
-        try:
-            while True:
-                # The first frame must come soon (a peer that connects and sends nothing, or half
-                # a header, must not hold a connection); later ones within the idle timeout.
-                wait_s = self.handshake_timeout_s if first or not authed else self.idle_timeout_s
-                try:
-                    raw = await asyncio.wait_for(reader.readexactly(P.HEADER_BYTES), wait_s)
-                except TimeoutError:
-                    if first or not authed:
-                        self.handshake_timeouts += 1
-                        log.info("closing %s: no complete first frame within %.1f s", peer, wait_s)
-                    return
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                first = False
-                req_id = int.from_bytes(raw[4:8], "big") if len(raw) >= 8 else 0
-                try:
-                    hdr = P.parse_header(raw)
-                    if not authed:
-                        self._check_preauth(hdr, peer)
-                except P.ProtocolError as exc:
-                    # Framing cannot be trusted after a bad header, and an unauthenticated peer's
-                    # body is never read: answer, then hang up.
-                    if exc.code != P.ERR_AUTH:
-                        self.bad_frames += 1
-                        log.warning("bad frame from %s: %s", peer, exc)
-                    writer.write(P.encode_frame(P.OP_ERROR, req_id, {"err": exc.code, "msg": str(exc)}))
-                    await writer.drain()
-                    return
-                body_wait_s = _BODY_TIMEOUT_S if authed else min(_BODY_TIMEOUT_S, self.handshake_timeout_s)
-                try:
-                    body = await asyncio.wait_for(reader.readexactly(hdr.json_len + hdr.blob_len), body_wait_s)
-                except TimeoutError:
-                    self.bad_frames += 1
-                    log.warning("client %s sent a header but not its %d-byte body within %.1f s", peer,
-                                hdr.json_len + hdr.blob_len, body_wait_s)
-                    return
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    self.bad_frames += 1
-                    log.warning("client %s closed mid-frame (truncated message)", peer)
-                    return
-                if hdr.op == P.OP_HELLO:
-                    reply, keep = self._hello(hdr, body, peer)
-                    authed = authed or keep
-                else:
-                    reply, keep = self._handle(hdr, body, peer)
-                writer.write(reply)
-                await writer.drain()
-                if not keep:
-                    return
-        except ConnectionError:
-            return
-        finally:
-            self._conns.discard(writer)
-            writer.close()
-
-    def _refuse_connection(self, peer: Any, writer: asyncio.StreamWriter) -> None:
+    def _refuse_connection(self, peer: Any, transport: asyncio.BaseTransport) -> None:
         self.connections_refused += 1
         now = time.monotonic()
         if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:  # one line per burst, not per peer
             self._refusal_logged_at = now
             log.warning("connection limit of %d reached (--max-connections): refused %s (%d refused so far)",
                         self.max_connections, peer, self.connections_refused)
-        writer.close()
+        transport.close()
 
     def _check_preauth(self, hdr: P.Header, peer: Any) -> None:
         """Before a connection has authenticated: a small hello, nothing else (body not read)."""
@@ -354,20 +288,6 @@ class MasterService:
 
     def stats(self) -> dict[str, Any]:
         return stats(self)
-
-
-def _keepalive(sock: socket.socket | None) -> None:
-    """TCP keepalive on a client connection: a peer that vanished (host down, cable cut) is noticed
-    within about a minute instead of holding its connection until the idle timeout."""
-    if sock is None:
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
-            if hasattr(socket, name):  # Linux names; other systems keep their defaults
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-    except OSError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -92,3 +92,25 @@ def test_connection_cap_refuses_and_logs(masters):
     time.sleep(0.3)
     c = masters.client(m.address)
     assert c.stats()["connections_refused"] >= 1
+
+
+def test_trickled_body_is_dropped_at_its_bound(masters):
+    # A hello header, then its body a byte at a time: each byte arrives well inside the bound, but
+    # the whole body does not, so the connection must go (the bound runs from the header).
+    m = masters.start(token="s3cret", extra_args=("--handshake-timeout", "0.6"))
+    body = b'{"tok":"s3cret"}' + b" " * 40
+    with _raw(m.address) as s:
+        s.sendall(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, P.OP_HELLO, 1, len(body), 0))
+        t0 = time.monotonic()
+        closed = False
+        for b in body:
+            try:
+                s.sendall(bytes([b]))
+            except OSError:
+                closed = True
+                break
+            if _closed_within(s, 0.1):
+                closed = True
+                break
+        assert closed, "a peer trickling its hello body held the connection past the handshake bound"
+        assert time.monotonic() - t0 < 2.0

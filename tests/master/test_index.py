@@ -139,3 +139,24 @@ def test_long_runs_end_at_the_first_miss_or_expired_entry_past_any_window():
         assert ix.lookup_and_lock(keys, "r", 5.0, now=1.0).hit == 700  # b's entry was pinned: kept
         assert ix.unpublish_if_unlocked("b", keys[end : end + 1], now=7.0) == [0]  # locks over
         assert ix.lookup_and_lock(keys, "r", 5.0, now=7.0).hit == end
+
+
+def test_block_counts_follow_a_republish_with_another_count():
+    # Every entry of "a" has 2 block ids, then one key is republished with 3 and one added with 1:
+    # lookups must report each chunk's own count, never the count the node used to have for all.
+    ix, keys = idx_with(("a", [0, 1, 2, 3]))
+    first = ix.lookup_and_lock(keys[:4], "r", 5.0, now=1.0)
+    assert first.counts == [2, 2, 2, 2] and ix.release(first.lock_id, now=1.0)
+    assert ix.publish("a", [(keys[1], pack_u32([7, 8, 9])), (keys[4], pack_u32([5]))], None, now=1.0) == 2
+    out = ix.lookup_and_lock(keys[:5], "r", 5.0, now=1.0)
+    assert out.counts == [2, 3, 2, 2, 1]
+    assert unpack_u32(out.blocks) == [0, 1, 7, 8, 9, 200, 201, 300, 301, 5]
+
+
+def test_retention_ends_a_run_after_a_longer_held_publish():
+    # Entries held forever, then one key republished with a short retention: once it is over, the
+    # run ends before it although the node's other entries are held forever.
+    ix, keys = idx_with(("a", [0, 1, 2, 3]))
+    ix.publish("a", [(keys[2], pack_u32([200, 201]))], 1.0, now=0.0)
+    assert ix.lookup_and_lock(keys[:4], "r", 5.0, now=0.5).hit == 4
+    assert ix.lookup_and_lock(keys[:4], "r", 5.0, now=2.0).hit == 2

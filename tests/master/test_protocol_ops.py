@@ -15,6 +15,8 @@ from pdxfer.master import etcd_layout
 from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.coordinator import Standalone, coordinator_for
+from pdxfer.master.locations import ChunkLocations
+from pdxfer.master.records import ChunkLocation
 from pdxfer.master.locator import EtcdLocator, StaticLocator, locator_for
 from pdxfer.procs import free_port
 
@@ -84,6 +86,35 @@ def test_replies_round_trip():
     assert reply.nodes["q"] == (9, None)  # the client said it has q at epoch 9: epoch only
     miss = ops.decode_lookup_reply(P.decode_json(ops.encode_lookup_reply(None, 0, 2.0, [], [], [], {})), b"", 4)
     assert (miss.lock_id, miss.hit, miss.block_lists) == (None, 0, [])
+
+
+def test_lookup_reply_locations_built_on_first_use_equal_the_list():
+    keys = [bytes([i]) * 32 for i in range(5)]
+    for runs, counts, ids in ((([("p", 3), ("q", 1)]), [2, 2, 2, 2], list(range(8))),
+                              (([("p", 1), ("q", 3)]), [3, 0, 1, 2], [7, 8, 9, 4, 5, 6])):
+        head = ops.encode_lookup_reply("L", 4, 2.0, runs, counts, [("p", 1, "{}"), ("q", 1, "{}")], {"p": 1, "q": 1})
+        reply = ops.decode_lookup_reply(P.decode_json(head), P.pack_u32(ids), asked=5)
+        want, at = [], 0
+        for j, node in enumerate(n for n, c in runs for _ in range(c)):
+            want.append(ChunkLocation(keys[j], node, ids[at : at + counts[j]]))
+            at += counts[j]
+        locs = ChunkLocations(keys, reply)
+        assert len(locs) == 4 and locs._items is None  # the length needs no objects
+        assert locs == want and list(locs) == want and locs[1] == want[1] and locs[-1] == want[-1]
+        assert locs[1:3] == want[1:3] and [loc.key for loc in locs] == keys[:4]
+        assert locs != want[:3] and locs[0] is locs[0]  # built once: the same objects every time
+
+
+@pytest.mark.parametrize("doc,blob", [
+    ({"per": 2}, P.pack_u32(range(7))),  # 4 chunks of 2 ids need 8
+    ({"per": 0}, P.pack_u32(range(1))),
+    ({"counts": [2, 2, 2, 1]}, P.pack_u32(range(8))),
+    ({"per": 2}, b"\0" * 30),  # not whole uint32s
+])
+def test_lookup_reply_block_ids_must_match_the_counts(doc, blob):
+    base = {"lock": "L", "hit": 4, "ttl": 1.0, "runs": [["p", 4]], "nodes": {"p": {"epoch": 1}}}
+    with pytest.raises(P.ProtocolError):
+        ops.decode_lookup_reply({**base, **doc}, blob, asked=4)
 
 
 @pytest.mark.parametrize("decode,doc,blob,field", [
