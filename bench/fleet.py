@@ -119,12 +119,13 @@ def counters(base_url: str) -> dict[str, float]:
     return out
 
 
-def fleet_counters(fleet: Fleet) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for url in fleet.instances + [fleet.proxy_url]:
-        for k, v in counters(url).items():
-            total[k] = total.get(k, 0.0) + v
-    return total
+def fleet_counters(fleet: Fleet) -> dict[str, dict[str, float]]:
+    """Every instance's counters (and the proxy's), by base URL."""
+    return {url: counters(url) for url in fleet.instances + [fleet.proxy_url]}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
 
 
 def stream_completion(proxy_url: str, model: str, prompt: list[int], max_tokens: int,
@@ -208,7 +209,11 @@ def run_config(name: str, model_dir: Path, model: str, log_dir: Path, args: argp
         wall = time.monotonic() - t0
         time.sleep(args.settle)  # late counter updates (vLLM logs stats per step)
         after = fleet_counters(fleet)
-        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
+        per_instance = {url: _delta(after[url], before[url]) for url in after}
+        d: dict[str, float] = {}
+        for dd in per_instance.values():
+            for k, v in dd.items():
+                d[k] = d.get(k, 0.0) + v
         n = len(order)
         out = {
             "requests": n, "wall_s": round(wall, 1),
@@ -221,6 +226,7 @@ def run_config(name: str, model_dir: Path, model: str, log_dir: Path, args: argp
             "repulls": int(d.get("vllm:pdxfer_repulls_total", 0.0)),
             "ttft_ms": {"p50": med(ttfts), "p99": round(sorted(ttfts)[min(n - 1, int(0.99 * n))], 2),
                         "samples": ttfts},
+            "per_instance": {url: {k: v for k, v in dd.items() if v} for url, dd in per_instance.items()},
         }
         print(f"  {n} requests in {wall:.0f} s: computed {out['computed_per_request']} tok/req of "
               f"{out['client_prompt_tokens_per_request']}, loaded {out['loaded_per_request']}, local hits "

@@ -247,7 +247,9 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
                 log_dir, ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else [],
                 die_with_parent)
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for role, kv_role, n, cpus in (("prefill", "kv_producer", n_prefill, p_cpus),
+        # Prefills read too (kv_both): a prompt whose earlier turn a decode holds is loaded from
+        # there and only the rest computed, wherever the router sends its prefill.
+        for role, kv_role, n, cpus in (("prefill", "kv_both", n_prefill, p_cpus),
                                        ("decode", "kv_consumer", n_decode, d_cpus)):
             for name, cpu in zip(instance_names(role, n), cpus):
                 port = free_port()
