@@ -299,8 +299,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="request pairs per length for the floor (default: --prompts)")
     ap.add_argument("--floor-steps", type=int, default=1,
                     help="k: the floor's step is (max_tokens 1+k minus max_tokens 1) / k")
-    ap.add_argument("--interleave-gap", type=float, default=0.0,
-                    help="pause (s) after each interleaved request")
+    ap.add_argument("--interleave-gap", type=float, default=1.2,
+                    help="pause (s) after each interleaved request: vLLM's workers busy-poll for "
+                         "1 s after each step, and the idle instance must not spin on the shared "
+                         "core during the other's request")
     ap.add_argument("--concurrency", default="1,4,16", help="concurrency levels ('' for none)")
     ap.add_argument("--conc-configs", default="pdxfer,nixl", help="pairs measured at concurrency")
     ap.add_argument("--conc-tokens", type=int, default=1000, help="prompt length under concurrency")
