@@ -12,6 +12,12 @@ NixlConnector's idle instances spin a core each. So:
      TTFT, tokens the decode loaded, per-request transfer time; then decode TTFT with 1, 4 and 16
      requests at once (each its prefill then its decode, as the proxy does)
   3. NixlConnector pair on the same cores (kv_buffer_device cpu, num_threads 1), the same measures
+  4. interleaved: the pdxfer pair plus a plain instance on the prefill core, requests alternating
+     (ABBA) between plain and the pair, so prefill / plain is measured under the same drift
+
+The decode's floor: on every plain instance, per length, one decode step (latency of
+max_tokens 1+k minus max_tokens 1, paired, on a prompt already in its prefix cache) plus the HTTP
+cost of a request (a one-token prompt's latency minus its own step); pdxfer decode TTFT / floor.
 
 Each: start, wait (bounded) until ready, warm up (--warmup rounds over every length, not counted),
 measure --prompts fresh random prompts per length (no prefix cache helps), measure concurrency,
@@ -46,6 +52,7 @@ from bench.pd_configs import (
     EXTERNAL_HITS,
     Running,
     attempt,
+    completion_ms,
     concurrent_batch,
     start_config,
 )
@@ -61,6 +68,9 @@ from bench.pd_util import (
     CpuWindow,
     Prompts,
     delta,
+    group_cpu_seconds,
+    interleave_order,
+    step_differences,
     hist_delta,
     idle_cpu,
     med,
@@ -102,7 +112,7 @@ def _decode_delta(run: Running, before: dict[str, float], requests: int) -> dict
     out = {"load": hist_delta(after, before, hist),
            "tokens_loaded_per_request": round(delta(after, before, tokens) / requests, 1),
            "external_hits_per_request": round(delta(after, before, EXTERNAL_HITS) / requests, 1)}
-    if run.name == "pdxfer":
+    if run.name in ("pdxfer", "interleaved"):
         # Where the decode's TTFT went (pdxfer.vllm.phase_times): mean ms per request.
         out["phases_ms"] = {p: round(1000 * delta(after, before, f"vllm:pdxfer_phase_{p}_seconds_sum") / requests, 3)
                             for p in PHASES}
@@ -121,6 +131,66 @@ def measure_length(run: Running, n: int, args: argparse.Namespace, prompts: Prom
     cell: dict[str, Any] = {"samples": samples, "cpu": window.close()}
     cell.update(_decode_delta(run, before, len(samples["ttft"])))
     return cell
+
+
+def _first_then_fresh(ids: list[int], prompts: Prompts) -> Any:
+    """ids for the first try; a retry gets a fresh prompt (a failed try may have cached ids)."""
+    given = [False]
+
+    def next_ids() -> list[int]:
+        if given[0]:
+            return prompts.make(len(ids))
+        given[0] = True
+        return ids
+
+    return next_ids
+
+
+def measure_interleaved(run: Running, n: int, args: argparse.Namespace, prompts: Prompts
+                        ) -> dict[str, Any]:
+    """--prompts rounds of one plain request and one through the pair (prefill, then decode), in
+    ABBA order, both sides on the same n-token prompt. Also the CPU the idle side of the shared
+    core burnt during each request (ms), which says whether it spun while the other ran."""
+    before = _decode_snapshot(run)
+    pg = run.pgids()
+    idle_side = {"plain": pg["interleaved-prefill"], "pdxfer": pg["interleaved-plain"]}
+    window = CpuWindow(pg)
+    samples: dict[str, list[float]] = {}
+    partner: dict[str, list[float]] = {"plain": [], "pdxfer": []}
+    order = interleave_order("plain", "pdxfer", args.prompts)
+    for i in range(0, len(order), 2):
+        ids = prompts.make(n)
+        for side in order[i:i + 2]:
+            c0 = group_cpu_seconds(idle_side[side])
+            got = attempt(run, _first_then_fresh(ids, prompts),
+                          measure=run.extra["plain"] if side == "plain" else None)
+            partner[side].append(round(1000 * (group_cpu_seconds(idle_side[side]) - c0), 1))
+            for k, v in got.items():
+                samples.setdefault("plain" if side == "plain" else k, []).append(round(v, 2))
+            time.sleep(args.interleave_gap)
+    cell: dict[str, Any] = {"samples": samples, "order": order, "cpu": window.close(),
+                            "idle_partner_cpu_ms": partner}
+    cell.update(_decode_delta(run, before, len(samples.get("ttft", []))))
+    return cell
+
+
+def measure_floor(run: Running, n: int, model: str, args: argparse.Namespace, prompts: Prompts
+                  ) -> dict[str, Any]:
+    """One decode step at length n on the configuration's plain instance: pairs of requests for
+    the same prompt with max_tokens 1 and 1+k, ABBA, after a request that put the prompt's full
+    blocks in the prefix cache; each pair's difference / k. Both requests of a pair do the same
+    first step (the part of the prompt not cached, at least its last token), so the difference is
+    the k steps that follow, at lengths n+1 .. n+k."""
+    url, k = run.urls["plain"], args.floor_steps
+    ids = prompts.make(n)
+    completion_ms(url, model, ids, 1, args.request_timeout)
+    completion_ms(url, model, ids, 1 + k, args.request_timeout)  # uncounted: first decode shapes
+    lat: dict[str, list[float]] = {"one": [], "more": []}
+    for side in interleave_order("one", "more", args.floor_reps):
+        lat[side].append(round(completion_ms(url, model, ids, 1 if side == "one" else 1 + k,
+                                             args.request_timeout), 2))
+    return {"steps": k, "max_tokens_1_ms": lat["one"], "max_tokens_more_ms": lat["more"],
+            "step_ms": step_differences(lat["one"], lat["more"], k)}
 
 
 def measure_concurrency(run: Running, c: int, args: argparse.Namespace, prompts: Prompts
@@ -145,7 +215,8 @@ def run_config(name: str, args: argparse.Namespace, model_dir: Path, model: str,
                prompts: Prompts, label: str | None = None) -> dict[str, Any]:
     """Start one configuration, warm it up, measure it, take its idle CPU, stop it."""
     cores = (args.prefill_cpus if name == "plain"
-             else f"prefill {args.prefill_cpus}, decode {args.decode_cpus}")
+             else f"prefill and plain {args.prefill_cpus}, decode {args.decode_cpus}"
+             if name == "interleaved" else f"prefill {args.prefill_cpus}, decode {args.decode_cpus}")
     print(f"\n== {label or name} (cores: {cores}; load avg {os.getloadavg()[0]:.2f}): starting", flush=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
     vargs = ["--dtype", args.dtype, *args.vllm_arg]
@@ -160,6 +231,8 @@ def run_config(name: str, args: argparse.Namespace, model_dir: Path, model: str,
         for _ in range(args.warmup):
             for n in args.lengths:
                 attempt(run, lambda n=n: prompts.make(n))
+                for m in run.extra.values():
+                    attempt(run, lambda n=n: prompts.make(n), measure=m)
         levels = args.concurrency if name in args.conc_configs else []
         if levels:
             concurrent_batch(run, [prompts.make(args.conc_tokens) for _ in range(max(levels))],
@@ -169,13 +242,26 @@ def run_config(name: str, args: argparse.Namespace, model_dir: Path, model: str,
         out: dict[str, Any] = {"ready_s": round(took, 1), "cores": cores, "per_len": {},
                                "concurrency": {}}
         for n in args.lengths:
-            cell = out["per_len"][str(n)] = measure_length(run, n, args, prompts)
+            measure = measure_interleaved if name == "interleaved" else measure_length
+            cell = out["per_len"][str(n)] = measure(run, n, args, prompts)
             line = ", ".join(f"{k} {med(v)} (min {min(v):.1f})" for k, v in cell["samples"].items())
             if "load" in cell:
                 line += (f"; loaded {cell['tokens_loaded_per_request']} tok/req, transfer mean "
                          f"{cell['load']['mean_ms']} ms")
             print(f"  {n:5d} tokens, median ms: {line}; foreign CPU {cell['cpu']['foreign_pct']}%",
                   flush=True)
+        if "interleaved" == name:
+            for n in args.lengths:
+                p = out["per_len"][str(n)]["idle_partner_cpu_ms"]
+                print(f"  {n:5d} tokens, CPU ms the idle instance on the shared core used during "
+                      f"the other's request, median: during plain {med(p['plain'])}, during the "
+                      f"pair {med(p['pdxfer'])}", flush=True)
+        if "plain" in run.urls and args.floor:
+            out["floor"] = {}
+            for n in [1, *args.lengths]:
+                f = out["floor"][str(n)] = measure_floor(run, n, model, args, prompts)
+                print(f"  floor: one decode step at {n} tokens, median {med(f['step_ms'])} ms "
+                      f"(max_tokens 1: {med(f['max_tokens_1_ms'])} ms)", flush=True)
         for c in levels:
             cell = out["concurrency"][str(c)] = measure_concurrency(run, c, args, prompts)
             s = cell["samples"].get("ttft", [])
@@ -207,6 +293,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-bracket", dest="bracket", action="store_false",
                     help="measure the plain baseline only first (default: also after the pairs, "
                          "samples pooled, so drift of the machine's speed over a run cancels)")
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="skip the decode's floor (one decode step + HTTP, on plain instances)")
+    ap.add_argument("--floor-reps", type=int, default=None,
+                    help="request pairs per length for the floor (default: --prompts)")
+    ap.add_argument("--floor-steps", type=int, default=1,
+                    help="k: the floor's step is (max_tokens 1+k minus max_tokens 1) / k")
+    ap.add_argument("--interleave-gap", type=float, default=1.2,
+                    help="pause (s) after each interleaved request: vLLM's workers busy-poll for "
+                         "1 s after each step, and the idle instance must not spin on the shared "
+                         "core during the other's request")
     ap.add_argument("--concurrency", default="1,4,16", help="concurrency levels ('' for none)")
     ap.add_argument("--conc-configs", default="pdxfer,nixl", help="pairs measured at concurrency")
     ap.add_argument("--conc-tokens", type=int, default=1000, help="prompt length under concurrency")
@@ -229,6 +325,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x.strip()]
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.conc_configs = [c.strip() for c in args.conc_configs.split(",") if c.strip()]
+    args.floor_reps = args.prompts if args.floor_reps is None else args.floor_reps
+    if args.floor_reps < 1 or args.floor_steps < 1 or args.prompts < 1:
+        ap.error("--prompts, --floor-reps and --floor-steps must be at least 1")
+    if args.interleave_gap < 0:
+        ap.error("--interleave-gap must be >= 0")
     for c in args.configs + args.conc_configs:
         if c not in CONFIGS:
             ap.error(f"unknown config {c!r} ({', '.join(CONFIGS)})")
@@ -249,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = json.loads((model_dir / "config.json").read_text())
     model = served_model_name(model_dir)
     longest = max(args.lengths + [args.conc_tokens])
-    if longest + 2 > mcfg.get("max_position_embeddings", 1 << 30):
+    if longest + 2 + args.floor_steps > mcfg.get("max_position_embeddings", 1 << 30):
         sys.exit(f"bench/pd.py: {longest} tokens exceed the model's max_position_embeddings")
     log_dir = (args.log_dir or default_run_dir() / time.strftime("bench-pd-%Y%m%d-%H%M%S")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@
   pdxfer  pdxfer-master + prefill (kv_producer, prefill core) + decode (kv_consumer, decode core).
   nixl    vLLM's NixlConnector pair on the same cores: P/D pull, kv_buffer_device cpu, num_threads 1,
           distinct side-channel ports; the prefill answer's kv_transfer_params go to the decode.
+  interleaved  the pdxfer pair plus a plain instance on the prefill's cores; requests alternate
+          between plain and the pair, so the prefill is compared with plain under the same drift.
 
 Every instance gets the same model, dtype and extra `vllm serve` flags, so the pairs differ from
 the baseline only by their connector. TTFT is the latency of a `max_tokens: 1` request, the same
@@ -26,14 +28,15 @@ from bench.pd_util import post_json
 from pdxfer.procs import free_port
 from pdxfer.serve.launch import Stack, pdxfer_kv_config
 
-CONFIGS = ("plain", "pdxfer", "nixl")
+CONFIGS = ("plain", "pdxfer", "nixl", "interleaved")
 
 # Decode-side Prometheus names per pair: (per-load transfer histogram, tokens-loaded counter).
 PDXFER_HIST = "vllm:pdxfer_load_seconds"
 NIXL_HIST = "vllm:nixl_xfer_time_seconds"
 PDXFER_TOKENS = "vllm:pdxfer_tokens_loaded_total"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # vLLM's own count, any connector
-DECODE_METRICS = {"pdxfer": (PDXFER_HIST, PDXFER_TOKENS), "nixl": (NIXL_HIST, EXTERNAL_HITS)}
+DECODE_METRICS = {"pdxfer": (PDXFER_HIST, PDXFER_TOKENS), "nixl": (NIXL_HIST, EXTERNAL_HITS),
+                  "interleaved": (PDXFER_HIST, PDXFER_TOKENS)}
 
 NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                        "remote_engine_id": None, "remote_block_ids": None,
@@ -51,6 +54,8 @@ class Running:
     urls: dict[str, str]
     measure: Measure
     errors: list[str] = field(default_factory=list)
+    # Further one-request measures run beside `measure` (interleaved: "plain").
+    extra: dict[str, Measure] = field(default_factory=dict)
 
     def pgids(self) -> dict[str, int]:
         # Each component runs in its own process group (pdxfer.procs), led by its pid.
@@ -89,7 +94,18 @@ def _measure_for(name: str, urls: dict[str, str], model: str, timeout: float) ->
                             _body(model, ids, {"kv_transfer_params": params}), timeout)
         return {"prefill": p_ms, "ttft": d_ms}
 
-    return {"plain": plain, "pdxfer": pdxfer, "nixl": nixl}[name]
+    return {"plain": plain, "pdxfer": pdxfer, "nixl": nixl, "interleaved": pdxfer}[name]
+
+
+def completion_ms(url: str, model: str, ids: list[int], max_tokens: int, timeout: float) -> float:
+    """Latency of one request that must generate exactly `max_tokens` tokens (ignore_eos: a
+    random model may sample EOS first, and a request ending early would count no decode step)."""
+    ms, out = post_json(url + "/v1/completions",
+                        _body(model, ids, {"max_tokens": max_tokens, "ignore_eos": True}), timeout)
+    got = (out.get("usage") or {}).get("completion_tokens")
+    if got != max_tokens:
+        raise RuntimeError(f"{url}: asked for {max_tokens} tokens, got {got}")
+    return ms
 
 
 def start_config(name: str, model_dir: Path, model: str, log_dir: Path, prefill_cpus: str,
@@ -111,6 +127,17 @@ def start_config(name: str, model_dir: Path, model: str, log_dir: Path, prefill_
                 urls[role] = stack.add_vllm(f"pdxfer-{role}", model_dir, log_dir,
                                             pdxfer_kv_config(kv_role, master, transport), cpus,
                                             vllm_args, env, die_with_parent=True, pin_process=True)
+        elif name == "interleaved":
+            # Plain shares the prefill's cores; the two are never sent requests at once.
+            master = stack.add_master(log_dir, die_with_parent=True)
+            for role, kv_role, cpus in (("prefill", "kv_producer", prefill_cpus),
+                                        ("decode", "kv_consumer", decode_cpus)):
+                urls[role] = stack.add_vllm(f"interleaved-{role}", model_dir, log_dir,
+                                            pdxfer_kv_config(kv_role, master, transport), cpus,
+                                            vllm_args, env, die_with_parent=True, pin_process=True)
+            urls["plain"] = stack.add_vllm("interleaved-plain", model_dir, log_dir, None,
+                                           prefill_cpus, vllm_args, env, die_with_parent=True,
+                                           pin_process=True)
         elif name == "nixl":
             cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                    "kv_buffer_device": "cpu", "kv_connector_extra_config": {"num_threads": 1}}
@@ -125,15 +152,20 @@ def start_config(name: str, model_dir: Path, model: str, log_dir: Path, prefill_
     except BaseException:
         stack.stop(5)
         raise
-    return Running(name, stack, urls, _measure_for(name, urls, model, request_timeout))
+    run = Running(name, stack, urls, _measure_for(name, urls, model, request_timeout))
+    if name == "interleaved":
+        run.extra["plain"] = _measure_for("plain", urls, model, request_timeout)
+    return run
 
 
-def attempt(run: Running, ids_for: Callable[[], list[int]], tries: int = 3) -> dict[str, float]:
-    """One measurement on a fresh prompt. A failure (e.g. NixlConnector's 5 s handshake timing
-    out) is logged in run.errors and retried on a new prompt, at most `tries` times."""
+def attempt(run: Running, ids_for: Callable[[], list[int]], tries: int = 3,
+            measure: Measure | None = None) -> dict[str, float]:
+    """One measurement (run.measure, or `measure`) on a fresh prompt. A failure (e.g.
+    NixlConnector's 5 s handshake timing out) is logged in run.errors and retried on a new prompt,
+    at most `tries` times."""
     for i in range(tries):
         try:
-            return run.measure(ids_for())
+            return (measure or run.measure)(ids_for())
         except (RuntimeError, OSError) as e:
             run.errors.append(str(e)[:300])
             print(f"  {run.name}: request failed (try {i + 1}/{tries}): {str(e)[:200]}", flush=True)

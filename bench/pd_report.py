@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.pd_util import low, med, ratio
+from bench.pd_util import floor_ms, low, med, ratio
 
 Phases = dict[str, dict[str, Any]]
 
@@ -27,6 +27,52 @@ def _samples(phases: Phases, cfg: str, n: int, key: str) -> list[float]:
     if cfg == "plain":
         xs = xs + _cell(phases, PLAIN_AFTER, n).get("samples", {}).get(key, [])
     return xs
+
+
+def _floor_samples(phases: Phases, cfgs: tuple[str, ...], n: int, key: str) -> list[float]:
+    out: list[float] = []
+    for cfg in cfgs:
+        out += (phases.get(cfg, {}).get("floor", {}).get(str(n)) or {}).get(key, [])
+    return out
+
+
+def floor_fields(phases: Phases, cfgs: tuple[str, ...], n: int, prefix: str) -> dict[str, Any]:
+    """The decode's floor at length n from the plain instances of `cfgs` (samples pooled): median
+    decode step at n, a one-token prompt's latency and its own step, the HTTP cost (the one minus
+    the other) and floor = step at n + HTTP cost."""
+    step_n = med(_floor_samples(phases, cfgs, n, "step_ms"))
+    one = med(_floor_samples(phases, cfgs, 1, "max_tokens_1_ms"))
+    step_1 = med(_floor_samples(phases, cfgs, 1, "step_ms"))
+    return {f"{prefix}decode_step_ms": step_n,
+            f"{prefix}one_token_ttft_ms": one,
+            f"{prefix}one_token_step_ms": step_1,
+            f"{prefix}http_ms": round(one - step_1, 2) if one is not None and step_1 is not None else None,
+            f"{prefix}floor_ms": floor_ms(step_n, one, step_1),
+            f"{prefix}floor_n": len(_floor_samples(phases, cfgs, n, "step_ms"))}
+
+
+def interleaved_fields(phases: Phases, n: int) -> dict[str, Any]:
+    """Prefill vs plain from the interleaved configuration (same core, alternating requests), its
+    decode, the decode / floor with the floor measured beside it, and how much CPU the idle
+    instance of the shared core burnt during the other's request."""
+    c = _cell(phases, "interleaved", n)
+    s = c.get("samples", {})
+    r: dict[str, Any] = {}
+    for key, out in (("plain", "plain"), ("prefill", "prefill"), ("ttft", "decode")):
+        xs = s.get(key, [])
+        r[f"interleaved_{out}_ms"], r[f"interleaved_{out}_min_ms"] = med(xs), low(xs)
+        r[f"interleaved_{out}_n"] = len(xs)
+    r["interleaved_prefill_vs_plain"] = ratio(r["interleaved_prefill_ms"], r["interleaved_plain_ms"])
+    r["interleaved_prefill_vs_plain_of_minimums"] = ratio(r["interleaved_prefill_min_ms"],
+                                                          r["interleaved_plain_min_ms"])
+    r["interleaved_loaded_tokens"] = c.get("tokens_loaded_per_request")
+    r["interleaved_foreign_cpu_pct"] = (c.get("cpu") or {}).get("foreign_pct")
+    partner = c.get("idle_partner_cpu_ms") or {}
+    r["interleaved_idle_cpu_ms_during_plain"] = med(partner.get("plain", []))
+    r["interleaved_idle_cpu_ms_during_pair"] = med(partner.get("pdxfer", []))
+    r.update(floor_fields(phases, ("interleaved",), n, "interleaved_"))
+    r["interleaved_decode_vs_floor"] = ratio(r["interleaved_decode_ms"], r["interleaved_floor_ms"])
+    return r
 
 
 def length_rows(phases: Phases, lengths: list[int]) -> list[dict[str, Any]]:
@@ -65,6 +111,10 @@ def length_rows(phases: Phases, lengths: list[int]) -> list[dict[str, Any]]:
                           ("nixl_decode", "plain_ttft", "nixl_decode_vs_plain")):
             r[out] = ratio(r[a + "_ms"], r[b + "_ms"])
             r[out + "_of_minimums"] = ratio(r[a + "_min_ms"], r[b + "_min_ms"])
+        r.update(floor_fields(phases, ("plain", PLAIN_AFTER), n, ""))
+        r["pdxfer_decode_vs_floor"] = ratio(r["pdxfer_decode_ms"], r["floor_ms"])
+        r["nixl_decode_vs_floor"] = ratio(r["nixl_decode_ms"], r["floor_ms"])
+        r.update(interleaved_fields(phases, n))
         # The decode must load every prompt token but the last (vLLM computes that one).
         r["pdxfer_loads_all_but_last"] = (r["pdxfer_loaded_tokens"] == n - 1
                                           if r["pdxfer_loaded_tokens"] is not None else None)
@@ -116,6 +166,8 @@ def targets(rows: list[dict[str, Any]], idle: dict[str, float]) -> dict[str, Any
         "pdxfer_prefill_within_1.1_of_plain_every_length":
             every("pdxfer_prefill_vs_plain", lambda v: v <= 1.1),
         "pdxfer_loads_all_but_last_every_length": every("pdxfer_loads_all_but_last", bool),
+        "interleaved_prefill_within_1.03_of_plain_every_length":
+            every("interleaved_prefill_vs_plain", lambda v: v <= 1.03),
         "pdxfer_idle_under_5pct": all(v < 5 for v in pdx_idle) if pdx_idle else None,
     }
 
@@ -164,6 +216,30 @@ def print_summary(rows: list[dict[str, Any]], crows: list[dict[str, Any]], idle:
         for r in phase_rows:
             print(f"{r['prompt_tokens']:>6} | " + " | ".join(
                 f"{r['pdxfer_decode_phases_ms'].get(n, 0):>12}" for n in names))
+    if any(r.get("floor_ms") is not None or r.get("interleaved_floor_ms") is not None for r in rows):
+        print("\nthe decode's floor (ms): one decode step at that length on a plain instance + HTTP "
+              "(a one-token prompt's latency minus its own step); decode TTFT / floor")
+        print(f"{'tokens':>6} | {'step':>6} {'http':>6} {'floor':>6} | {'pdx dec/floor':>13} | "
+              f"{'nixl dec/floor':>14} | interleaved: {'step':>6} {'floor':>6} {'dec/floor':>9}")
+        for r in rows:
+            print(f"{r['prompt_tokens']:>6} | {_f(r['decode_step_ms'], 6)} {_f(r['http_ms'], 6)} "
+                  f"{_f(r['floor_ms'], 6)} | {_f(r['pdxfer_decode_vs_floor'], 13)} | "
+                  f"{_f(r['nixl_decode_vs_floor'], 14)} |              "
+                  f"{_f(r['interleaved_decode_step_ms'], 6)} {_f(r['interleaved_floor_ms'], 6)} "
+                  f"{_f(r['interleaved_decode_vs_floor'], 9)}")
+    if any(r.get("interleaved_prefill_ms") is not None for r in rows):
+        print("\ninterleaved (plain and pdxfer prefill on one core, requests alternating ABBA): "
+              "median / minimum ms; prefill/plain of medians (of minimums); CPU ms the idle "
+              "instance used during the other's request (median)")
+        for r in rows:
+            print(f"{r['prompt_tokens']:>6} | plain {r['interleaved_plain_ms']} / "
+                  f"{r['interleaved_plain_min_ms']} | prefill {r['interleaved_prefill_ms']} / "
+                  f"{r['interleaved_prefill_min_ms']} | decode {r['interleaved_decode_ms']} | "
+                  f"prefill/plain {r['interleaved_prefill_vs_plain']} "
+                  f"({r['interleaved_prefill_vs_plain_of_minimums']}) | idle CPU ms "
+                  f"{r['interleaved_idle_cpu_ms_during_plain']} / "
+                  f"{r['interleaved_idle_cpu_ms_during_pair']} | foreign CPU "
+                  f"{r['interleaved_foreign_cpu_pct']}%")
     if crows:
         print("\nconcurrency (all requests at once, each prefill then decode): decode TTFT median / "
               "min / max ms; per-request transfer from the decode's histogram: mean, p50 and p90 "

@@ -194,3 +194,43 @@ def low(xs: Iterable[float]) -> float | None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
+
+
+# ------------------------------------------------------------------------------------------------
+# the decode's floor and interleaved A/B
+# ------------------------------------------------------------------------------------------------
+
+
+def interleave_order(a: str, b: str, pairs: int) -> list[str]:
+    """`pairs` rounds of one request to each of a and b, in ABBA order (a b, b a, a b, ...).
+
+    Plain alternation would always run one side right after the other; ABBA gives each side the
+    same number of turns first and second, so what one request leaves behind (a background
+    publish, a warm cache) and any linear drift of the machine's speed weigh on both alike."""
+    if pairs < 0:
+        raise ValueError(f"pairs must be >= 0, got {pairs}")
+    if a == b:
+        raise ValueError(f"interleaving needs two different sides, got {a!r} twice")
+    out: list[str] = []
+    for i in range(pairs):
+        out += [a, b] if i % 2 == 0 else [b, a]
+    return out
+
+
+def step_differences(one: list[float], more: list[float], steps: int) -> list[float]:
+    """Per repetition, (latency of max_tokens 1+steps) - (latency of max_tokens 1), over steps:
+    the cost of one decode step. Paired so that the first step's own noise (it recomputes the
+    partial last block even on a prefix-cache hit) cancels within each pair."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if len(one) != len(more):
+        raise ValueError(f"unpaired samples: {len(one)} with max_tokens 1, {len(more)} with more")
+    return [round((m - o) / steps, 3) for o, m in zip(one, more)]
+
+
+def floor_ms(step_n: float | None, one_token_ttft: float | None, step_1: float | None) -> float | None:
+    """The least a decode's TTFT at length n can be: the HTTP/scheduling cost of a request
+    (a one-token prompt's TTFT minus the engine step inside it) plus one step at length n."""
+    if step_n is None or one_token_ttft is None or step_1 is None:
+        return None
+    return round(step_n + one_token_ttft - step_1, 2)
