@@ -12,13 +12,15 @@ from typing import Iterator
 
 import pytest
 
-from pdxfer.master import MasterClient, MasterUnavailable, NodeSession, NotLeader
-from pdxfer.master.local_etcd import LocalEtcdCluster, etcd_binary
-from pdxfer.master.locator import EtcdLocator
+pytest.importorskip("trustme", reason="no trustme (certificates for the TLS tests; scripts/setup.sh installs it)")
 
-from . import etcd_tls_helpers as H
-from .conftest import keys_for, node_info, wait_until
-from .test_etcd_ha import role
+from pdxfer.master import MasterClient, MasterUnavailable, NodeSession, NotLeader, start_local_master  # noqa: E402
+from pdxfer.master.local_etcd import LocalEtcdCluster, etcd_binary  # noqa: E402
+from pdxfer.master.locator import EtcdLocator  # noqa: E402
+
+from . import etcd_tls_helpers as H  # noqa: E402
+from .conftest import keys_for, node_info, wait_until  # noqa: E402
+from .test_etcd_ha import role  # noqa: E402
 
 pytestmark = pytest.mark.etcd
 
@@ -56,8 +58,6 @@ def test_tls_auth_cluster_election_member_loss_failover_and_quorum_loss(cluster,
     env = {"PDXFER_ETCD_CA_FILE": pki.member.ca_file, "PDXFER_ETCD_CERT_FILE": pki.client_cert,
            "PDXFER_ETCD_KEY_FILE": pki.client_key, "PDXFER_ETCD_USER": H.USER,
            "PDXFER_ETCD_PASSWORD_FILE": pki.password_file}
-    from pdxfer.master import start_local_master
-
     b = start_local_master(extra_args=H.master_args([m1, m2, m0], PREFIX, {}, TTL), env=env, workdir=masters.workdir)
     masters.started.append(b)
     wait_until(lambda: role(b.address) is False, 10, "second replica to stand by")
