@@ -203,7 +203,7 @@ class EtcdCoordinator:
                         # Node leases may have run out in etcd meanwhile: write members again.
                         self._node_leases.clear()
                         self._remirror_all()
-                self._degraded = None
+                self._degraded = self._refused = None
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -366,6 +366,10 @@ class EtcdCoordinator:
             return f"etcd refused: {exc}"[:500]
         host, port = self.endpoints[self._ep_index]
         why = explain_rpc_error(f"{host}:{port}", exc, self.security)
+        if why is not None and "invalid auth token" in why:
+            # etcd forgot our token (it restarted, or the token aged out): the next connect
+            # authenticates again; nothing to fix.
+            return f"etcd unreachable: auth token no longer valid at {host}:{port}; authenticating again"
         if why is not None:
             return f"etcd refused: {why}"[:500]
         return f"etcd unreachable: {type(exc).__name__}: {exc}"[:300]
