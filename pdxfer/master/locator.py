@@ -46,7 +46,11 @@ class EtcdLocator:
     def __init__(self, url: str) -> None:
         self.target = etcd_layout.parse_etcd_url(url)
         sec = self.target.security
-        self._ssl = sec.ssl_context() if sec.tls else None
+        try:
+            self._ssl = sec.ssl_context() if sec.tls else None
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"etcd TLS files ({sec.ca_note()}, {sec.cert_note()}, key {sec.key_file}) "
+                             f"cannot be loaded: {exc}") from None
         self._tokens: dict[tuple[str, int], str] = {}  # auth token per endpoint (tokens are per member)
 
     def locate(self, timeout_s: float) -> tuple[str, int]:

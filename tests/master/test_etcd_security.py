@@ -71,3 +71,10 @@ def test_master_flags_become_options_and_a_bad_one_stops_it(files, tmp_path):
                           capture_output=True, text=True, timeout=60, env=python_env())
     assert proc.returncode != 0
     assert f"etcd option ca= {tmp_path / 'missing.pem'}: not a readable file" in proc.stderr, proc.stderr
+
+
+def test_unloadable_tls_files_are_named_when_the_client_is_made(files):
+    from pdxfer.master import MasterClient
+
+    with pytest.raises(ValueError, match=r"client certificate .*cert.*cannot be loaded"):
+        MasterClient(f"etcd://127.0.0.1:1/p?cert={files['cert']}&key={files['key']}")
