@@ -58,6 +58,8 @@ pip install --no-build-isolation -e ".[nixl,etcd,serve,dev]"
 pip install --no-deps nixl==1.5.1
 log "kubernetes-validate (offline schema checks of deploy/k8s)"
 pip install kubernetes-validate==1.37.0
+log "trustme (certificates for the TLS etcd tests)"
+pip install trustme==1.2.1
 log "nvcc (CUDA 13 wheels from PyPI, into $VENV/cuda: compile-only CUDA twins, no GPU needed)"
 pip install --no-deps --upgrade --target "$VENV/cuda" nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 \
   nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88

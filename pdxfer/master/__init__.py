@@ -11,6 +11,7 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
                   [--token-file F]
                   [--etcd HOST:PORT[,HOST:PORT]] [--etcd-prefix /pdxfer/master]
                   [--leader-ttl 5] [--etcd-timeout 1]
+                  [--etcd-ca F] [--etcd-cert F --etcd-key F] [--etcd-user U --etcd-password-file F]
                   [--chunk-tokens 256] [--max-entries 10000000] [--max-lock-ttl 30]
                   [--max-connections 4096] [--handshake-timeout 10] [--idle-timeout 600]
                   [--log-level INFO]
@@ -29,6 +30,8 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
                      only while its lease cannot have expired by its own clock, then answers
                      "not leader" until it leads again.
 --advertise          address clients should use to reach this replica (default host:port).
+--etcd-ca/-cert/-key/-user/-password-file/-tls
+                     TLS and auth towards etcd, the etcd:// options ca=, cert=, ... (docs/master.md).
 --leader-ttl         leader lease TTL (s); renewed every TTL/3 on the remaining time.
 --max-lock-ttl       cap on reader lock TTLs (s); announced in register replies, so holders know
                      how long a lock can pin their blocks.

@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Mapping
 
-from pdxfer.master import etcd_layout
+from pdxfer.master import etcd_layout, etcd_security
 from pdxfer.master.coordinator import coordinator_for
 from pdxfer.ports import PortRange, PortSpecError, parse_port_spec
 from pdxfer.master.service import (
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", help="shared secret every request must carry")
     p.add_argument("--etcd", help="host:port[,host:port] of etcd: HA mode (default: standalone, in memory)")
     p.add_argument("--etcd-prefix", default="/pdxfer/master", help="key prefix in etcd")
+    for opt, (_, var) in etcd_security.OPTIONS.items():  # TLS and auth towards etcd (docs/master.md)
+        p.add_argument(f"--etcd-{opt}", dest=f"etcd_opt_{opt}", metavar=opt.split("-")[-1].upper(),
+                       help=f"{etcd_security.HELP[opt]} (${var}; etcd:// option {opt}=)")
     p.add_argument("--leader-ttl", type=float, default=5.0, help="leader lease TTL in seconds (etcd mode)")
     p.add_argument("--etcd-timeout", type=float, default=1.0, help="per-call etcd timeout in seconds")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (for hit_tokens only)")
@@ -156,7 +159,8 @@ async def _amain(args: argparse.Namespace) -> None:
     if args.etcd and not args.advertise and args.host in ("0.0.0.0", "::", ""):
         raise SystemExit("pdxfer-master: listening on a wildcard address; give --advertise HOST:PORT so "
                          "clients that find the leader in etcd can reach it")
-    url = etcd_layout.etcd_url(args.etcd, args.etcd_prefix) if args.etcd else None
+    given = {opt: getattr(args, f"etcd_opt_{opt}") for opt in etcd_security.OPTIONS}
+    url = etcd_layout.etcd_url(args.etcd, args.etcd_prefix) + etcd_security.options_query(given) if args.etcd else None
     try:
         coordinator = coordinator_for(url, args.leader_ttl, args.etcd_timeout)
     except ImportError as exc:

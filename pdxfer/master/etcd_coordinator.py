@@ -16,6 +16,11 @@
   key, so it stops serving (``is_leader`` is False at once: requests get "not leader"), then steps
   down (clearing its index) and campaigns again when etcd answers (issue 9, hole 4). Measuring from
   the *send* time is conservative: etcd starts the TTL when it receives the request, later.
+- TLS and etcd auth (``etcd_security.py``): the client opens a TLS channel and authenticates as
+  the configured user (``etcd_grpc.py``). A refusal (certificate not trusted or not accepted, wrong
+  password, no permission on the prefix) is reported like an outage - the replica cannot lead or
+  keeps leading only while its lease lasts - but ``degraded`` and the log say what was refused.
+  Each endpoint is tried in turn; a member that is down is skipped on the next round.
 - After a failover the new leader starts empty; nodes find out through ``heartbeat -> False``,
   re-register and re-publish what they hold (``NodeSession`` does this).
 """
@@ -32,6 +37,8 @@ from typing import Any, Callable
 import aetcd
 
 from pdxfer.master import etcd_layout
+from pdxfer.master.etcd_grpc import SecureEtcdClient, explain_rpc_error
+from pdxfer.master.etcd_security import EtcdRefused
 from pdxfer.master.coordinator import Members
 log = logging.getLogger("pdxfer.master.etcd")
 
@@ -44,6 +51,7 @@ class EtcdCoordinator:
     def __init__(self, target: etcd_layout.EtcdTarget, leader_ttl: float = 5.0, timeout_s: float = 1.0) -> None:
         self.endpoints = list(target.endpoints)
         self.prefix = target.prefix
+        self.security = target.security
         # etcd leases have whole-second TTLs.
         self.leader_ttl = max(1, math.ceil(leader_ttl))
         self.timeout_s = timeout_s
@@ -54,6 +62,7 @@ class EtcdCoordinator:
         self._leader = False
         self._leader_addr: str | None = None
         self._degraded: str | None = None
+        self._refused: str | None = None  # the last refusal logged (logged once per distinct reason)
         self._client: aetcd.Client | None = None
         self._ep_index = 0
         self._lease: Any = None
@@ -137,7 +146,7 @@ class EtcdCoordinator:
         if self._leader and self._lease is not None:
             # Step down promptly so a standby does not wait for the lease to run out.
             try:
-                await self._call(self._lease.revoke())
+                await self._revoke(self._lease)
             except Exception as exc:
                 log.warning("could not revoke the leader lease on shutdown: %s", exc)
         if self._client is not None:
@@ -150,11 +159,22 @@ class EtcdCoordinator:
         # aetcd's own timeout covers the gRPC call; this bounds everything else around it too.
         return await asyncio.wait_for(coro, self.timeout_s * 2)
 
+    # A lease object calls etcd through the client that granted it, whose channel may lead to a
+    # member that has since died: renew and revoke through the current client instead.
+    async def _refresh(self, lease: Any) -> Any:
+        client = await self._connect()
+        return await self._call(client.refresh_lease(lease.id))
+
+    async def _revoke(self, lease: Any) -> Any:
+        client = await self._connect()
+        return await self._call(client.revoke_lease(lease.id))
+
     async def _connect(self) -> aetcd.Client:
         if self._client is None:
             host, port = self.endpoints[self._ep_index]
-            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)
-            await self._call(self._client.connect())
+            client = SecureEtcdClient(host, port, self.security, self.timeout_s)
+            await self._call(client.connect())
+            self._client = client
         return self._client
 
     async def _reset_client(self) -> None:
@@ -183,12 +203,15 @@ class EtcdCoordinator:
                         # Node leases may have run out in etcd meanwhile: write members again.
                         self._node_leases.clear()
                         self._remirror_all()
-                self._degraded = None
+                self._degraded = self._refused = None
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                reason = f"etcd unreachable: {type(exc).__name__}: {exc}"[:300]
-                if self._degraded is None:
+                reason = self._reason(exc)
+                if reason.startswith("etcd refused") and reason != self._refused:
+                    log.error("%s", reason)
+                    self._refused = reason
+                elif self._degraded is None:
                     log.warning("%s; %s", reason, "serving from memory while the leader lease lasts"
                                 if self._leader else "standby waits")
                 self._degraded = reason
@@ -217,7 +240,7 @@ class EtcdCoordinator:
         sent = time.monotonic()  # before the grant: etcd's TTL starts later than this, never earlier
         lease = await self._call(client.lease(self.leader_ttl))
         if not await self._create_leader_key(client, lease):
-            await self._call(lease.revoke())
+            await self._revoke(lease)
             return False
         self._lease, self._lease_sent, self._lease_ttl = lease, sent, float(lease.ttl or self.leader_ttl)
         return True
@@ -248,7 +271,7 @@ class EtcdCoordinator:
         if lease is None:
             return False
         sent = time.monotonic()
-        reply = await self._call(lease.refresh())
+        reply = await self._refresh(lease)
         ttl = getattr(reply, "TTL", 0) if reply is not None else 0
         if ttl <= 0:
             return False
@@ -264,7 +287,7 @@ class EtcdCoordinator:
             if self._holds_key(got):
                 return
         sent = time.monotonic()
-        reply = await self._call(self._lease.refresh())
+        reply = await self._refresh(self._lease)
         ttl = getattr(reply, "TTL", 0) if reply is not None else 0
         if ttl > 0:
             self._lease_sent, self._lease_ttl = sent, float(ttl)
@@ -317,7 +340,7 @@ class EtcdCoordinator:
             for node_id, (op, ttl, info_json) in list(pending.items()):
                 old = self._node_leases.pop(node_id, None)
                 if old is not None:
-                    await self._call(old[0].revoke())
+                    await self._revoke(old[0])
                 if op == "put":
                     lease = await self._call(client.lease(max(1, math.ceil(ttl))))
                     await self._call(client.put(etcd_layout.node_key(self.prefix, node_id), info_json.encode(), lease))
@@ -329,13 +352,27 @@ class EtcdCoordinator:
             for node_id in list(touched):
                 held = self._node_leases.get(node_id)
                 if held is not None and now - held[2] >= held[1] / 3:
-                    await self._call(held[0].refresh())
+                    await self._refresh(held[0])
                     self._node_leases[node_id] = (held[0], held[1], now)
                 touched.discard(node_id)
         finally:
             for node_id, v in pending.items():
                 self._pending.setdefault(node_id, v)
             self._touched |= touched
+
+    def _reason(self, exc: Exception) -> str:
+        """What ``degraded`` says: the refusal in words when etcd refused us, else the error."""
+        if isinstance(exc, EtcdRefused):
+            return f"etcd refused: {exc}"[:500]
+        host, port = self.endpoints[self._ep_index]
+        why = explain_rpc_error(f"{host}:{port}", exc, self.security)
+        if why is not None and "invalid auth token" in why:
+            # etcd forgot our token (it restarted, or the token aged out): the next connect
+            # authenticates again; nothing to fix.
+            return f"etcd unreachable: auth token no longer valid at {host}:{port}; authenticating again"
+        if why is not None:
+            return f"etcd refused: {why}"[:500]
+        return f"etcd unreachable: {type(exc).__name__}: {exc}"[:300]
 
     def _holds_key(self, got: Any) -> bool:
         """Whether a get of the leader key found this replica's record."""

@@ -2,7 +2,9 @@
 the writer (the replicas' election, ``etcd_coordinator.py``) and the reader (clients following
 ``etcd://`` to the leader, ``locator.py``) take the layout from.
 
-    etcd://HOST:PORT[,HOST:PORT]/PREFIX     the URL that names an etcd-coordinated master group
+    etcd://HOST:PORT[,HOST:PORT]/PREFIX[?OPTIONS]
+                                            the URL that names an etcd-coordinated master group;
+                                            OPTIONS: TLS and auth (``etcd_security.py``)
     <PREFIX>/leader                         {"addr": "host:port", "id": replica id}, under the
                                             leader's lease; absent while nobody leads
     <PREFIX>/nodes/<node id>                the node's description (as in lookup replies), under
@@ -12,8 +14,10 @@ the writer (the replicas' election, ``etcd_coordinator.py``) and the reader (cli
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
+from pdxfer.master.etcd_security import EtcdSecurity, security_from, split_options
 from pdxfer.master.protocol import parse_hostport
 
 SCHEME = "etcd://"
@@ -24,6 +28,7 @@ DEFAULT_PREFIX = "/pdxfer/master"
 class EtcdTarget:
     endpoints: list[tuple[str, int]]
     prefix: str  # no trailing slash
+    security: EtcdSecurity = field(default_factory=EtcdSecurity)
 
 
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
@@ -41,17 +46,21 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
     return endpoints
 
 
-def etcd_url(endpoints: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """The URL for ``--etcd ENDPOINTS --etcd-prefix PREFIX``."""
-    return f"{SCHEME}{endpoints}/{prefix.strip('/')}"
+def etcd_url(endpoints: str, prefix: str = DEFAULT_PREFIX, security: EtcdSecurity | None = None) -> str:
+    """The URL for ``--etcd ENDPOINTS --etcd-prefix PREFIX`` (and the ``--etcd-*`` TLS/auth flags)."""
+    return f"{SCHEME}{endpoints}/{prefix.strip('/')}" + (security.query() if security else "")
 
 
-def parse_etcd_url(url: str) -> EtcdTarget:
-    """``etcd://host:port[,host:port][/prefix]`` -> endpoints and prefix (default /pdxfer/master)."""
+def parse_etcd_url(url: str, env: Mapping[str, str] | None = None) -> EtcdTarget:
+    """``etcd://host:port[,host:port][/prefix][?options]`` -> endpoints, prefix (default
+    /pdxfer/master) and TLS/auth settings (options not in the URL come from ``env``, default the
+    process environment); ValueError naming what is wrong."""
     if not url.startswith(SCHEME):
         raise ValueError(f"{url!r} is not an {SCHEME}... URL")
-    hosts, _, prefix = url[len(SCHEME) :].partition("/")
-    return EtcdTarget(parse_endpoints(hosts), "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX)
+    rest, _, query = url[len(SCHEME) :].partition("?")
+    hosts, _, prefix = rest.partition("/")
+    return EtcdTarget(parse_endpoints(hosts), "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX,
+                      security_from(split_options(query), env))
 
 
 def leader_key(prefix: str) -> bytes:

