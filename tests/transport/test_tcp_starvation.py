@@ -53,16 +53,21 @@ def _reads_right_away(holder) -> float:
         reader.close()
 
 
-@pytest.mark.parametrize("sources", [["127.0.0.1"], [f"127.0.1.{i}" for i in range(1, 31)]],
-                         ids=["one-address", "thirty-addresses"])
-def test_idle_connection_flood_does_not_lock_out_a_real_reader(procs, sources):
-    """900 silent connections (more than the 256 the holder takes; the second case keeps each
-    address under the per-address limit, so only the global cap acts) and a reader from the
-    flooding address itself: it must read within the hello deadline, not be reset at the cap."""
-    holder = start_holder("tcp", sizes=(4 * MiB,))
+@pytest.mark.parametrize("sources, opts", [
+    (["127.0.0.1"], {}),
+    # Each address under the per-address limit and a deadline the flood never waits out: only
+    # giving up the oldest handshake at the cap can let the reader in.
+    ([f"127.0.1.{i}" for i in range(1, 31)], {"hello_timeout": 60.0}),
+], ids=["one-address", "thirty-addresses-long-deadline"])
+def test_idle_connection_flood_does_not_lock_out_a_real_reader(procs, sources, opts):
+    """900 silent connections (more than the 256 the holder takes) and a reader from a flooding
+    address: it must read at once, not be reset at the cap."""
+    holder = start_holder("tcp", sizes=(4 * MiB,), opts={"listen_host": "127.0.0.1", **opts})
     procs.append(holder.proc)
     info = parse_metadata(holder.meta)
+    t0 = time.monotonic()
     flood = _flood(info.host, info.port, FLOOD, sources)
+    print(f"{len(flood)} flood connections in {time.monotonic() - t0:.2f}s")
     try:
         assert len(flood) >= 800, f"only {len(flood)} flood connections were made"
         time.sleep(0.2)  # let the holder's accept loop take what it will
@@ -70,4 +75,42 @@ def test_idle_connection_flood_does_not_lock_out_a_real_reader(procs, sources):
         assert took < 1.0, f"the reader needed {took:.2f}s behind the flood"
     finally:
         for s in flood:
+            s.close()
+
+
+def _open_after(socks: list[socket.socket], within: float) -> list[bool]:
+    """For each socket: still open after ``within`` seconds (whatever it was sent is drained)."""
+    time.sleep(within)
+    out = []
+    for s in socks:
+        s.setblocking(False)
+        while True:
+            try:
+                if s.recv(4096) == b"":
+                    out.append(False)
+                    break
+            except BlockingIOError:
+                out.append(True)
+                break
+            except OSError:  # reset
+                out.append(False)
+                break
+    return out
+
+
+def test_one_address_keeps_at_most_its_share_of_handshakes(procs):
+    """max_handshakes_per_peer=8 and a cap far above the flood: of 20 silent connections from one
+    address the 12 oldest are cut at once, the 8 newest wait out their deadline; another address
+    is not affected."""
+    holder = start_holder("tcp", sizes=(MiB,), opts={"max_handshakes_per_peer": 8, "hello_timeout": 30.0})
+    procs.append(holder.proc)
+    info = parse_metadata(holder.meta)
+    flood = _flood(info.host, info.port, 20, ["127.0.2.1"])
+    other = _flood(info.host, info.port, 3, ["127.0.2.2"])
+    try:
+        assert len(flood) == 20 and len(other) == 3
+        alive = _open_after(flood + other, 1.0)
+        assert alive == [False] * 12 + [True] * 8 + [True] * 3, alive
+    finally:
+        for s in flood + other:
             s.close()
