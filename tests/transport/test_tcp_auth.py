@@ -242,3 +242,36 @@ def test_a_holder_process_refuses_a_guessed_secret_and_serves_the_real_reader(pr
         assert mismatches(plan, {0: real.dst}, {0: h.sizes[0]}) == []
     finally:
         real.close()
+
+
+def test_a_reader_cut_inside_its_handshake_tries_once_more():
+    """A flooded holder gives up its oldest handshakes, which may be a real reader's: the reader
+    reconnects once within its connect bound instead of failing the read."""
+    instance, secret = os.urandom(16), os.urandom(32)
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    admitted = []
+
+    def flooded_holder() -> None:
+        first, _ = srv.accept()
+        first.sendall(handshake.pack_challenge(os.urandom(32)))
+        first.close()  # cut before the proof arrived
+        c, _ = srv.accept()  # the retry
+        handshake.admit(c, instance, secret, time.monotonic() + 5)
+        admitted.append(c)
+
+    th = threading.Thread(target=flooded_holder, daemon=True)
+    th.start()
+    meta = json.dumps({"kind": "tcp", "v": 2, "wire": wire.WIRE_VERSION, "host": "127.0.0.1", "port": port,
+                       "instance": instance.hex(), "secret": secret.hex(),
+                       "regions": [{"index": 0, "nbytes": SIZE, "device": "cpu"}]}).encode()
+    t = TcpTransport(connections=1)
+    try:
+        t.connect(meta, timeout=5)
+        th.join(5)
+        assert len(admitted) == 1
+    finally:
+        t.close()
+        for c in admitted:
+            c.close()
+        srv.close()

@@ -52,16 +52,22 @@ class Conn:
             self.drop()
         info = self.info
         deadline = time.monotonic() + self.connect_timeout
-        sock = wire.connect_socket(info.host, info.port, self.connect_timeout, self._bufsize)
-        try:
-            sock.settimeout(None)  # recv_by bounds every wait with kernel timeouts instead
-            handshake.prove(sock, info.instance, info.secret, deadline, f"{info.host}:{info.port}")
-        except (handshake.AuthRefused, handshake.VersionMismatch):
-            sock.close()
-            raise
-        except (OSError, TransportError) as exc:
-            sock.close()
-            raise PeerUnreachable(f"handshake with {info.peer_id} failed: {exc}") from exc
+        # One retry: a holder under a flood of unauthenticated connections may cut this one while
+        # it is still in its handshake (it gives up the oldest); a refusal is final at once.
+        for attempt in (1, 2):
+            left = max(0.05, deadline - time.monotonic())
+            sock = wire.connect_socket(info.host, info.port, left, self._bufsize)
+            try:
+                sock.settimeout(None)  # recv_by bounds every wait with kernel timeouts instead
+                handshake.prove(sock, info.instance, info.secret, deadline, f"{info.host}:{info.port}")
+                break
+            except (handshake.AuthRefused, handshake.VersionMismatch):
+                sock.close()
+                raise
+            except (OSError, TransportError) as exc:
+                sock.close()
+                if attempt == 2 or time.monotonic() >= deadline:
+                    raise PeerUnreachable(f"handshake with {info.peer_id} failed: {exc}") from exc
         wire.set_io_timeout(sock, self._io_timeout)
         self.sock = sock
         return sock

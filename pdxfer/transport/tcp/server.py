@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from pdxfer.transport.tcp import handshake, wire
-from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
+from pdxfer.transport.base import RegisteredRegion, TransportError
 from pdxfer.transport.tcp.bounce import DevicePlane, segment
 from pdxfer.transport.tcp.bounce_send import BounceBusy, send_bounced
 from pdxfer.transport.runs import SMALL_PLAN, fault, first_fault
