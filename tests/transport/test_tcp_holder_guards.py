@@ -11,7 +11,7 @@ import socket
 import time
 
 
-from pdxfer.transport.tcp import wire
+from pdxfer.transport.tcp import handshake, wire
 from pdxfer.transport.tcp.metadata import parse_metadata
 from pdxfer.probe.pattern import mismatches, scattered_plan
 from pdxfer.transport.base import ReadState
@@ -26,8 +26,8 @@ def _connect(info) -> socket.socket:
 
 
 def _hello(s: socket.socket, info) -> None:
-    s.sendall(wire.pack_hello(info.instance))
-    wire.unpack_hello_ok(wire.recv_exact(s, wire.HELLO_OK_SIZE, "hello reply"))
+    handshake.prove(s, info.instance, info.secret, time.monotonic() + 5, "holder")
+    s.settimeout(5)
 
 
 def still_serves(holder, timeout: float = 10.0) -> None:
@@ -74,6 +74,7 @@ def test_silent_and_stalled_connections_are_cut(procs):
     procs.append(holder.proc)
     info = parse_metadata(holder.meta)
     silent = _connect(info)
+    wire.recv_exact(silent, handshake.CHALLENGE_SIZE, "challenge")  # all it ever gets
     assert _closed_by_peer(silent, 5), "a connection that never says hello was kept"
     stalled = _connect(info)
     _hello(stalled, info)
@@ -93,7 +94,8 @@ def test_huge_run_list_header_is_refused_before_buffering(procs):
     assert _closed_by_peer(s, 5), "a header announcing more runs than the cap was not refused at once"
 
 
-def test_connections_beyond_the_cap_are_refused_and_the_rest_served(procs):
+def test_connections_beyond_a_cap_of_readers_are_refused_and_the_rest_served(procs):
+    """Only authenticated readers fill every slot: then a newcomer is refused, none of them cut."""
     holder = start_holder("tcp", opts={"max_connections": 4})
     procs.append(holder.proc)
     info = parse_metadata(holder.meta)
@@ -106,3 +108,27 @@ def test_connections_beyond_the_cap_are_refused_and_the_rest_served(procs):
         s.close()
     time.sleep(0.5)
     still_serves(holder)
+
+
+def test_a_handshake_trickled_byte_by_byte_is_cut_at_the_hello_deadline(procs):
+    """The hello deadline bounds the whole handshake from accept, not each receive: a peer that
+    sends one byte of a well-formed proof every 0.2 s is cut after about 1 s (the default)."""
+    holder = start_holder("tcp")
+    procs.append(holder.proc)
+    info = parse_metadata(holder.meta)
+    s = _connect(info)
+    t0 = time.monotonic()
+    wire.recv_exact(s, handshake.CHALLENGE_SIZE, "challenge")
+    proof = handshake.pack_proof(bytes(32), bytes(32))
+    cut = None
+    for b in proof[:-1]:  # never the last byte: the proof stays unfinished
+        try:
+            s.sendall(bytes([b]))
+        except OSError:
+            cut = time.monotonic() - t0
+            break
+        if _closed_by_peer(s, 0.2):
+            cut = time.monotonic() - t0
+            break
+    assert cut is not None, "a trickled handshake was kept past its deadline"
+    assert cut < 2.5, f"a trickled handshake was kept {cut:.1f}s (hello deadline 1 s)"

@@ -16,7 +16,7 @@ import pytest
 
 from pdxfer.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import pattern
-from pdxfer.transport.tcp import wire
+from pdxfer.transport.tcp import handshake, wire
 from pdxfer.transport.base import (
     MetadataError,
     PeerDied,
@@ -41,9 +41,8 @@ def tcp_holder():
 
 def raw_session(info):
     s = socket.create_connection((info.host, info.port), timeout=5)
-    s.sendall(wire.pack_hello(info.instance))
-    status, instance = wire.unpack_hello_ok(wire.recv_exact(s, wire.HELLO_OK_SIZE, "hello"))
-    assert status == wire.OK and instance == info.instance
+    handshake.prove(s, info.instance, info.secret, time.monotonic() + 5, "holder")
+    s.settimeout(5)
     return s
 
 
@@ -115,9 +114,9 @@ def test_holder_drops_a_corrupt_request_and_keeps_serving(tcp_holder):
 def test_wrong_instance_is_refused(tcp_holder):
     info = parse_metadata(tcp_holder.meta)
     s = socket.create_connection((info.host, info.port), timeout=5)
-    s.sendall(wire.pack_hello(b"x" * 16))
-    status, _ = wire.unpack_hello_ok(wire.recv_exact(s, wire.HELLO_OK_SIZE, "hello"))
-    assert status == wire.ERR_WRONG_INSTANCE
+    with pytest.raises(handshake.AuthRefused, match="stale") as exc:
+        handshake.prove(s, b"x" * 16, info.secret, time.monotonic() + 5, "holder")
+    assert info.instance.hex()[:8] not in str(exc.value)
     s.close()
 
 
@@ -128,13 +127,14 @@ class FakeHolder:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.instance = bytes(range(16))
+        self.secret = bytes(range(32))
         self.respond = respond
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def meta(self, nbytes: int) -> bytes:
-        return json.dumps({"kind": "tcp", "v": 1, "host": "127.0.0.1", "port": self.port,
-                           "instance": self.instance.hex(),
+        return json.dumps({"kind": "tcp", "v": 2, "wire": wire.WIRE_VERSION, "host": "127.0.0.1",
+                           "port": self.port, "instance": self.instance.hex(), "secret": self.secret.hex(),
                            "regions": [{"index": 0, "nbytes": nbytes, "device": "cpu"}]}).encode()
 
     def _serve(self):
@@ -148,8 +148,8 @@ class FakeHolder:
     def _one(self, c):
         if True:
             try:
-                wire.recv_exact(c, wire.HELLO_SIZE, "hello")
-                c.sendall(wire.pack_hello_ok(wire.OK, self.instance))
+                handshake.admit(c, self.instance, self.secret, time.monotonic() + 5)
+                c.settimeout(5)
                 head = wire.recv_exact(c, wire.REQ_SIZE, "req")
                 _f, req_id, nruns, _crc = wire.unpack_request_head(head)
                 runs = list(wire.RUN.iter_unpack(wire.recv_exact(c, nruns * wire.RUN.size, "runs")))
@@ -218,8 +218,12 @@ def test_metadata_of_another_kind_or_version_is_refused():
         parse_metadata(b'{"kind": "nixl", "v": 1}')
     with pytest.raises(MetadataError, match="version"):
         parse_metadata(b'{"kind": "tcp", "v": 99}')
-    with pytest.raises(MetadataError):
+    with pytest.raises(MetadataError, match="version 1"):
         parse_metadata(b'{"kind": "tcp", "v": 1, "host": "h"}')
+    with pytest.raises(MetadataError, match="wire version 1"):
+        parse_metadata(b'{"kind": "tcp", "v": 2, "wire": 1, "host": "h"}')
+    with pytest.raises(MetadataError):
+        parse_metadata(b'{"kind": "tcp", "v": 2, "wire": 2, "host": "h"}')
 
 
 def test_holder_restarted_on_the_same_port_is_not_mistaken_for_the_old_one(reader_factory):

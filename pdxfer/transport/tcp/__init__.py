@@ -1,6 +1,6 @@
 """pdxfer's own TCP transport: transport.py (reader side and the Transport), server.py (holder),
-wire.py (framing), metadata.py (what a holder exports), plan.py (splitting a read over connections),
-connection.py and handle.py (reader connections and read handles), bounce.py, bounce_send.py and
+wire.py (framing), handshake.py (the reader proves the holder's secret), metadata.py (what a
+holder exports), plan.py (splitting a read over connections), connection.py and handle.py (reader connections and read handles), bounce.py, bounce_send.py and
 bounce_recv.py (GPU regions through a pinned bounce buffer)."""
 
 from pdxfer.transport.tcp.metadata import TcpPeerInfo, parse_metadata

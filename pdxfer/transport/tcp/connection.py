@@ -6,10 +6,11 @@ import contextlib
 import itertools
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pdxfer.transport.base import PeerDied, PeerUnreachable, TransportError
-from pdxfer.transport.tcp import wire
+from pdxfer.transport.base import PeerUnreachable, TransportError
+from pdxfer.transport.tcp import handshake, wire
 from pdxfer.transport.tcp.metadata import TcpPeerInfo
 
 
@@ -50,17 +51,23 @@ class Conn:
                 return self.sock
             self.drop()
         info = self.info
-        sock = wire.connect_socket(info.host, info.port, self.connect_timeout, self._bufsize)
-        try:
-            sock.sendall(wire.pack_hello(info.instance))
-            status, instance = wire.unpack_hello_ok(wire.recv_exact(sock, wire.HELLO_OK_SIZE, "hello reply"))
-        except (OSError, TransportError) as exc:
-            sock.close()
-            raise PeerUnreachable(f"handshake with {info.peer_id} failed: {exc}") from exc
-        if status != wire.OK:
-            sock.close()
-            raise PeerDied(f"{info.host}:{info.port} is now holder instance {instance.hex()[:12]}, "
-                           f"not {info.peer_id}: the holder restarted; reconnect with its new metadata")
+        deadline = time.monotonic() + self.connect_timeout
+        # One retry: a holder under a flood of unauthenticated connections may cut this one while
+        # it is still in its handshake (it gives up the oldest); a refusal is final at once.
+        for attempt in (1, 2):
+            left = max(0.05, deadline - time.monotonic())
+            sock = wire.connect_socket(info.host, info.port, left, self._bufsize)
+            try:
+                sock.settimeout(None)  # recv_by bounds every wait with kernel timeouts instead
+                handshake.prove(sock, info.instance, info.secret, deadline, f"{info.host}:{info.port}")
+                break
+            except (handshake.AuthRefused, handshake.VersionMismatch):
+                sock.close()
+                raise
+            except (OSError, TransportError) as exc:
+                sock.close()
+                if attempt == 2 or time.monotonic() >= deadline:
+                    raise PeerUnreachable(f"handshake with {info.peer_id} failed: {exc}") from exc
         wire.set_io_timeout(sock, self._io_timeout)
         self.sock = sock
         return sock

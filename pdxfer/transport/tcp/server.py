@@ -18,12 +18,12 @@ import struct
 import threading
 import time
 import zlib
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from pdxfer.transport.tcp import wire
-from pdxfer.transport.base import PeerDied, RegisteredRegion, TransportError
+from pdxfer.transport.tcp import handshake, wire
+from pdxfer.transport.base import RegisteredRegion, TransportError
 from pdxfer.transport.tcp.bounce import DevicePlane, segment
 from pdxfer.transport.tcp.bounce_send import BounceBusy, send_bounced
 from pdxfer.transport.runs import SMALL_PLAN, fault, first_fault
@@ -151,36 +151,87 @@ class _RateLimitedLog:
             self.suppressed += 1
 
 
+class _Pending:
+    """Connections accepted but not yet authenticated, oldest first, counted per peer address:
+    the ones given up first when the holder is full or one address opens too many."""
+
+    def __init__(self) -> None:
+        self._order: dict[socket.socket, str] = {}  # insertion order is accept order
+        self._per_host: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, conn: socket.socket) -> bool:
+        return conn in self._order
+
+    def add(self, conn: socket.socket, host: str) -> None:
+        self._order[conn] = host
+        self._per_host[host] = self._per_host.get(host, 0) + 1
+
+    def remove(self, conn: socket.socket) -> bool:
+        host = self._order.pop(conn, None)
+        if host is None:
+            return False
+        left = self._per_host[host] - 1
+        if left:
+            self._per_host[host] = left
+        else:
+            del self._per_host[host]
+        return True
+
+    def count(self, host: str) -> int:
+        return self._per_host.get(host, 0)
+
+    def oldest(self, host: str | None = None) -> socket.socket | None:
+        for conn, h in self._order.items():
+            if host is None or h == host:
+                return conn
+        return None
+
+
 class TcpServer:
     """Accepts reader connections and serves their READ requests from a :class:`RegionTable`.
 
-    What a peer can cost the holder is bounded: ``max_connections`` connections at once (more are
-    closed at accept), ``hello_timeout`` to say hello, ``frame_timeout`` to finish a frame it
-    started, ``idle_timeout`` between requests (readers reconnect transparently), and at most
-    ``wire.MAX_RUNS_PER_REQUEST`` runs buffered per request. Running out of descriptors never
-    stops the listener.
+    Nothing is read from a connection but the handshake (``handshake.admit``) until it proved
+    ``secret()``. What a peer can cost the holder is bounded: ``max_connections`` connections at
+    once, ``hello_timeout`` from accept to a finished handshake, ``frame_timeout`` to finish a
+    frame it started, ``idle_timeout`` between requests (readers reconnect transparently), and
+    at most ``wire.MAX_RUNS_PER_REQUEST`` runs buffered per request. Connections still in their
+    handshake never crowd out a reader: at the cap the oldest of them is cut for a new one (only
+    authenticated readers filling every slot refuse a newcomer), and one peer address has at most
+    ``max_handshakes_per_peer`` of them (its oldest is cut for its newest). Running out of
+    descriptors never stops the listener.
     """
 
-    def __init__(self, table: RegionTable, instance: bytes, host: str, port: int, bufsize: int,
-                 max_connections: int = 256, hello_timeout: float = 10.0, frame_timeout: float = 30.0,
-                 idle_timeout: float = 600.0) -> None:
+    def __init__(self, table: RegionTable, instance: bytes, secret: Callable[[], bytes], host: str, port: int,
+                 bufsize: int, max_connections: int = 256, hello_timeout: float = 1.0,
+                 frame_timeout: float = 30.0, idle_timeout: float = 600.0,
+                 max_handshakes_per_peer: int = 32) -> None:
         for name, v in (("max_connections", max_connections), ("hello_timeout", hello_timeout),
-                        ("frame_timeout", frame_timeout), ("idle_timeout", idle_timeout)):
+                        ("frame_timeout", frame_timeout), ("idle_timeout", idle_timeout),
+                        ("max_handshakes_per_peer", max_handshakes_per_peer)):
             if v <= 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
         self._table = table
         self._instance = instance
+        self._secret = secret
         self._bufsize = bufsize
         self._max_conns = int(max_connections)
+        self._max_pending_per_peer = int(max_handshakes_per_peer)
         self._hello_timeout = float(hello_timeout)
         self._frame_timeout = float(frame_timeout)
         self._idle_timeout = float(idle_timeout)
         self._accept_log = _RateLimitedLog()
         self._cap_log = _RateLimitedLog()
+        self._evict_log = _RateLimitedLog()
         self.refused_connections = 0
+        self.evicted_handshakes = 0
         self.send_timeout = 60.0
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: set[socket.socket] = set()  # every connection with a live thread
+        self._pending = _Pending()  # the subset still in its handshake, not yet cut
+        self._authed: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._closed = False
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
@@ -203,15 +254,16 @@ class TcpServer:
                 # once: wait for descriptors to come back instead of spinning a core.
                 time.sleep(0.1 if exc.errno in _TRANSIENT_ACCEPT else 0.5)
                 continue
+            accepted = time.monotonic()
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                if len(self._conns) >= self._max_conns:
+                if not self._make_room(addr[0]):
                     self.refused_connections += 1
                     self._cap_log.warn("pdxfer tcp holder on port %d: refusing a connection from %s: "
-                                       "%d connections open (max_connections)", self.port, addr[0],
-                                       len(self._conns))
+                                       "%d authenticated readers fill max_connections", self.port, addr[0],
+                                       len(self._authed))
                     conn.close()
                     continue
                 wire.tune_socket(conn, self._bufsize)
@@ -220,32 +272,55 @@ class TcpServer:
                 # reader that stops reading cannot pin a serving thread (and deregister) forever.
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(self.send_timeout), 0))
                 self._conns.add(conn)
-                t = threading.Thread(target=self._serve_conn, args=(conn, addr), daemon=True,
+                self._pending.add(conn, addr[0])
+                t = threading.Thread(target=self._serve_conn, args=(conn, addr, accepted), daemon=True,
                                      name=f"pdxfer-tcp-serve-{addr[0]}:{addr[1]}")
                 self._threads.add(t)
             t.start()
 
-    def _serve_conn(self, conn: socket.socket, addr: tuple) -> None:
+    def _make_room(self, host: str) -> bool:
+        """Under ``_lock``: cut handshakes so a connection from ``host`` fits; False if only
+        authenticated readers are in the way."""
+        if self._pending.count(host) >= self._max_pending_per_peer:
+            self._evict(self._pending.oldest(host), f"{host} has {self._max_pending_per_peer} "
+                                                    f"handshakes open (max_handshakes_per_peer)")
+        if len(self._pending) + len(self._authed) < self._max_conns:
+            return True
+        victim = self._pending.oldest()
+        if victim is None:
+            return False
+        self._evict(victim, f"{self._max_conns} connections open (max_connections)")
+        return True
+
+    def _evict(self, conn: socket.socket | None, why: str) -> None:
+        if conn is None or not self._pending.remove(conn):
+            return
+        self.evicted_handshakes += 1
+        self._evict_log.warn("pdxfer tcp holder on port %d: cut the oldest unauthenticated connection: %s",
+                             self.port, why)
+        # Its thread wakes from recv and ends; the slot counts as free from now on.
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+    def _serve_conn(self, conn: socket.socket, addr: tuple, accepted: float) -> None:
         try:
-            self._handshake(conn)
+            handshake.admit(conn, self._instance, self._secret(), accepted + self._hello_timeout)
+            with self._lock:
+                if not self._pending.remove(conn):
+                    return  # cut while it proved itself: the slot went to someone else
+                self._authed.add(conn)
             while self._serve_one(conn):
                 pass
         except (OSError, TransportError) as exc:
-            # A reader that died or sent garbage only costs its own connection.
+            # A reader that died, sent garbage or failed its proof only costs its own connection.
             log.debug("connection from %s ended: %s", addr, exc)
         finally:
             with self._lock:
+                self._pending.remove(conn)
+                self._authed.discard(conn)
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
-
-    def _handshake(self, conn: socket.socket) -> None:
-        _rcv_timeout(conn, self._hello_timeout)
-        want = wire.unpack_hello(wire.recv_exact(conn, wire.HELLO_SIZE, "hello"))
-        if want != self._instance:
-            conn.sendall(wire.pack_hello_ok(wire.ERR_WRONG_INSTANCE, self._instance))
-            raise PeerDied("reader expects another holder instance")
-        conn.sendall(wire.pack_hello_ok(wire.OK, self._instance))
 
     def _serve_one(self, conn: socket.socket) -> bool:
         head = bytearray(wire.REQ_SIZE)

@@ -41,7 +41,7 @@ from pdxfer.transport.base import (
     TransferTimeout,
     TransportError,
 )
-from pdxfer.transport.tcp import wire
+from pdxfer.transport.tcp import handshake, wire
 from pdxfer.transport.tcp.bounce import DevicePlane, segment
 from pdxfer.transport.tcp.bounce_recv import H2DTracker, receive_segments
 from pdxfer.transport.tcp.connection import Conn, PeerConns, is_stale
@@ -76,9 +76,10 @@ class TcpTransport(Transport):
         payload_crc: bool = False,
         socket_buffer: int = 4 << 20,
         max_connections: int = 256,
-        hello_timeout: float = 10.0,
+        hello_timeout: float = 1.0,
         frame_timeout: float = 30.0,
         idle_timeout: float = 600.0,
+        max_handshakes_per_peer: int = 32,
         bounce_slices: int = 4,
         bounce_slice_bytes: int = 4 << 20,
         device_timeout: float = 30.0,
@@ -106,8 +107,10 @@ class TcpTransport(Transport):
         self._bufsize = int(socket_buffer)
         # Holder-side bounds on what one reader connection may cost (see TcpServer).
         self._server_limits = {"max_connections": max_connections, "hello_timeout": hello_timeout,
-                               "frame_timeout": frame_timeout, "idle_timeout": idle_timeout}
+                               "frame_timeout": frame_timeout, "idle_timeout": idle_timeout,
+                               "max_handshakes_per_peer": max_handshakes_per_peer}
         self._instance = os.urandom(16)
+        self._secret = handshake.new_secret()  # replaced by every register()
         self._table = RegionTable()
         self._local_views: tuple[memoryview | None, ...] = ()
         self._server: TcpServer | None = None
@@ -129,6 +132,13 @@ class TcpTransport(Transport):
                 raise TransportError(f"region {i}: bad pointer/size ({r.ptr:#x}, {r.nbytes})")
         nslices, slice_bytes, dev_timeout = self._bounce
         plane = DevicePlane(regions, self._device_ops, nslices, slice_bytes, dev_timeout)
+        # A new registration is a new secret: metadata handed out before it no longer opens the
+        # holder, and readers still connected under the old one are cut (they must look it up again).
+        self._secret = handshake.new_secret()
+        with self._lock:
+            server = self._server
+        if server is not None:
+            server.drop_connections()
         self._table.set(regions, plane)
         self._local_views = self._table.views()
         self._local_dev = np.array([g is not None for g in plane.group_of], dtype=bool)
@@ -170,7 +180,8 @@ class TcpTransport(Transport):
                 host, ports = self._listen
                 try:
                     self._server = bind_in_range(ports, host, lambda port: TcpServer(
-                        self._table, self._instance, host, port, self._bufsize, **self._server_limits))
+                        self._table, self._instance, lambda: self._secret, host, port, self._bufsize,
+                        **self._server_limits))
                 except OSError as exc:
                     raise TransportError(f"tcp transport cannot listen on {host}:{ports}: {exc}") from exc
             return self._server
@@ -185,7 +196,8 @@ class TcpTransport(Transport):
         host = self._advertise or self._listen[0]
         if host in ("", "0.0.0.0", "::"):
             host = socket.gethostbyname(socket.gethostname())
-        return encode_metadata(host, server.port, self._instance, wire.WIRE_VERSION, self._table.regions)
+        return encode_metadata(host, server.port, self._instance, wire.WIRE_VERSION, self._table.regions,
+                               self._secret)
 
     # ------------------------------------------------------------------ reader side
     def connect(self, peer_metadata: bytes, timeout: float = 5.0) -> str:
@@ -193,8 +205,13 @@ class TcpTransport(Transport):
         info = parse_metadata(peer_metadata)
         pid = info.peer_id
         with self._lock:
-            if pid in self._peers:
+            known = self._peers.get(pid)
+            if known is not None and known.info == info:
                 return pid
+        if known is not None:
+            # Same holder, new registration (new secret, maybe new regions): the old connections
+            # are refused from now on, so start over with the new metadata.
+            self.disconnect(pid)
         peer = PeerConns(info, self._nconns, timeout, self._io_timeout, self._bufsize)
         deadline = time.monotonic() + timeout
         try:
@@ -206,6 +223,8 @@ class TcpTransport(Transport):
         except (TransportError, OSError) as exc:
             for c in peer.conns:
                 c.drop()
+            if isinstance(exc, (handshake.AuthRefused, handshake.VersionMismatch)):
+                raise
             if isinstance(exc, TransportError):
                 raise PeerUnreachable(str(exc)) from exc
             raise PeerUnreachable(f"cannot reach {pid}: {exc}") from exc

@@ -9,8 +9,7 @@ truncated stream never passes as complete, and payload corruption is caught when
 
 Layout (little endian):
 
-  hello     MAGIC_HELLO u32 | version u16 | pad u16 | instance 16B | crc u32
-  hello-ok  MAGIC_HELLO_OK u32 | version u16 | status u16 | instance 16B | crc u32
+  handshake challenge, proof, verdict: see handshake.py (no request is read before it succeeds)
   request   MAGIC_REQ u32 | version u16 | flags u16 | req_id u64 | nruns u32 | body_crc u32 | crc u32
             then nruns x (region u32 | offset u64 | nbytes u64)
   response  MAGIC_RESP u32 | version u16 | status u16 | req_id u64 | length u64 | flags u16 | pad u16 | crc u32
@@ -41,26 +40,26 @@ from pdxfer.transport.base import (
 #   1  hello/hello-ok with the holder's 16-byte instance id; request = run list (region u32,
 #      offset u64, nbytes u64) with a body CRC; response + payload + trailer (length, optional
 #      payload CRC); every fixed header sealed by a CRC32
-WIRE_VERSION = 1
+#   2  hello/hello-ok replaced by an authenticating handshake (handshake.py): the holder sends a
+#      nonce, the reader proves the secret from the metadata with an HMAC, the holder answers
+#      with its own HMAC or a refusal; requests and responses unchanged
+WIRE_VERSION = 2
 
-MAGIC_HELLO = 0x50445848  # "PDXH"
-MAGIC_HELLO_OK = 0x5044584B  # "PDXK"
 MAGIC_REQ = 0x50445851  # "PDXQ"
 MAGIC_RESP = 0x50445852  # "PDXR"
 MAGIC_END = 0x50445845  # "PDXE"
 
 FLAG_PAYLOAD_CRC = 0x1
 
-# Status codes of hello-ok and response frames.
+# Status codes of handshake verdicts and response frames.
 OK = 0
 ERR_REGION_UNKNOWN = 1
 ERR_OUT_OF_RANGE = 2
 ERR_BAD_REQUEST = 3
-ERR_WRONG_INSTANCE = 4
 ERR_CLOSING = 5
+ERR_AUTH = 6  # handshake: the reader did not prove the secret (nothing else is said)
+ERR_VERSION = 7  # handshake: the proof came in another wire version
 
-_HELLO = struct.Struct("<IHH16s")
-_HELLO_OK = struct.Struct("<IHH16s")
 _REQ = struct.Struct("<IHHQII")
 _RESP = struct.Struct("<IHHQQHH")
 _CRC = struct.Struct("<I")
@@ -68,8 +67,6 @@ RUN = struct.Struct("<IQQ")
 RUN_DTYPE = np.dtype([("region", "<u4"), ("offset", "<u8"), ("nbytes", "<u8")])  # packed, same as RUN
 TRAILER = struct.Struct("<IIQ")
 
-HELLO_SIZE = _HELLO.size + _CRC.size
-HELLO_OK_SIZE = _HELLO_OK.size + _CRC.size
 REQ_SIZE = _REQ.size + _CRC.size
 RESP_SIZE = _RESP.size + _CRC.size
 
@@ -93,28 +90,6 @@ def _unseal(frame: bytes, what: str) -> bytes:
     if zlib.crc32(head) != crc:
         raise CorruptFrame(f"{what} header CRC mismatch")
     return head
-
-
-def pack_hello(instance: bytes) -> bytes:
-    return _seal(_HELLO.pack(MAGIC_HELLO, WIRE_VERSION, 0, instance))
-
-
-def unpack_hello(frame: bytes) -> bytes:
-    magic, version, _pad, instance = _HELLO.unpack(_unseal(frame, "hello"))
-    if magic != MAGIC_HELLO or version != WIRE_VERSION:
-        raise CorruptFrame(f"hello: magic {magic:#x} version {version}, want {MAGIC_HELLO:#x} v{WIRE_VERSION}")
-    return instance
-
-
-def pack_hello_ok(status: int, instance: bytes) -> bytes:
-    return _seal(_HELLO_OK.pack(MAGIC_HELLO_OK, WIRE_VERSION, status, instance))
-
-
-def unpack_hello_ok(frame: bytes) -> tuple[int, bytes]:
-    magic, version, status, instance = _HELLO_OK.unpack(_unseal(frame, "hello reply"))
-    if magic != MAGIC_HELLO_OK or version != WIRE_VERSION:
-        raise CorruptFrame(f"hello reply: magic {magic:#x} version {version}")
-    return status, instance
 
 
 def pack_request(req_id: int, runs: Sequence[tuple[int, int, int]], flags: int = 0) -> bytes:
@@ -167,8 +142,6 @@ def error_for_status(status: int, text: str, peer: str) -> TransportError:
         return RegionUnknown(msg)
     if status == ERR_OUT_OF_RANGE:
         return OutOfRange(msg)
-    if status == ERR_WRONG_INSTANCE:
-        return PeerDied(msg)  # the address now belongs to another incarnation of the holder
     if status == ERR_CLOSING:
         return PeerDied(msg)
     if status == ERR_BAD_REQUEST:
