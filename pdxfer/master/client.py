@@ -277,7 +277,8 @@ class MasterClient:
             except (OSError, _Closed) as exc:
                 conn.close()
                 why = explain_client_error("%s:%d" % addr, exc, self.tls) if isinstance(exc, OSError) else None
-                if why is None and self.tls is not None and not reused and isinstance(exc, (_Closed, ConnectionResetError)):
+                cut = isinstance(exc, (_Closed, ConnectionResetError))
+                if why is None and self.tls is not None and not reused and cut:
                     why = closed_after_handshake("%s:%d" % addr, self.tls)
                 if why is not None:
                     raise MasterTlsError(why) from None

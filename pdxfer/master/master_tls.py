@@ -45,7 +45,8 @@ class ServerTls:
         try:
             ctx.load_cert_chain(self.cert_file, self.key_file)
         except (ssl.SSLError, OSError) as exc:
-            raise ValueError(f"TLS certificate {self.cert_file} with key {self.key_file} cannot be loaded: {exc}") from None
+            raise ValueError(f"TLS certificate {self.cert_file} with key {self.key_file} cannot be "
+                             f"loaded: {exc}") from None
         if self.client_ca_file and require_client_cert:
             try:
                 ctx.load_verify_locations(self.client_ca_file)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-trustme = pytest.importorskip("trustme", reason="no trustme (certificates for the TLS tests; scripts/setup.sh installs it)")
+trustme = pytest.importorskip("trustme", reason="no trustme (certificates for the TLS tests; "
+                              "scripts/setup.sh installs it)")
 
 from pdxfer.master import MasterAuthError, MasterClient, MasterUnavailable, start_local_master  # noqa: E402
 from pdxfer.master.master_tls import MasterTlsError  # noqa: E402
