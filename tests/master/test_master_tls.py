@@ -213,3 +213,13 @@ def test_leader_found_through_etcd_is_reached_with_the_same_tls_settings(masters
     masters.clients.append(untrusted)
     err = _refused(lambda: untrusted.stats(), 1.0)
     assert isinstance(err, MasterTlsError) and pki.other_ca in str(err), err
+
+
+def test_a_peer_stalling_in_the_tls_handshake_is_dropped(masters, pki, trusting):
+    m = masters.start(extra_args=tls_args(pki) + ("--handshake-timeout", "0.5"))
+    with socket.create_connection(("127.0.0.1", m.port), timeout=5) as s:
+        t0 = time.monotonic()
+        s.sendall(b"\x16\x03\x01")  # the start of a ClientHello record, and then nothing
+        assert s.recv(1024) == b""
+        assert time.monotonic() - t0 < 3.0
+    assert masters.client(m.address).ping()["leader"] is True
