@@ -30,6 +30,10 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
                      only while its lease cannot have expired by its own clock, then answers
                      "not leader" until it leads again.
 --advertise          address clients should use to reach this replica (default host:port).
+--tls-cert/--tls-key/--tls-client-ca/--http-tls
+                     TLS on the wire and HTTP ports, client certificates required with a client
+                     CA ($PDXFER_MASTER_TLS_*; docs/master.md). Clients: MasterClient(ca_file=,
+                     cert_file=, key_file=, server_name=) or $PDXFER_MASTER_CA_FILE etc.
 --etcd-ca/-cert/-key/-user/-password-file/-tls
                      TLS and auth towards etcd, the etcd:// options ca=, cert=, ... (docs/master.md).
 --leader-ttl         leader lease TTL (s); renewed every TTL/3 on the remaining time.

@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Mapping
 
-from pdxfer.master import etcd_layout, etcd_security
+from pdxfer.master import etcd_layout, etcd_security, master_tls
 from pdxfer.master.coordinator import coordinator_for
 from pdxfer.ports import PortRange, PortSpecError, parse_port_spec
 from pdxfer.master.service import (
@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", help=f"HOST:PORT, or HOST with a fixed --port, published as the leader "
                                        f"address in etcd (${env['advertise']}; default host:port)")
     p.add_argument("--token-file", help="shared secret every request must carry")
+    tenv = master_tls.SERVER_ENV
+    p.add_argument("--tls-cert", help=f"PEM server certificate (chain): the wire and HTTP ports serve TLS "
+                                      f"(${tenv['tls_cert']})")
+    p.add_argument("--tls-key", help=f"PEM private key of --tls-cert (${tenv['tls_key']})")
+    p.add_argument("--tls-client-ca", help=f"PEM CA: wire clients must present a certificate it signed "
+                                           f"(${tenv['tls_client_ca']})")
+    p.add_argument("--http-tls", choices=("0", "1"), help=f"0: the HTTP port stays plain while the wire serves "
+                                                          f"TLS (${tenv['http_tls']}; default 1)")
     p.add_argument("--etcd", help="host:port[,host:port] of etcd: HA mode (default: standalone, in memory)")
     p.add_argument("--etcd-prefix", default="/pdxfer/master", help="key prefix in etcd")
     for opt, (_, var) in etcd_security.OPTIONS.items():  # TLS and auth towards etcd (docs/master.md)
@@ -108,6 +116,20 @@ def apply_env_fallbacks(args: argparse.Namespace, env: Mapping[str, str] | None 
                          f"port is chosen by the OS; give HOST:PORT or a fixed --port")
 
 
+def apply_tls_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> None:
+    """``args.tls`` from the TLS flags, then their variables (None: plain); exits naming a bad one."""
+    env = os.environ if env is None else env
+    try:
+        args.tls = master_tls.server_tls_from(args.tls_cert, args.tls_key, args.tls_client_ca, env)
+    except ValueError as exc:
+        raise SystemExit(f"pdxfer-master: {exc}") from None
+    var = master_tls.SERVER_ENV["http_tls"]
+    if args.http_tls is None and env.get(var, "").strip():
+        args.http_tls = env[var].strip()
+        if args.http_tls not in ("0", "1"):
+            raise SystemExit(f"pdxfer-master: ${var} must be 0 or 1, got {args.http_tls!r}")
+
+
 def _split_port(hostport: str) -> int | None:
     """The port of "host:port" / "[v6]:port"; None when there is none."""
     head, sep, tail = hostport.rpartition(":")
@@ -127,7 +149,8 @@ async def _start_on_range(svc: MasterService, args: argparse.Namespace) -> None:
     spec: PortRange = args.port
     for port in spec.ports():
         try:
-            await svc.start(args.host, port, args.http_host, args.http_port, _advertise_for(args.advertise, port))
+            await svc.start(args.host, port, args.http_host, args.http_port, _advertise_for(args.advertise, port),
+                            args.tls, args.http_tls != "0")
             return
         except OSError as exc:
             # svc.port stays 0 until the wire socket is bound: a failure after that (the HTTP
@@ -197,6 +220,7 @@ async def _amain(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     apply_env_fallbacks(args)
+    apply_tls_settings(args)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
@@ -34,6 +35,15 @@ from pdxfer.master.errors import (
     UnknownNode,
 )
 from pdxfer.master.locator import locator_for
+from pdxfer.master.master_tls import (
+    CLIENT_ENV,
+    ClientTls,
+    MasterTlsError,
+    client_tls_from,
+    closed_after_handshake,
+    explain_client_error,
+    looks_like_tls,
+)
 from pdxfer.master.locations import ChunkLocations
 from pdxfer.master.records import LookupResult, NodeInfo, PeekResult, Registration
 from pdxfer.master.registrations import SHARED, Registrations
@@ -54,16 +64,37 @@ class _StaleNodeCache(Exception):
     pass
 
 
+class _PlainToTls(Exception):
+    pass
+
+
+def _maybe_tls_hint(exc: BaseException) -> str:
+    """A plain client's hello cut off by the master: say what a master serving TLS looks like."""
+    if isinstance(exc, (_Closed, ConnectionResetError)):
+        return (f" (if the master serves TLS, give ca_file / ${CLIENT_ENV['ca_file']}; a TLS master closes "
+                "plain connections)")
+    return ""
+
+
 def _backoff(attempt: int, deadline: float) -> None:
     """Pause before the next try at finding the leader: longer each time, never past the deadline."""
     time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
 
 
 class _Conn:
-    def __init__(self, addr: tuple[str, int], timeout: float) -> None:
+    def __init__(self, addr: tuple[str, int], timeout: float, tls: ClientTls | None = None,
+                 ctx: ssl.SSLContext | None = None) -> None:
         self.addr = addr
-        self.sock = socket.create_connection(addr, timeout=max(timeout, 0.001))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = socket.create_connection(addr, timeout=max(timeout, 0.001))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ctx is not None:
+            assert tls is not None
+            try:  # the handshake runs under the connect timeout: a peer that stays silent cannot hold it
+                sock = ctx.wrap_socket(sock, server_hostname=tls.server_name or addr[0])
+            except BaseException:
+                sock.close()
+                raise
+        self.sock = sock
         self.ids = itertools.count(1)
         self.used = False
 
@@ -90,6 +121,9 @@ class _Conn:
                 raise _Closed(f"connection closed while reading master reply ({len(data)} of {P.HEADER_BYTES} "
                               "header bytes)")
             data += more
+        if looks_like_tls(data) and not isinstance(self.sock, ssl.SSLSocket):
+            raise _PlainToTls("the master answered with a TLS record: it serves TLS but this client is plain; "
+                              f"give ca_file (${CLIENT_ENV['ca_file']}) to connect with TLS")
         hdr = P.parse_header(data[: P.HEADER_BYTES])
         need = P.HEADER_BYTES + hdr.json_len + hdr.blob_len
         if len(data) > need:
@@ -97,7 +131,8 @@ class _Conn:
         body = data[P.HEADER_BYTES :]
         if len(data) < need:
             body += self._recv_exact(need - len(data))
-        if hdr.req_id != req_id:
+        # Request id 0: a refusal the master sent before reading any request (no client certificate).
+        if hdr.req_id != req_id and not (hdr.op == P.OP_ERROR and hdr.req_id == 0):
             raise P.ProtocolError(P.ERR_MALFORMED, f"reply to request {hdr.req_id}, expected {req_id}")
         return hdr.op, P.decode_json(body[: hdr.json_len]), body[hdr.json_len :]
 
@@ -107,9 +142,18 @@ class MasterClient:
     raises a MasterError: MasterUnavailable when no master answered."""
 
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0,
-                 registrations: Registrations | None = None) -> None:
+                 registrations: Registrations | None = None, *, ca_file: str | None = None,
+                 cert_file: str | None = None, key_file: str | None = None,
+                 server_name: str | None = None) -> None:
+        """TLS towards the master (docs/master.md): ``ca_file`` (the CA that signed the master's
+        certificate), ``cert_file``/``key_file`` (a client certificate, for a master that requires
+        one), ``server_name`` (the name its certificate must carry; default: the host dialled);
+        each falls back to its environment variable (``master_tls.CLIENT_ENV``). A leader found
+        through etcd is reached with the same settings."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.tls = client_tls_from(ca_file, cert_file, key_file, server_name)
+        self._ssl = self.tls.context() if self.tls is not None else None
         self.timeout_s = timeout_s
         self.token = token
         self._lock = threading.Lock()
@@ -159,8 +203,11 @@ class MasterClient:
                     return c
                 c.close()
         try:
-            conn = _Conn(addr, deadline - time.monotonic())
+            conn = _Conn(addr, deadline - time.monotonic(), self.tls, self._ssl)
         except OSError as exc:
+            why = explain_client_error("%s:%d" % addr, exc, self.tls)
+            if why is not None:
+                raise MasterTlsError(why) from None
             raise MasterUnavailable(f"cannot connect to master {addr[0]}:{addr[1]}: {exc}") from None
         if self.token is not None:
             self._hello(conn, deadline)
@@ -172,9 +219,18 @@ class MasterClient:
         where = f"master {conn.addr[0]}:{conn.addr[1]}"
         try:
             rop, rdoc, _ = conn.request(*ops.encode_hello(self.token), deadline)
+        except _PlainToTls as exc:
+            conn.close()
+            raise MasterTlsError(f"hello to {where}: {exc}") from None
         except (OSError, _Closed) as exc:
             conn.close()
-            raise MasterUnavailable(f"hello to {where}: {exc!r}") from None
+            why = explain_client_error(where[7:], exc, self.tls) if isinstance(exc, OSError) else None
+            if why is None and self.tls is not None and isinstance(exc, (_Closed, ConnectionResetError)):
+                why = closed_after_handshake(where[7:], self.tls)
+            if why is not None:
+                raise MasterTlsError(why) from None
+            raise MasterUnavailable(f"hello to {where}: {exc!r}"
+                                    + ("" if self.tls else _maybe_tls_hint(exc))) from None
         except P.ProtocolError as exc:
             conn.close()
             raise MasterProtocolError(f"bad hello reply from {where}: {exc}") from None
@@ -202,6 +258,8 @@ class MasterClient:
             try:
                 addr = self._leader(deadline)
                 conn = self._take(addr, deadline)
+            except MasterTlsError:
+                raise
             except MasterUnavailable as exc:
                 last = str(exc)
                 if not self._follows:
@@ -213,14 +271,24 @@ class MasterClient:
             reused = conn.used
             try:
                 rop, rdoc, rblob = conn.request(op, doc, blob, deadline)
+            except _PlainToTls as exc:
+                conn.close()
+                raise MasterTlsError(f"{P.OP_NAMES.get(op, op)} to master {addr[0]}:{addr[1]}: {exc}") from None
             except (OSError, _Closed) as exc:
                 conn.close()
+                why = explain_client_error("%s:%d" % addr, exc, self.tls) if isinstance(exc, OSError) else None
+                cut = isinstance(exc, (_Closed, ConnectionResetError))
+                if why is None and self.tls is not None and not reused and cut:
+                    why = closed_after_handshake("%s:%d" % addr, self.tls)
+                if why is not None:
+                    raise MasterTlsError(why) from None
                 last = f"{addr[0]}:{addr[1]}: {exc!r}"
                 if reused and not isinstance(exc, socket.timeout):
                     continue  # a pooled connection the master had closed: retry on a fresh one
                 self._forget_leader(addr)
                 if not self._follows or isinstance(exc, socket.timeout):
-                    raise MasterUnavailable(f"{P.OP_NAMES.get(op, op)}: {last}") from None
+                    hint = "" if self.tls else _maybe_tls_hint(exc)
+                    raise MasterUnavailable(f"{P.OP_NAMES.get(op, op)}: {last}{hint}") from None
                 _backoff(attempt, deadline)
                 continue
             except P.ProtocolError as exc:

@@ -58,6 +58,14 @@ class MasterConnection(asyncio.Protocol):
             return
         svc._conns.add(self)
         _keepalive(transport.get_extra_info("socket"))
+        if svc.require_client_cert and not transport.get_extra_info("peercert"):
+            svc.tls_refusals += 1
+            log.warning("refused %s: no TLS client certificate (--tls-client-ca requires one)", self.peer)
+            transport.write(P.encode_frame(P.OP_ERROR, 0, {
+                "err": P.ERR_AUTH, "msg": "TLS client certificate required: this connection presented none "
+                "(the master requires one signed by its --tls-client-ca)"}))
+            self.close()
+            return
         # The first frame must come soon: a peer that connects and sends nothing, or half a
         # header, must not hold a connection.
         self._wait(_FIRST, svc.handshake_timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from typing import Any, Callable
 
 log = logging.getLogger("pdxfer.master.http")
@@ -27,7 +28,9 @@ async def serve_http(
     port: int,
     metrics: Callable[[], str],
     health: Callable[[], tuple[bool, dict[str, Any]]],
+    ssl_context: ssl.SSLContext | None = None,
 ) -> asyncio.AbstractServer:
+    """Serve on ``host:port``; HTTPS with ``ssl_context`` (its handshake bounded like a request read)."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             try:
@@ -59,4 +62,5 @@ async def serve_http(
         finally:
             writer.close()
 
-    return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST_BYTES)
+    return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST_BYTES, ssl=ssl_context,
+                                      ssl_handshake_timeout=_READ_TIMEOUT_S if ssl_context else None)

@@ -19,6 +19,7 @@ from pdxfer.master import protocol_ops as ops
 from pdxfer.master.conn import MasterConnection
 from pdxfer.master.coordinator import Coordinator, Standalone
 from pdxfer.master.httpd import serve_http
+from pdxfer.master.master_tls import ServerTls
 from pdxfer.master.index import (
     ChunkIndex,
     FencedError,
@@ -84,6 +85,8 @@ class MasterService:
         self._conns: set[MasterConnection] = set()
         self.port = 0
         self.http_port = 0
+        self.require_client_cert = False  # set by start(): TLS with a client CA
+        self.tls_refusals = 0
         self._handlers: dict[int, Callable[[dict[str, Any], memoryview, float], Any]] = {
             P.OP_LOOKUP: self._lookup, P.OP_RELEASE: self._release, P.OP_PUBLISH: self._publish,
             P.OP_UNPUBLISH: self._unpublish, P.OP_HEARTBEAT: self._heartbeat, P.OP_REGISTER: self._register,
@@ -106,14 +109,24 @@ class MasterService:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self, host: str, port: int, http_host: str | None, http_port: int, advertise: str | None) -> None:
+    async def start(self, host: str, port: int, http_host: str | None, http_port: int, advertise: str | None,
+                    tls: ServerTls | None = None, http_tls: bool = True) -> None:
+        """Serve the wire (and HTTP unless ``http_port`` < 0) ports; with ``tls`` the wire port
+        serves TLS (client certificates required when it names a client CA), and so does the HTTP
+        port when ``http_tls``, without asking for client certificates: health probes and scrapers
+        seldom have one, and it serves nothing a client could change."""
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: MasterConnection(self), host, port)
+        ctx = tls.context(require_client_cert="reply") if tls is not None else None
+        self.require_client_cert = bool(tls is not None and tls.client_ca_file)
+        # A TLS handshake is part of the first frame's budget: a peer that stalls in it is dropped too.
+        server = await loop.create_server(lambda: MasterConnection(self), host, port, ssl=ctx,
+                                          ssl_handshake_timeout=self.handshake_timeout_s if ctx else None)
         self._servers.append(server)
         self.port = server.sockets[0].getsockname()[1]
         if http_port >= 0:
+            hctx = tls.context(require_client_cert=False) if tls is not None and http_tls else None
             hs = await serve_http(http_host or host, http_port, lambda: metrics_text(self),
-                                  lambda: health(self))
+                                  lambda: health(self), ssl_context=hctx)
             self._servers.append(hs)
             self.http_port = hs.sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self._reaper()))
