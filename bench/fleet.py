@@ -41,11 +41,9 @@ sys.path.insert(0, str(ROOT))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from bench.pd_util import med  # noqa: E402
+from bench.pd_util import bench_model, med  # noqa: E402
 from pdxfer.procs import default_run_dir, free_port  # noqa: E402
 from pdxfer.serve.launch import Component, Stack, split_cores_among, start_fleet, start_proxy  # noqa: E402
-from pdxfer.serve.serve_shim import served_model_name  # noqa: E402
-from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model  # noqa: E402
 
 CONFIGS = ("routed", "rr", "nixl")
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -274,9 +272,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    model_dir = (args.model or make_tiny_model(default_tiny_model_dir())).resolve()
-    mcfg = json.loads((model_dir / "config.json").read_text())
-    model = served_model_name(model_dir)
+    model_dir, mcfg, model = bench_model(args.model)
     longest = args.system_tokens + args.turns * (args.message_tokens[1] + args.answer_tokens)
     if longest + 2 > mcfg.get("max_position_embeddings", 1 << 30):
         sys.exit(f"bench/fleet.py: conversations reach {longest} tokens, over the model's max_position_embeddings")

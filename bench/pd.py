@@ -65,6 +65,7 @@ from bench.pd_report import (
     targets,
 )
 from bench.pd_util import (
+    bench_model,
     CpuWindow,
     Prompts,
     delta,
@@ -81,8 +82,6 @@ from pdxfer.procs import default_run_dir
 from pdxfer.vllm.phase_times import PHASES
 from pdxfer.transport import KINDS
 from pdxfer.serve.launch import split_cores
-from pdxfer.serve.serve_shim import served_model_name
-from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
 
 
 def _progress() -> Any:
@@ -346,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM takes the exception path, so every `finally` stops the configuration's processes.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    model_dir = (args.model or make_tiny_model(default_tiny_model_dir())).resolve()
-    mcfg = json.loads((model_dir / "config.json").read_text())
-    model = served_model_name(model_dir)
+    model_dir, mcfg, model = bench_model(args.model)
     longest = max(args.lengths + [args.conc_tokens])
     if longest + 2 + args.floor_steps > mcfg.get("max_position_embeddings", 1 << 30):
         sys.exit(f"bench/pd.py: {longest} tokens exceed the model's max_position_embeddings")
