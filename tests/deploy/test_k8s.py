@@ -10,6 +10,7 @@ import importlib.util
 import json
 import re
 import shutil
+import ssl as ssl_mod
 import subprocess
 from pathlib import Path
 
@@ -251,3 +252,168 @@ def test_master_and_proxy_settings_are_accepted(overlay):
     p = _container(objs, "Deployment", "pdxfer-proxy", "proxy")
     proxy_args = pdxfer_cli.build_parser().parse_args(p["command"][1:] + p["args"])
     assert proxy_args.port == 8000 and proxy_args.prefill == ["http://pdxfer-prefill:8000"]
+
+
+# ---- the TLS settings as pdxfer parses them --------------------------------------------------
+
+def _master_server_name(objs: list[dict]) -> str:
+    svc = _by_id(objs)[("Service", "pdxfer-master")]
+    return f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
+
+
+def _doc_sans(ext_file: str) -> list[str]:
+    """The DNS names docs/deploy.md's openssl commands put in the certificate of ``ext_file``."""
+    (line,) = [ln for ln in (REPO / "docs" / "deploy.md").read_text().splitlines() if f"> {ext_file}" in ln]
+    return re.findall(r"DNS:([^,\\']+)", line)
+
+
+class _PodFiles:
+    """The files a container sees from its Secret volumes, written under ``root`` with real PEMs
+    (one CA, one leaf naming the master as docs/deploy.md makes it), so pdxfer's parsers, which
+    check that each file is readable and loads, see what a pod would."""
+
+    def __init__(self, root: Path, trustme_mod) -> None:
+        self.root = root
+        ca = trustme_mod.CA()
+        leaf = ca.issue_cert(*_doc_sans("master.ext"))
+        self.content = {"ca.crt": ca.cert_pem.bytes(), "tls.key": leaf.private_key_pem.bytes(),
+                        "tls.crt": b"".join(c.bytes() for c in leaf.cert_chain_pems),
+                        "password": b"etcd-pw\n", "token": b"tok\n"}
+
+    def mount(self, objs: list[dict], workload: dict, c: dict) -> list[str]:
+        """Writes the container's Secret mounts; returns their mount paths."""
+        secrets = _secret_examples()
+        vols = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+        paths = []
+        for m in c.get("volumeMounts", []):
+            src = vols.get(m["name"], {}).get("secret")
+            if src is None:
+                continue
+            keys = [i["key"] for i in src.get("items", [])] or list(secrets[src["secretName"]]["stringData"])
+            d = self.root / m["mountPath"].lstrip("/")
+            d.mkdir(parents=True, exist_ok=True)
+            for k in keys:
+                (d / k).write_bytes(self.content[k])
+            paths.append(m["mountPath"])
+        return paths
+
+    def rebase(self, text: str, mounts: list[str]) -> str:
+        """``text`` with each mounted path moved under ``root`` (paths outside a mount stay, and fail)."""
+        for mp in sorted(mounts, key=len, reverse=True):
+            text = text.replace(mp.rstrip("/") + "/", f"{self.root}{mp.rstrip('/')}/")
+        return text
+
+
+@pytest.fixture
+def pod_files(tmp_path):
+    trustme = pytest.importorskip("trustme", reason="no trustme (scripts/setup.sh installs it)")
+    return _PodFiles(tmp_path, trustme)
+
+
+def _handshake(server: "ssl.SSLContext", client: "ssl.SSLContext", name: str) -> None:
+    """A TLS handshake in memory: the client checks the server's certificate against ``name``."""
+    import ssl
+
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    cli = client.wrap_bio(c_in, c_out, server_hostname=name)
+    srv = server.wrap_bio(s_in, s_out, server_side=True)
+    done = {"c": False, "s": False}
+    for _ in range(10):
+        for key, side in (("c", cli), ("s", srv)):
+            if not done[key]:
+                try:
+                    side.do_handshake()
+                    done[key] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            return
+    raise AssertionError("TLS handshake did not finish")
+
+
+def test_tls_settings_are_accepted_by_pdxfers_etcd_and_master_tls_code(overlay, pod_files):
+    from pdxfer.master import cli as master_cli
+    from pdxfer.master import etcd_layout, etcd_security, master_tls
+
+    name, objs = overlay
+    by_id = _by_id(objs)
+    server_name = _master_server_name(objs)
+
+    def settings(kind: str, workload: str, container: str) -> tuple[dict, dict[str, str]]:
+        w = by_id[(kind, workload)]
+        c = next(c for c in pod_spec(w)["containers"] if c["name"] == container)
+        mounts = pod_files.mount(objs, w, c)
+        env = {k: pod_files.rebase(v, mounts) for k, v in _pod_env(objs, c).items()}
+        return {**c, "args": [pod_files.rebase(_expand(a, env), mounts) for a in c.get("args", [])]}, env
+
+    # The masters: TLS on their ports, etcd over TLS with a client certificate and a user.
+    c, env = settings("Deployment", "pdxfer-master", "master")
+    args = master_cli.build_parser().parse_args(c["args"])
+    master_cli.apply_env_fallbacks(args, env)
+    master_cli.apply_tls_settings(args, env)
+    assert args.tls is not None and args.tls.client_ca_file is None and args.http_tls != "0"
+    given = {opt: getattr(args, f"etcd_opt_{opt}") for opt in etcd_security.OPTIONS}
+    master_url = etcd_layout.etcd_url(args.etcd, args.etcd_prefix) + etcd_security.options_query(given)
+    master_etcd = etcd_layout.parse_etcd_url(master_url, env={}).security  # the flags alone, no fallback
+    assert master_etcd.tls and master_etcd.cert_file and master_etcd.user == "pdxfer"
+    assert master_etcd.read_password() == "etcd-pw"
+    master_etcd.ssl_context()
+    server_ctx = args.tls.context()
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS", f"{name}: the master's {probe} talks plain HTTP to TLS"
+
+    # The instances: the same etcd settings in their etcd:// address, the master's CA and name.
+    for role in ("prefill", "decode"):
+        c, env = settings("Deployment", f"pdxfer-{role}", "vllm")
+        cfg = parse_extra_config(_kv_transfer_config(c["args"])["kv_connector_extra_config"], env=env)
+        sec = etcd_layout.parse_etcd_url(cfg.master, env={}).security
+        assert sec == master_etcd, f"{name} {role}: etcd settings differ from the masters'"
+        tls = master_tls.client_tls_from(env=env)
+        assert tls is not None and tls.server_name == server_name, f"{name} {role}: {tls}"
+        _handshake(server_ctx, tls.context(), tls.server_name)
+
+    # The proxy reads the index with the same trust.
+    c, env = settings("Deployment", "pdxfer-proxy", "proxy")
+    tls = master_tls.client_tls_from(env=env)
+    assert tls is not None and tls.server_name == server_name
+    _handshake(server_ctx, tls.context(), tls.server_name)
+
+    # etcd serves client TLS, requires client certificates, and its /health probe stays reachable.
+    sts = by_id[("StatefulSet", "etcd")]
+    etcd_c = pod_spec(sts)["containers"][0]
+    flags = dict(f.split("=", 1) if "=" in f else (f, "") for f in etcd_c["command"][1:])
+    assert flags["--listen-client-urls"].startswith("https://") and "--client-cert-auth" in flags
+    assert flags["--advertise-client-urls"].startswith("https://")
+    tls_mounts = {m["mountPath"] for m in etcd_c["volumeMounts"]}
+    for f in ("--trusted-ca-file", "--cert-file", "--key-file"):
+        assert str(Path(flags[f]).parent) in tls_mounts, f
+    probe_port = etcd_c["readinessProbe"]["httpGet"]["port"]
+    (metrics,) = [p["containerPort"] for p in etcd_c["ports"] if p["name"] == probe_port]
+    assert flags["--listen-metrics-urls"] == f"http://0.0.0.0:{metrics}"
+
+    # etcd's certificate, made as docs/deploy.md says, passes Python's host name check for every
+    # endpoint the clients dial (a wildcard with one label after it would not).
+    trustme = pytest.importorskip("trustme")
+    etcd_ca = trustme.CA()
+    etcd_server = ssl_mod.SSLContext(ssl_mod.PROTOCOL_TLS_SERVER)
+    etcd_ca.issue_cert(*_doc_sans("peer.ext")).configure_cert(etcd_server)
+    etcd_client = ssl_mod.create_default_context()
+    etcd_ca.configure_trust(etcd_client)
+    for host, _ in etcd_layout.parse_etcd_url(master_url, env={}).endpoints:
+        _handshake(etcd_server, etcd_client, host)
+
+    mon = by_id[("ServiceMonitor", "pdxfer-master")]["spec"]["endpoints"][0]
+    assert mon["scheme"] == "https" and mon["tlsConfig"]["serverName"] == server_name
+    assert mon["tlsConfig"]["ca"]["secret"]["key"] in _secret_examples()[mon["tlsConfig"]["ca"]["secret"]["name"]][
+        "stringData"]
+
+
+def test_docs_make_an_etcd_client_certificate_without_common_name():
+    """etcd's JSON gateway, which the instances read the leader through, refuses a client
+    certificate with a CN while auth is on."""
+    (line,) = [ln for ln in (REPO / "docs" / "deploy.md").read_text().splitlines()
+               if "-keyout client.key" in ln]
+    subj = re.search(r"-subj (\S+)", line).group(1)
+    assert "CN=" not in subj, line

@@ -284,3 +284,54 @@ def test_systemd_analyze_verify_accepts_the_units(staged_root):
     r = subprocess.run(["systemd-analyze", "verify", f"--root={staged_root}", "pdxfer-proxy.service"], cwd=units,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "/opt/pdxfer/venv/bin/pdxfer" in r.stderr
+
+
+# ---- the commented TLS settings, once uncommented --------------------------------------------
+
+def _commented_settings(path: Path) -> dict[str, str]:
+    """The ``#   PDXFER_...=VALUE`` examples of an env file (the TLS settings shipped commented)."""
+    return dict(m.groups() for m in re.finditer(r"^#\s+(PDXFER_[A-Z_]+)=(\S*)", path.read_text(), re.M))
+
+
+def _pem_files(settings: dict[str, str], root: Path, trustme_mod) -> dict[str, str]:
+    """The settings with every /etc/pdxfer/ file written under ``root`` with real PEMs (one CA signs
+    all; a certificate and its key from one leaf), so pdxfer's loaders accept them."""
+    ca = trustme_mod.CA()
+    leaf = ca.issue_cert("master.example")
+    content = {"ca": ca.cert_pem.bytes(), "crt": b"".join(c.bytes() for c in leaf.cert_chain_pems),
+               "key": leaf.private_key_pem.bytes(), "password": b"etcd-pw\n"}
+    out = {}
+    for var, value in settings.items():
+        if value.startswith("/etc/pdxfer/"):
+            dest = root / value.lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            name = dest.name
+            kind = "ca" if "ca." in name else "password" if "password" in name else name.rsplit(".", 1)[-1]
+            dest.write_bytes(content[kind])
+            value = str(dest)
+        if value:
+            out[var] = value
+    return out
+
+
+def test_commented_tls_settings_are_accepted_by_pdxfers_tls_code(tmp_path):
+    trustme = pytest.importorskip("trustme", reason="no trustme (scripts/setup.sh installs it)")
+    from pdxfer.master import etcd_security, master_tls
+
+    env = _pem_files(_commented_settings(SYSTEMD / "env" / "master.env"), tmp_path, trustme)
+    assert set(master_tls.SERVER_ENV.values()) - {"PDXFER_MASTER_HTTP_TLS"} <= set(env)
+    tls = master_tls.server_tls_from(None, None, None, env)
+    assert tls is not None and tls.client_ca_file is not None
+    master_etcd = etcd_security.security_from({}, env)
+    assert master_etcd.tls and master_etcd.user == "pdxfer" and master_etcd.read_password() == "etcd-pw"
+    for role in ("prefill", "decode"):
+        settings = _commented_settings(SYSTEMD / "env" / f"vllm-{role}.env")
+        assert {k: v for k, v in settings.items() if k.startswith("PDXFER_ETCD_")} == \
+            {k: v for k, v in _commented_settings(SYSTEMD / "env" / "master.env").items()
+             if k.startswith("PDXFER_ETCD_")}, f"{role}: etcd settings differ from the master's"
+        env = _pem_files(settings, tmp_path, trustme)
+        assert etcd_security.security_from({}, env).cert_file
+        client = master_tls.client_tls_from(env=env)
+        assert client is not None and client.ca_file and client.cert_file and client.server_name is None
+    env = _pem_files(_commented_settings(SYSTEMD / "env" / "proxy.env"), tmp_path, trustme)
+    assert master_tls.client_tls_from(env=env) is not None
