@@ -5,6 +5,7 @@
 #   scripts/test.sh transport  TCP + NIXL conformance in two processes, network namespaces when root
 #   scripts/test.sh master     master service, wire fuzzing, etcd HA and failover (starts etcd itself)
 #   scripts/test.sh serve      proxy, router and launcher against real sockets and a real master (no vLLM)
+#   scripts/test.sh deploy     Kubernetes manifests (offline schemas), systemd units, Dockerfiles (seconds)
 #   scripts/test.sh vllm       real `vllm serve` prefill/decode pairs on CPU (minutes)
 #   scripts/test.sh rdma       soft-RoCE QEMU guest: NIXL/UCX rc_verbs READs between two rxe devices (root)
 #   scripts/test.sh chaos      holders, readers, masters, etcd under injected faults + history checker (~4 min)
@@ -84,8 +85,8 @@ PY
 case "$tier" in
   gpu) gpu_tier "$@" ;;  # exits: no setup.sh, no pytest
   all) paths=(tests) ;;
-  unit|transport|master|serve|vllm|rdma|chaos) paths=("tests/$tier") ;;
-  *) echo "unknown tier '$tier' (all|unit|transport|master|serve|vllm|rdma|chaos|gpu)" >&2; exit 2 ;;
+  unit|transport|master|serve|deploy|vllm|rdma|chaos) paths=("tests/$tier") ;;
+  *) echo "unknown tier '$tier' (all|unit|transport|master|serve|deploy|vllm|rdma|chaos|gpu)" >&2; exit 2 ;;
 esac
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
