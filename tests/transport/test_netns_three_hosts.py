@@ -7,7 +7,8 @@ load every prompt token but the last, byte for byte, from the prefill's fixed po
 A second run takes the settings from the Kubernetes manifests (deploy/k8s, cpu overlay): the
 master's args and env and the instances' env as the pods get them, the pod IP being each
 namespace's address, with a real etcd in the master's namespace standing in for the
-StatefulSet (only the etcd and token locations are rewritten to this machine's).
+StatefulSet (only the etcd and token locations are rewritten to this machine's, and the TLS and
+etcd-auth settings left out: see _without_tls).
 Needs root and a working ``ip netns``."""
 
 from __future__ import annotations
@@ -162,9 +163,26 @@ def _pod_settings(objs: list[dict], deployment: str, pod_ip: str) -> tuple[list[
 
 
 def _localize(value: str, etcd: str, token: Path) -> str:
-    """The manifests' etcd members and token path, as this machine has them."""
+    """The manifests' etcd members and token path, as this machine has them; the etcd:// URL
+    without its TLS and auth options (see _without_tls)."""
     value = re.sub(r"etcd-\d\.etcd:2379(,etcd-\d\.etcd:2379)*", etcd, value)
+    value = re.sub(r"^(etcd://[^?]*)\?.*$", r"\1", value)
     return value.replace("/etc/pdxfer/token/token", str(token))
+
+
+# The manifests' TLS and etcd-auth settings name Secrets mounted in the pods. This test is about
+# addresses and ports across hosts, over a plain etcd: it leaves them out. The TLS settings
+# themselves are run through pdxfer's TLS code and real handshakes by tests/deploy, and TLS etcd
+# clusters and TLS masters by tests/master.
+_TLS_ENV = ("PDXFER_MASTER_TLS_CERT", "PDXFER_MASTER_TLS_KEY", "PDXFER_MASTER_TLS_CLIENT_CA",
+            "PDXFER_MASTER_CA_FILE", "PDXFER_MASTER_CERT_FILE", "PDXFER_MASTER_KEY_FILE",
+            "PDXFER_MASTER_SERVER_NAME")
+_TLS_ARGS = ("--etcd-ca=", "--etcd-cert=", "--etcd-key=", "--etcd-user=", "--etcd-password-file=")
+
+
+def _without_tls(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    return ([a for a in args if not a.startswith(_TLS_ARGS)],
+            {k: v for k, v in env.items() if k not in _TLS_ENV and not k.startswith("PDXFER_ETCD_")})
 
 
 def test_manifest_settings_load_across_three_hosts(three_hosts, tmp_path):
@@ -186,7 +204,7 @@ def test_manifest_settings_load_across_three_hosts(three_hosts, tmp_path):
              "--listen-peer-urls", "http://127.0.0.1:2380", "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
              "--initial-cluster", "m=http://127.0.0.1:2380", "--log-level", "warn"],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        args, env = _pod_settings(objs, "pdxfer-master", addrs["master"])
+        args, env = _without_tls(*_pod_settings(objs, "pdxfer-master", addrs["master"]))
         port_file = tmp_path / "master.port"
         master = _spawn(hosts["master"], ["-m", "pdxfer.master.service", *[_localize(a, etcd, token) for a in args],
                                           "--port-file", str(port_file)], env)
@@ -194,7 +212,7 @@ def test_manifest_settings_load_across_three_hosts(three_hosts, tmp_path):
         _wait_port_file(port_file, master, timeout=60)  # written once it leads (etcd may start after it)
         ports = {}
         for role in ("prefill", "decode"):
-            _, role_env = _pod_settings(objs, f"pdxfer-{role}", addrs[role])
+            _, role_env = _without_tls(*_pod_settings(objs, f"pdxfer-{role}", addrs[role]))
             ports[role] = role_env["PDXFER_LISTEN_PORT"]
             ports[role + "_env"] = {k: _localize(v, etcd, token) for k, v in role_env.items()}
         assert ports["prefill_env"]["PDXFER_MASTER"] == f"etcd://{etcd}/pdxfer/master"
