@@ -83,33 +83,44 @@ class StandInApp:
                                  headers={"X-Answered-By": self.name})
 
 
-class StandIn(StandInApp):
-    """Served from a background thread of the test process."""
+class ThreadServer:
+    """An aiohttp app served on 127.0.0.1 (a free port) from a background thread of the test process."""
 
-    def __init__(self, name: str, delay: float = 0.0) -> None:
-        super().__init__(name, delay)
+    def __init__(self, app: web.Application, name: str) -> None:
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(self.app, access_log=None)
+        runner = web.AppRunner(app, access_log=None)
         ready = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            self._loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, "127.0.0.1", 0)
             self._loop.run_until_complete(site.start())
             self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
             ready.set()
             self._loop.run_forever()
-            self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.run_until_complete(runner.cleanup())
 
-        self._thread = threading.Thread(target=run, daemon=True, name=f"stand-in-{name}")
+        self._thread = threading.Thread(target=run, daemon=True, name=name)
         self._thread.start()
-        assert ready.wait(10), "stand-in did not start"
+        assert ready.wait(10), f"{name} did not start"
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+class StandIn(StandInApp):
+    """Served from a background thread of the test process."""
+
+    def __init__(self, name: str, delay: float = 0.0) -> None:
+        super().__init__(name, delay)
+        self._server = ThreadServer(self.app, f"stand-in-{name}")
+        self.port, self.url = self._server.port, self._server.url
+
+    def stop(self) -> None:
+        self._server.stop()
 
 
 class StandInProcess:

@@ -24,6 +24,8 @@ from aiohttp import web
 from pdxfer.procs import free_port, wait_http_ready
 from pdxfer.serve.proxy import PDProxy, RunningProxy
 
+from .stand_ins import ThreadServer
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,24 +46,8 @@ class FakeInstance:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app, access_log=None)
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
-            ready.set()
-            self._loop.run_forever()
-            self._loop.run_until_complete(self._runner.cleanup())
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-        assert ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = ThreadServer(app, f"fake-{name}")
+        self.port, self.url = self._server.port, self._server.url
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "owner": self.name}]})
@@ -93,8 +79,7 @@ class FakeInstance:
         return web.json_response(out)
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._server.stop()
 
 
 @pytest.fixture

@@ -428,3 +428,15 @@ def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: 
         yield pair
     finally:
         pair.stop()
+
+
+def kill_process_groups(pgids: list[int]) -> None:
+    """SIGKILL what is left of a launched stack's process groups (a test's last resort)."""
+    import os
+    import signal
+
+    for g in pgids:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -31,7 +31,7 @@ from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
 from pdxfer.serve.index_view import IndexView
 from pdxfer.serve.launch import read_prom_counter
 from pdxfer.serve.serve_shim import start_vllm
-from tests.vllm.conftest import (EXTERNAL_HITS, PAIR_VLLM_ARGS, READY_TIMEOUT_S, TOP_K, Answer,
+from tests.vllm.conftest import (kill_process_groups, EXTERNAL_HITS, PAIR_VLLM_ARGS, READY_TIMEOUT_S, TOP_K, Answer,
                                  ask_url, check_logprobs, post_json, prompt_of)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,11 +88,7 @@ def fleet(tmp_path_factory, tiny_model) -> Iterator[Fleet]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-        for g in pgids:
-            try:
-                os.killpg(g, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_process_groups(pgids)
 
 
 @pytest.fixture(scope="module")

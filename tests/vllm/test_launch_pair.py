@@ -21,7 +21,7 @@ import pytest
 
 from pdxfer.serve.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
 from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
-from tests.vllm.conftest import PAIR_VLLM_ARGS, ask_url, check_logprobs, prompt_of
+from tests.vllm.conftest import kill_process_groups, PAIR_VLLM_ARGS, ask_url, check_logprobs, prompt_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,8 +127,4 @@ def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        for g in pgids:
-            try:
-                os.killpg(g, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_process_groups(pgids)
