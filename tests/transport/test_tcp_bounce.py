@@ -177,8 +177,10 @@ def test_single_run_larger_than_the_bounce_buffer_is_byte_exact(made):
     assert mine["recv_peak_slices"] >= 2
     theirs = holder_stats(h)
     assert theirs["d2h_slices"] >= 10
-    # Timing-free: when a slice went out, the next one's copies had already been enqueued.
-    assert theirs["d2h_staged_ahead"] >= 5 and theirs["send_peak_slices"] >= 2
+    # When a slice went out, the next one's copies had already been enqueued. How often depends
+    # on which of the two connections wins the third slice (a loaded CI box saw 4 of 10), but
+    # whichever holds two stages ahead at least once.
+    assert theirs["d2h_staged_ahead"] >= 1 and theirs["send_peak_slices"] >= 2
     # And with the stand-in's per-copy delay they really ran at the same time.
     assert theirs["d2h_overlapped"] >= 1 and mine["h2d_overlapped"] >= 1
 
