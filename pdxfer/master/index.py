@@ -1,6 +1,6 @@
 """The chunk index and its lifetime rules, in memory. Single-threaded: the service calls it from
 its event loop only, so every operation is atomic with respect to every other one; this is the one
-place where lock validity and unpublish are ordered (DESIGN.md invariant 1).
+place where lock validity and unpublish are ordered (docs/architecture.md, "Never wrong KV").
 
 Rules:
 - A node is registered under a lease (``ttl``); each heartbeat extends it by ``ttl``. A node whose

@@ -31,7 +31,7 @@ import numpy as np
 from pdxfer.procs import close_stdin_and_reap
 from pdxfer.transport.nixl.env import load_nixl, prepare_ucx_env
 
-# Before UCX loads, here and in the holder this spawns (else rc 139 at exit, PLATFORM.md).
+# Before UCX loads, here and in the holder this spawns (else rc 139 at exit, measured with NIXL 1.5).
 prepare_ucx_env()
 
 _REPO = Path(__file__).resolve().parents[2]

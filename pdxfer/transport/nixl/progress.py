@@ -1,6 +1,6 @@
 """Target-side progress for a NIXL agent without a busy-spinning thread.
 
-With NIXL's own progress thread enabled, bandwidth drops 2-4x on a 2-core host (PLATFORM.md); with
+With NIXL's own progress thread enabled, bandwidth drops 2-4x on a 2-core host (measured); with
 it disabled, nothing progresses the holder's UCX worker, and a reader's first READ (the UCX
 wire-up) hangs until the holder happens to call into NIXL. vLLM's NixlConnector solves this by
 spinning a core at 100 %.
