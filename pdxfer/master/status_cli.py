@@ -94,7 +94,7 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(_cut(f"  url {n.get('serve_url') or '-'}  kv {eps}", 80))
         lines.append(_cut(f"  block {lay.get('block_size') or '-'} {lay.get('dtype') or '-'} "
                           f"kvh {lay.get('kv_heads') or '-'} tp {lay.get('tp', 1)} ct {lay.get('chunk_tokens') or '-'}"
-                          f" ns {lay.get('namespace') or '-'} epoch {n['epoch']:#x}", 80))
+                          f" ns {_cut(lay.get('namespace') or '-', 13)} epoch {n['epoch']:#x}", 80))
     return "\n".join(lines)
 
 
