@@ -22,6 +22,7 @@ from pdxfer.transport import KINDS
 FORWARDED: dict[str, tuple[str, str]] = {
     "master": ("pdxfer.master.service:main", "run the pdxfer master (same as pdxfer-master)"),
     "probe": ("pdxfer.probe.cli:main", "transport bandwidth/latency probe (same as pdxfer-probe)"),
+    "status": ("pdxfer.master.status_cli:main", "the master's leader and every live node (read-only)"),
 }
 
 

@@ -440,6 +440,11 @@ class MasterClient:
         needs (``serve_url``, ``namespace``, ``chunk_tokens``, ``role``; empty when not announced)."""
         return [info for _, info in self._ask(ops.encode_nodes(), ops.decode_nodes_reply)]
 
+    def status(self) -> dict[str, Any]:
+        """The master's leadership and every live node's holdings, locks and lease (read-only;
+        the keys are listed in docs/master.md, "pdxfer status")."""
+        return self._ask(ops.encode_status(), ops.decode_status_reply)
+
     def _node_from(self, nid: str, epoch: int, info: NodeInfo | None) -> NodeInfo:
         ck = (nid, epoch)
         if info is None:  # the master sent the epoch only: we told it we have this one

@@ -70,7 +70,8 @@ class ChunkIndex:
         # caches node descriptions by (node, epoch), and a restarted or failed-over master counting
         # from 1 again would make it keep a previous holder's metadata (issue 9, hole 7). Epochs
         # also identify a registration in every later call of the node (hole 2).
-        self._epochs = itertools.count((int.from_bytes(os.urandom(4), "big") & EPOCH_PREFIX_MASK) << 32 | 1)
+        self.epoch_prefix = int.from_bytes(os.urandom(4), "big") & EPOCH_PREFIX_MASK
+        self._epochs = itertools.count(self.epoch_prefix << 32 | 1)
         self._lock_heap: list[tuple[float, str]] = []
         self._ties_broken = 0  # rotates the choice among holders tied for the longest run
         self.on_node_dropped: Callable[[str, str], None] | None = None  # (node id, why)

@@ -63,7 +63,8 @@ MAGIC = b"PX"
 #            Also in 4 (additions an older peer ignores or answers "unknown op"; no field changed
 #            meaning): register and node descriptions may carry "serve_url", "ns" (namespace root,
 #            hex), "ct" (chunk tokens) and "role"; op 12 "peek" (a lookup that locks nothing) and
-#            op 13 "nodes" (the live registrations' descriptions).
+#            op 13 "nodes" (the live registrations' descriptions); op 14 "status" (per live node: what
+#            it holds, the locks pinning it, its lease; and the master's leadership), read-only.
 PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!2sBBIII")
 HEADER_BYTES = HEADER.size  # 16
@@ -96,6 +97,7 @@ OP_FENCE = 10
 OP_HELLO = 11  # first frame of a connection to a master with a token: authenticates the connection
 OP_PEEK = 12  # read-only lookup: what the fleet holds of some keys and where, nothing locked
 OP_NODES = 13  # the live registrations' descriptions
+OP_STATUS = 14  # read-only operator view: leadership, and per live node its holdings, locks, lease
 
 OP_NAMES = {
     OP_REGISTER: "register",
@@ -111,6 +113,7 @@ OP_NAMES = {
     OP_HELLO: "hello",
     OP_PEEK: "peek",
     OP_NODES: "nodes",
+    OP_STATUS: "status",
 }
 
 # Error codes carried in an OP_ERROR reply's JSON ("err").

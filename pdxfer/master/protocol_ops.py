@@ -675,3 +675,16 @@ def encode_ping_reply(leader: bool, leader_address: str | None) -> dict[str, Any
 def decode_ping_reply(doc: dict[str, Any], blob: bytes | memoryview) -> dict[str, Any]:
     _get_bool(doc, "leader")
     return doc
+
+
+# ---- status (operator view) -----------------------------------------------------------------------
+
+
+def encode_status() -> Request:
+    return Request(P.OP_STATUS, {}, b"")
+
+
+def decode_status_reply(doc: dict[str, Any], blob: bytes | memoryview) -> dict[str, Any]:
+    if not isinstance(doc.get("master"), dict) or not isinstance(doc.get("nodes"), list):
+        raise _malformed("a status reply must carry 'master' (an object) and 'nodes' (a list)")
+    return doc

@@ -26,7 +26,7 @@ from pdxfer.master.index import (
     SupersededError,
     UnknownNodeError,
 )
-from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats
+from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats, status_reply
 
 log = logging.getLogger("pdxfer.master")
 
@@ -92,6 +92,7 @@ class MasterService:
             P.OP_UNPUBLISH: self._unpublish, P.OP_HEARTBEAT: self._heartbeat, P.OP_REGISTER: self._register,
             P.OP_DEREGISTER: self._deregister, P.OP_STATS: self._stats, P.OP_PING: self._ping,
             P.OP_FENCE: self._fence, P.OP_PEEK: self._peek, P.OP_NODES: self._nodes,
+            P.OP_STATUS: self._status,
         }
 
     # ---- leadership -----------------------------------------------------------------------------
@@ -197,7 +198,7 @@ class MasterService:
         """One request -> (reply frame, keep the connection open)."""
         try:
             doc = P.decode_json(body[: hdr.json_len])  # the connection is authenticated (hello)
-            if hdr.op not in (P.OP_STATS, P.OP_PING) and not self.coord.is_leader:
+            if hdr.op not in (P.OP_STATS, P.OP_PING, P.OP_STATUS) and not self.coord.is_leader:
                 leader = self.coord.leader_address
                 raise P.ProtocolError(P.ERR_NOT_LEADER, "this master is not the leader (a standby, or a leader whose "
                                       f"lease may have expired); leader is {leader or 'unknown'}")
@@ -254,6 +255,10 @@ class MasterService:
 
     def _nodes(self, doc: dict[str, Any], blob: memoryview, now: float) -> tuple[bytes, bytes]:
         return ops.encode_nodes_reply(n.info_json for n in self.index.live_nodes(now)), b""
+
+    def _status(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
+        # Answered by a standby too (its node list is empty): it still says who leads.
+        return status_reply(self, now)
 
     def _release(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         lock_id, all_parties = ops.decode_release(doc, blob)
