@@ -69,6 +69,7 @@ def _requests(keys: list[bytes]) -> list[bytes]:
         ops.encode_release("x"),
         ops.encode_unpublish("holder", keys, 1),
         ops.encode_fence("holder", 1, 1),
+        ops.encode_status(),
     ]
     assert {r.op for r in reqs} | {P.OP_HELLO} == set(P.OP_NAMES), "a new op: add it here so its refusal is checked"
     return [_frame(r) for r in reqs]
