@@ -1,0 +1,111 @@
+"""The load-or-recompute rule (pdxfer.vllm.load_benefit): fed observations, asked decisions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdxfer.vllm.load_benefit import LOAD, PARTIAL, RECOMPUTE, BenefitModel, HolderCost, Piece, holder_key
+
+MB = 1 << 20
+C = 256  # tokens per chunk
+A, B = holder_key("a"), holder_key("b")
+
+
+def _model(tokens_per_s: float = 10_000.0, steps: int = 4, **kw) -> BenefitModel:
+    m = BenefitModel(**kw)
+    for _ in range(steps):
+        m.observe_step(1000, 1000 / tokens_per_s)
+    return m
+
+
+def _hit(holders: list, chunk_bytes: int = MB) -> list[Piece]:
+    return [Piece(h, C, chunk_bytes) for h in holders]
+
+
+def test_cold_start_loads_everything():
+    m = BenefitModel()
+    d = m.decide(_hit([A] * 4))
+    assert d.kind == LOAD and d.chunks == 4 and "cold start" in d.why
+    # Throughput known, but the holder never measured: load, and so measure it.
+    m = _model()
+    d = m.decide(_hit([A] * 4))
+    assert d.kind == LOAD and d.tokens == 4 * C and d.load_all_s is None
+
+
+def test_slow_holder_is_recomputed():
+    m = _model()  # 4 chunks recompute in ~0.1 s
+    for _ in range(3):
+        m.observe_load(A, 4 * MB, 2.0)  # 4 chunks take 2 s from this holder
+    d = m.decide(_hit([A] * 4))
+    assert d.kind == RECOMPUTE and d.chunks == 0 and d.declined_tokens == 4 * C
+    assert d.load_all_s == pytest.approx(2.0) and d.chosen_s == pytest.approx(4 * C / 10_000)
+
+
+def test_fast_holder_loads_all():
+    m = _model()
+    m.observe_load(A, 4 * MB, 0.002)
+    d = m.decide(_hit([A] * 4))
+    assert d.kind == LOAD and d.chunks == 4 and d.declined_tokens == 0
+    assert d.load_all_s < d.recompute_all_s
+
+
+def test_partial_prefix_when_a_holders_latency_dominates():
+    m = _model()  # one chunk recomputes in 25.6 ms
+    m.observe_load(A, MB, 0.002)
+    m.observe_load(A, 4 * MB, 0.005)
+    # b: high fixed latency (0.2 s), fast per byte: the one chunk it has costs more than computing it.
+    m.observe_load(B, MB, 0.201)
+    m.observe_load(B, 4 * MB, 0.204)
+    lat, spb = m.holders[B].fit()
+    assert lat == pytest.approx(0.2, rel=1e-3) and spb == pytest.approx(0.001 / MB, rel=1e-3)
+    d = m.decide(_hit([A, A, A, B]))
+    assert d.kind == PARTIAL and d.chunks == 3 and d.tokens == 3 * C and d.declined_tokens == C
+    assert d.chosen_s < d.load_all_s
+
+
+def test_noise_around_break_even_does_not_flip_the_decision():
+    rng = random.Random(7)
+    tps = 10_000.0
+    break_even = 4 * C / tps  # loading 4 chunks takes about what recomputing them takes
+    flips_without_margin = 0
+    for trial in range(200):
+        kinds = []
+        for margin in (0.25, 0.0):
+            m = BenefitModel(margin=margin)
+            for _ in range(8):
+                m.observe_step(1000, 1000 / tps * rng.uniform(0.9, 1.1))
+            for _ in range(rng.randint(1, 6)):
+                m.observe_load(A, 4 * MB, break_even * rng.uniform(0.85, 1.15))
+            kinds.append(m.decide(_hit([A] * 4)).kind)
+        assert kinds[0] == LOAD, f"trial {trial}: noise flipped the decision with the margin"
+        flips_without_margin += kinds[1] != LOAD
+    assert flips_without_margin > 0  # the same noise does flip it without a margin
+
+
+def test_a_declined_holder_is_measured_again():
+    m = _model(probe_every=3)
+    m.observe_load(A, 4 * MB, 2.0)
+    kinds = [m.decide(_hit([A] * 4)).kind for _ in range(6)]
+    assert kinds == [RECOMPUTE, RECOMPUTE, LOAD, RECOMPUTE, RECOMPUTE, LOAD]
+    # It got fast: once measured again, it loads.
+    for _ in range(16):
+        m.observe_load(A, 4 * MB, 0.002)
+    assert m.decide(_hit([A] * 4)).kind == LOAD
+
+
+def test_fit_without_spread_counts_all_time_per_byte():
+    c = HolderCost(4)
+    assert c.fit() is None and c.expected_s(MB) is None
+    c.add(MB, 0.01)
+    c.add(MB, 0.03)
+    assert c.fit() == pytest.approx((0.0, 0.02 / MB))
+    assert c.expected_s(2 * MB) == pytest.approx(0.04)
+
+
+def test_bad_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="margin"):
+        BenefitModel(margin=-0.1)
+    with pytest.raises(ValueError, match="probe_every"):
+        BenefitModel(probe_every=0)
