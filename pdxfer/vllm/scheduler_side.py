@@ -108,6 +108,11 @@ class SchedulerSide:
         rank0 = by_rank[0]
         self.node_id = rank0.node_id
         self.reader.set_local_layouts(layouts)
+        # The one line that tells two instances that should share KV but never hit apart.
+        log.info("pdxfer: engine %s (%s) keys prompts in namespace %s: model %r, KV content %s, chunks of %d "
+                 "tokens (a request's cache salt makes a namespace of its own); instances that share KV "
+                 "log the same namespace", self.engine_id, self.role, self.namespace(None).root().hex()[:16],
+                 self.model_id, self.content_fingerprint, self.cfg.chunk_tokens)
         if self.publishes:
             more = tuple(RankEndpoint(r, hs.transport_metadata, hs.layout, hs.layout_fingerprint)
                          for r, hs in sorted(by_rank.items()) if r != 0)

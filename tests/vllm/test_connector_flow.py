@@ -7,6 +7,7 @@ validate at release, load errors, retention, locks vs. unpublish, the held-block
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -552,3 +553,16 @@ def test_the_hint_announces_only_what_the_cap_let_through(pair):
     _, second = holder.finish("p1", toks1)  # 2 more blocks fit: its first chunk only
     assert first == len(toks0)
     assert second == C
+
+
+def test_each_instance_logs_the_namespace_it_keys_prompts_in(pair, caplog):
+    # Instances that should share KV but never hit are told apart by this line (docs/failures.md).
+    with caplog.at_level(logging.INFO, logger="pdxfer.vllm.scheduler"):
+        holder, reader = pair()
+        other_chunk, _ = pair(chunk_tokens=2 * C)
+    lines = [r.getMessage() for r in caplog.records if "keys prompts in namespace" in r.getMessage()]
+    assert len(lines) == 4, lines
+    spaces = [line.split("namespace ", 1)[1].split(":", 1)[0] for line in lines]
+    assert spaces[0] == spaces[1] == holder.sched.namespace(None).root().hex()[:16]
+    assert spaces[2] == spaces[3] != spaces[0], "another chunk size must log another namespace"
+    assert f"chunks of {2 * C} tokens" in lines[2]
