@@ -87,10 +87,11 @@ from pdxfer.serve.launch import split_cores
 def _progress() -> Any:
     last = [0.0]
 
-    def show(line: str) -> None:
+    def show(rows: list[Any], elapsed: float) -> None:
         t = time.monotonic()
         if t - last[0] > 15:
-            print("  " + line[:150], flush=True)
+            print(f"  [{elapsed:.0f}s] " + ", ".join(f"{r.name}: {r.text()}" for r in rows),
+                  flush=True)
             last[0] = t
 
     return show

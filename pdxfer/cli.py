@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pdxfer.cli_common import EXIT_OK, HelpFormatter, add_log_level, apply_log_level
 from pdxfer.transport import KINDS
 
 # name -> ("module:function", help). The function takes an argv list (or None) and returns an int.
@@ -40,15 +41,15 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--make-tiny-model", metavar="DIR",
                    help="build (or reuse) the tiny random Llama in DIR and serve it")
     p.add_argument("--transport", choices=KINDS, default="tcp",
-                   help="KV transport between the instances (default tcp)")
+                   help="KV transport between the instances")
     p.add_argument("--port", type=int, default=8000, help="proxy port on 127.0.0.1 (0: any free)")
     p.add_argument("--no-connector", action="store_true",
                    help="serve both instances without the pdxfer connector (decode recomputes)")
     p.add_argument("--master", metavar="HOST:PORT",
                    help="use a running master instead of starting an in-memory one")
     p.add_argument("--chunk-tokens", type=int, default=None, help="chunk size in tokens")
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances (default 1)")
-    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances (default 1)")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances")
     p.add_argument("--prefill-cpus", action="append", default=[], metavar="CORES",
                    help="cores of one prefill instance, e.g. 0 or 0-3; once per instance "
                         "(default: the cores this process may use, split among all instances)")
@@ -57,6 +58,7 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
     p.add_argument("--log-dir", type=Path, default=None, help="where the logs go")
     p.add_argument("--ready-timeout", type=float, default=300, help="seconds to wait for readiness")
+    add_log_level(p)
     p.add_argument("--demo", action="store_true",
                    help="after readiness send a few prompts, print outputs and stats, then exit")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
@@ -72,8 +74,8 @@ def _add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="decode instance base URL (repeatable)")
     p.add_argument("--backends", type=Path, default=None, metavar="FILE",
                    help='JSON file {"prefill": [URL, ...], "decode": [URL, ...]} (added to the flags)')
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="least_loaded",
                    help="how to choose when the index names no holder")
     p.add_argument("--timeout", type=float, default=300, help="per backend request, seconds")
@@ -101,16 +103,21 @@ def _add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-timeout", type=float, default=1.0,
                    help="bound of tokenizing and asking the index, seconds (then: route without it)")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")
+    add_log_level(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdxfer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pdxfer", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    _add_launch_args(sub.add_parser("launch", help="start master, prefill and decode instances, proxy"))
-    _add_proxy_args(sub.add_parser("proxy", help="run the PD proxy"))
-    t = sub.add_parser("make-tiny-model", help="build the tiny random Llama + local tokenizer")
+    _add_launch_args(sub.add_parser("launch", help="start master, prefill and decode instances, proxy",
+                                    formatter_class=HelpFormatter))
+    _add_proxy_args(sub.add_parser("proxy", help="run the PD proxy", formatter_class=HelpFormatter))
+    t = sub.add_parser("make-tiny-model", help="build the tiny random Llama + local tokenizer",
+                       formatter_class=HelpFormatter)
     t.add_argument("out_dir", type=Path)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    add_log_level(t)
     for name, (_, help_text) in FORWARDED.items():
         fp = sub.add_parser(name, help=help_text, add_help=False)
         fp.add_argument("args", nargs=argparse.REMAINDER)
@@ -123,11 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = _resolve(FORWARDED[argv[0]][0])(argv[1:])
         return int(rc or 0)
     args = build_parser().parse_args(argv)
+    apply_log_level(args.log_level)
     if args.cmd == "make-tiny-model":
         from pdxfer.serve.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.out_dir, seed=args.seed))
-        return 0
+        return EXIT_OK
     if args.cmd == "proxy":
         from pdxfer.serve.proxy import run_proxy_cli
 

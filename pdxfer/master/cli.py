@@ -12,6 +12,7 @@ import signal
 import sys
 from typing import Mapping
 
+from pdxfer.cli_common import EXIT_INTERRUPTED, EXIT_OK, LOG_FORMAT, HelpFormatter, add_log_level
 from pdxfer.master import etcd_layout, etcd_security, master_tls
 from pdxfer.master.coordinator import coordinator_for
 from pdxfer.ports import PortRange, PortSpecError, parse_port_spec
@@ -41,7 +42,8 @@ def _write_port_file(path: str, port: int, http_port: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdxfer-master", description="pdxfer chunk index service")
+    p = argparse.ArgumentParser(prog="pdxfer-master", description="pdxfer chunk index service",
+                                formatter_class=HelpFormatter)
     env = ENV_FALLBACKS
     p.add_argument("--host", help=f"address to listen on for the wire protocol (${env['host']}; "
                                   "default 127.0.0.1)")
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a new connection has to send its first frame (hello)")
     p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                    help="seconds an authenticated connection may stay idle")
-    p.add_argument("--log-level", default="INFO")
+    add_log_level(p)
     return p
 
 
@@ -217,12 +219,13 @@ async def _amain(args: argparse.Namespace) -> None:
     await svc.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     apply_env_fallbacks(args)
     apply_tls_settings(args)
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    asyncio.run(_amain(args))
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format=LOG_FORMAT)
+    try:
+        asyncio.run(_amain(args))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return EXIT_OK

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
+import sys
 import logging
 import time
 from typing import Any, Callable
@@ -308,12 +309,12 @@ class MasterService:
         return stats(self)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """The ``pdxfer-master`` console script (the process itself lives in cli.py)."""
     from pdxfer.master.cli import main as run
 
-    run(argv)
+    return run(argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pdxfer.cli_common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_UNREACHABLE, HelpFormatter,
+                               add_log_level, apply_log_level)
 from pdxfer.probe import regions, report, server, sweep
 from pdxfer.probe.pattern import mismatches
 from pdxfer.transport import KINDS, create_transport, transport_options
@@ -62,8 +64,10 @@ def parse_list(text: str, item) -> list[int]:
 def _add_sweep_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transport", action="append", choices=KINDS,
                     help="transport to measure (repeatable; default: every one the holder serves)")
-    ap.add_argument("--block-sizes", type=lambda s: parse_list(s, parse_size), default=DEFAULT_BLOCKS)
-    ap.add_argument("--batches", type=lambda s: parse_list(s, int), default=DEFAULT_BATCHES)
+    ap.add_argument("--block-sizes", type=lambda s: parse_list(s, parse_size), default=DEFAULT_BLOCKS,
+                    help="comma-separated block sizes (4KiB,1MiB,...)")
+    ap.add_argument("--batches", type=lambda s: parse_list(s, int), default=DEFAULT_BATCHES,
+                    help="comma-separated blocks per read")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (0: auto)")
     ap.add_argument("--target-mib", type=int, default=512, help="auto iterations move about this much")
     ap.add_argument("--baseline", action="store_true", help="also measure raw baselines in the same run")
@@ -77,25 +81,31 @@ def _add_sweep_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cpu", action="store_true",
                     help="also measure CPU seconds per GB on reader and holder (and raw socket baseline)")
     ap.add_argument("--memory", type=regions.parse_memory, default="cpu",
-                    help="where the reader's region lives: cpu (default) or cuda:N (and the loopback holder's)")
+                    help="where the reader's region lives: cpu or cuda:N (and the loopback holder's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdxfer-probe", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
+    add_log_level(ap)
     sub = ap.add_subparsers(dest="mode")
-    s = sub.add_parser("serve", help="hold a region and serve it over every available transport")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=0)
+    s = sub.add_parser("serve", help="hold a region and serve it over every available transport",
+                       formatter_class=HelpFormatter)
+    add_log_level(s, argparse.SUPPRESS)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=0, help="control port (0: any free)")
     s.add_argument("--advertise", help="address readers should use (default: --host)")
-    s.add_argument("--region-size", type=parse_size, default=parse_size("256MiB"))
+    s.add_argument("--region-size", type=parse_size, default=parse_size("256MiB"), help="bytes held")
     s.add_argument("--transport", action="append", choices=KINDS)
-    s.add_argument("--memory", type=regions.parse_memory, default="cpu", help="cpu (default) or cuda:N")
-    r = sub.add_parser("read", help="sweep against a running `pdxfer-probe serve`")
+    s.add_argument("--memory", type=regions.parse_memory, default="cpu", help="cpu or cuda:N")
+    r = sub.add_parser("read", help="sweep against a running `pdxfer-probe serve`",
+                       formatter_class=HelpFormatter)
+    add_log_level(r, argparse.SUPPRESS)
     r.add_argument("--peer", required=True, help="HOST:PORT of the serve control port")
     _add_sweep_args(r)
     ap.add_argument("--loopback", action="store_true", help="spawn a holder process on this host (default)")
-    ap.add_argument("--region-size", type=parse_size, default=parse_size("256MiB"))
+    ap.add_argument("--region-size", type=parse_size, default=parse_size("256MiB"),
+                    help="bytes of the loopback region")
     _add_sweep_args(ap)
     return ap
 
@@ -283,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return devices.main(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    apply_log_level(args.log_level)
     try:
         regions.require(args.memory)
     except regions.MemoryUnavailable as exc:
@@ -305,9 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             proc, peer = spawn_loopback(args.region_size, args.transport, memory=args.memory)
         rows = run_sweep(args, peer)
-    except (TransportError, RuntimeError, ConnectionError, OSError) as exc:
+    except (ConnectionError, OSError) as exc:
+        print(f"pdxfer-probe: cannot reach the holder: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (TransportError, RuntimeError) as exc:
         print(f"pdxfer-probe: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     finally:
         if proc is not None:
             proc.terminate()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-import shutil
 import signal
 import sys
 import time
@@ -22,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
+from pdxfer.cli_common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE,
+                               EXIT_USAGE, apply_log_level, tcp_reachable)
 from pdxfer.master import start_local_master
 from pdxfer.procs import (
     ManagedProcess,
@@ -31,26 +31,12 @@ from pdxfer.procs import (
     python_env,
     wait_port_file,
 )
+from pdxfer.serve.launch_status import ProcStatus, StatusDisplay, observe
 from pdxfer.serve.serve_shim import served_model_name, start_vllm
 from pdxfer.serve.tiny_model import make_tiny_model
 
 if TYPE_CHECKING:
     import argparse
-
-_LOG_MSG = re.compile(r"\[[\w.]+:\d+\]\s*(.*)$")
-
-
-def last_log_message(log_tail: str, width: int = 60) -> str:
-    """The newest informative line of a log's tail, shortened, for the progress display."""
-    for line in reversed(log_tail.splitlines()):
-        line = line.strip()
-        if not line or "Warning" in line or line.startswith(("warnings.", "if ", "wrapper")):
-            continue
-        m = _LOG_MSG.search(line)
-        msg = m.group(1) if m else line
-        return msg if len(msg) <= width else msg[: width - 3] + "..."
-    return ""
-
 
 @dataclass
 class Component:
@@ -68,6 +54,7 @@ class Stack:
     """Processes started together and stopped together (reverse order)."""
 
     components: list[Component] = field(default_factory=list)
+    _rows: dict[str, ProcStatus] = field(default_factory=dict)
 
     def add(self, comp: Component) -> Component:
         self.components.append(comp)
@@ -108,7 +95,8 @@ class Stack:
     def dead(self) -> list[Component]:
         return [c for c in self.components if not c.proc.alive()]
 
-    def wait_ready(self, timeout: float, progress: Callable[[str], None] | None = None,
+    def wait_ready(self, timeout: float,
+                   progress: Callable[[list[ProcStatus], float], None] | None = None,
                    interval: float = 0.5) -> float:
         """Poll every component until all answer; returns the seconds it took.
 
@@ -118,12 +106,14 @@ class Stack:
         while True:
             for c in self.components:
                 if not c.proc.alive():
+                    if progress is not None:  # so the display ends on "exited with code N"
+                        progress(self.status_rows(), time.monotonic() - t0)
                     raise RuntimeError(c.proc.exit_note("during startup"))
                 if not c.ready:
                     c.ready = c.ready_url is None or http_ok(c.ready_url)
             elapsed = time.monotonic() - t0
             if progress is not None:
-                progress(self.progress_line(elapsed))
+                progress(self.status_rows(), elapsed)
             if all(c.ready for c in self.components):
                 return elapsed
             if elapsed > timeout:
@@ -133,14 +123,12 @@ class Stack:
                     f"{late[0].proc.log_note()}")
             time.sleep(interval)
 
-    def progress_line(self, elapsed: float) -> str:
-        parts = []
+    def status_rows(self) -> list[ProcStatus]:
+        """Each component's startup phase, moved on from what it shows now."""
         for c in self.components:
-            if c.ready:
-                parts.append(f"{c.name}: ready")
-            else:
-                parts.append(f"{c.name}: {last_log_message(c.proc.log_tail(4096), 40) or 'starting'}")
-        return f"[{elapsed:5.0f}s] " + " | ".join(parts)
+            row = self._rows.setdefault(c.name, ProcStatus(c.name, log_path=str(c.proc.log_path)))
+            observe(row, c.ready, c.proc.returncode, c.proc.log_tail(8192))
+        return [self._rows[c.name] for c in self.components]
 
 
 def pdxfer_kv_config(role: str, master: str, transport: str = "tcp",
@@ -218,7 +206,7 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
                 kv_cache_gib: int = 1, vllm_args: Sequence[str] = (),
                 connector_extra: Mapping[str, object] | None = None,
                 proxy_args: Sequence[str] = (), die_with_parent: bool = False,
-                index_routing: bool = True) -> tuple[Stack, str]:
+                index_routing: bool = True, log_level: str | None = None) -> tuple[Stack, str]:
     """Start master (unless given or no connector), ``n_prefill`` prefill and ``n_decode`` decode
     instances and the proxy (routing from the master's index unless ``index_routing`` is False:
     then by its policy alone); no waiting.
@@ -228,7 +216,7 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
     ``prefill_cpus``/``decode_cpus``: one core list per instance (default: the allowed cores
     split among all instances). Returns the stack and the proxy URL; on any start error
     everything started is stopped. die_with_parent: children get SIGTERM if this process dies
-    (call from the main thread only).
+    (call from the main thread only). log_level: passed to the master, vLLM and the proxy.
     """
     if n_prefill < 1 or n_decode < 1:
         raise ValueError(f"a fleet needs at least one prefill and one decode instance, got "
@@ -242,9 +230,13 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
     stack = Stack()
     try:
         env_extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        level_args = ["--log-level", log_level] if log_level else []
+        if log_level:
+            env_extra["VLLM_LOGGING_LEVEL"] = log_level
+            proxy_args = [*proxy_args, *level_args]
         if connector and master is None:
             master = stack.add_master(
-                log_dir, ["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else [],
+                log_dir, (["--chunk-tokens", str(chunk_tokens)] if chunk_tokens else []) + level_args,
                 die_with_parent)
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
         # Prefills read too (kv_both): a prompt whose earlier turn a decode holds is loaded from
@@ -369,6 +361,11 @@ def run_demo(proxy_url: str, decode_url: str | Sequence[str], model: str, connec
 
 def run_launch_cli(args: "argparse.Namespace") -> int:
     """`pdxfer launch`: start everything, show progress, serve until Ctrl-C (or run --demo)."""
+    apply_log_level(args.log_level)
+    if args.master and not args.no_connector and not tcp_reachable(args.master):
+        print(f"pdxfer launch: --master {args.master} does not answer (TCP connect failed)",
+              file=sys.stderr)
+        return EXIT_UNREACHABLE
     if args.make_tiny_model:
         print(f"building/reusing the tiny model in {args.make_tiny_model} ...", flush=True)
         model_dir = make_tiny_model(args.make_tiny_model)
@@ -377,10 +374,10 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
         if not (model_dir / "config.json").exists():
             print(f"pdxfer launch: {model_dir} is not a model directory (no config.json)",
                   file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     else:
         print("pdxfer launch: give MODEL_DIR or --make-tiny-model DIR", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     log_dir = args.log_dir or default_run_dir() / time.strftime("launch-%Y%m%d-%H%M%S")
     log_dir = Path(log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -400,20 +397,11 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
             master=args.master, chunk_tokens=args.chunk_tokens,
             prefill_cpus=args.prefill_cpus or None, decode_cpus=args.decode_cpus or None,
             proxy_port=args.port, kv_cache_gib=args.kv_cache_gib,
-            vllm_args=args.vllm_arg, proxy_args=args.proxy_arg, die_with_parent=True)
-        last = [""]
+            vllm_args=args.vllm_arg, proxy_args=args.proxy_arg, die_with_parent=True,
+            log_level=args.log_level)
+        display = StatusDisplay(sys.stdout, tty)
 
-        def show(line: str) -> None:
-            if tty:
-                width = shutil.get_terminal_size().columns - 1
-                print("\r" + line[:width].ljust(width), end="", flush=True)
-            elif line.split("] ", 1)[1] != last[0]:
-                print(line, flush=True)
-            last[0] = line.split("] ", 1)[1]
-
-        took = stack.wait_ready(args.ready_timeout, show)
-        if tty:
-            print()
+        took = stack.wait_ready(args.ready_timeout, display.update)
         model = served_model_name(model_dir)
         mode = "no connector (decode recomputes)" if args.no_connector else \
             f"pdxfer connector, transport {args.transport}"
@@ -427,7 +415,7 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
             print("demo:")
             decodes = [c.url or "" for c in stack.components if c.name.startswith("decode")]
             ok = run_demo(proxy_url, decodes, model, not args.no_connector)
-            return 0 if ok else 1
+            return EXIT_OK if ok else EXIT_FAILURE
         print("Ctrl-C stops everything.", flush=True)
         while True:
             dead = stack.dead()
@@ -435,14 +423,14 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
                 c = dead[0]
                 print(f"{c.name} exited with {c.proc.returncode}; stopping. Log tail:\n"
                       f"{c.proc.log_tail(2000)}", file=sys.stderr)
-                return 1
+                return EXIT_FAILURE
             time.sleep(1)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
-        return 130
+        return EXIT_INTERRUPTED
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"\npdxfer launch: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     finally:
         signal.signal(signal.SIGTERM, old_term)
         if stack is not None:

@@ -47,6 +47,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pdxfer.cli_common import LOG_FORMAT
 
 from pdxfer.serve.backends import Backend, BackendPool, HealthChecker, load_backends_file
 from pdxfer.serve.http_headers import request_headers, response_headers
@@ -512,7 +513,7 @@ def _read_token(path: Path | None) -> str | None:
 
 def run_proxy_cli(args: argparse.Namespace) -> int:
     """`pdxfer proxy`: serve until SIGINT/SIGTERM."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"), format=LOG_FORMAT, force=True)
     try:
         prefill, decode = list(args.prefill or []), list(args.decode or [])
         if args.backends is not None:
