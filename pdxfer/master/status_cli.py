@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from pdxfer.cli_common import HelpFormatter, add_log_level, apply_log_level
 from pdxfer.master.errors import MasterAuthError, MasterError, MasterUnavailable
 
 MASTER_ENV = "PDXFER_MASTER"  # the same variables the vLLM connector reads
@@ -38,7 +39,7 @@ exit codes:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdxfer status", description="Show the master's leader and every live node.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--master", default=None, metavar="ADDRESS",
                    help=f"HOST:PORT or etcd://HOST:PORT[,...]/PREFIX (default ${MASTER_ENV})")
     p.add_argument("--token-file", default=None, help=f"the master's shared secret (default ${TOKEN_FILE_ENV})")
@@ -47,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-file", default=None, help="key of --cert-file ($PDXFER_MASTER_KEY_FILE)")
     p.add_argument("--server-name", default=None, help="name the master's certificate must carry")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="bound of connecting and asking, seconds (default %(default)s)")
+                   help="bound of connecting and asking, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_log_level(p, default="WARNING")
     return p
 
 
@@ -107,6 +109,7 @@ def _read_token(path: str | None) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_log_level(args.log_level)
     address = args.master or os.environ.get(MASTER_ENV, "").strip()
     if not address:
         print(f"pdxfer status: give --master or ${MASTER_ENV}", file=sys.stderr)

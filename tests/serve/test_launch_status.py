@@ -134,6 +134,7 @@ def test_a_child_that_dies_is_shown_with_its_code_and_log(tmp_path: Path) -> Non
 def _parsers() -> list[tuple[list[str], argparse.ArgumentParser]]:
     from pdxfer import cli
     from pdxfer.master.cli import build_parser as master_parser
+    from pdxfer.master.status_cli import build_parser as status_parser
     from pdxfer.probe.cli import build_parser as probe_parser
 
     top = cli.build_parser()
@@ -142,6 +143,7 @@ def _parsers() -> list[tuple[list[str], argparse.ArgumentParser]]:
                       if isinstance(a, argparse._SubParsersAction)).choices
     run = [sys.executable, "-m"]
     return [(run + ["pdxfer.cli", name], subs[name]) for name in ("launch", "proxy", "make-tiny-model")] + [
+        (run + ["pdxfer.cli", "status"], status_parser()),
         (run + ["pdxfer.cli", "master"], master_parser()),
         (run + ["pdxfer.master.service"], master_parser()),
         (run + ["pdxfer.cli", "probe"], probe_parser()),
