@@ -251,6 +251,7 @@ class PDProxy:
         """POST the prefill request to ``b``; its kv_transfer_params (None: none)."""
         b.in_flight += 1
         b.requests += 1
+        t0 = time.monotonic()
         try:
             async with self.session.post(
                 b.url + path, json=prefill_body(body, self.handoff), headers=headers,
@@ -276,6 +277,7 @@ class PDProxy:
             raise self._failed(b, e, "prefill") from e
         finally:
             b.in_flight -= 1
+            self.metrics.step_took(b, time.monotonic() - t0)
 
     async def _prefill_one(self, first: Backend, path: str, body: dict[str, Any],
                            headers: CIMultiDict[str]) -> tuple[Backend, dict | None]:
@@ -379,6 +381,7 @@ class PDProxy:
                    aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout))
         backend.in_flight += 1
         backend.requests += 1
+        t0 = time.monotonic()
         try:
             try:
                 r = await self.session.post(backend.url + path, json=body, headers=headers,
@@ -428,6 +431,7 @@ class PDProxy:
                 return resp
         finally:
             backend.in_flight -= 1
+            self.metrics.step_took(backend, time.monotonic() - t0)
 
 
 # ---------------------------------------------------------------------------------------------

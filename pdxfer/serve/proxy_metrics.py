@@ -1,11 +1,31 @@
 """The proxy's Prometheus metrics (GET /metrics on the proxy): route decisions and their
-reasons, retries, failed steps, instances taken out and whether each is in now."""
+reasons, retries, failed steps, each step's time at its instance, instances taken out and
+whether each is in now."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdxfer.metric_defs import MetricDef
 from pdxfer.serve.backends import Backend
+
+ROUTES = MetricDef("pdxfer_proxy_routes", "counter", "Requests by route: decision (prefill+decode or "
+                   "decode-only), reason (why that prefill or none: skip-prefill, holder, least-loaded, "
+                   "no-prefill, ...) and decode (why that decode: holder or least-loaded)",
+                   ("decision", "reason", "decode"))
+RETRIES = MetricDef("pdxfer_proxy_retries", "counter", "Steps retried on another instance", ("role",))
+FAILURES = MetricDef("pdxfer_proxy_step_failures", "counter",
+                     "Steps that failed at an instance (unreachable, timed out, HTTP 5xx, stream cut)", ("role",))
+TAKEN_OUT = MetricDef("pdxfer_proxy_instances_taken_out", "counter",
+                      "Times an instance was taken out (failed health check or unreachable)", ("role",))
+HEALTHY = MetricDef("pdxfer_proxy_instance_healthy", "gauge",
+                    "1 while an instance is in rotation, 0 while it is taken out", ("role", "url"))
+REQUEST_SECONDS = MetricDef("pdxfer_proxy_request_seconds", "histogram",
+                            "Time of one step at an instance, from sending it to the end of its answer "
+                            "(a decode's includes its whole generation)", ("role", "backend"))
+
+PROXY_METRICS: tuple[MetricDef, ...] = (ROUTES, RETRIES, FAILURES, TAKEN_OUT, HEALTHY, REQUEST_SECONDS)
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class ProxyMetrics:
@@ -14,19 +34,18 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.routes = Counter("pdxfer_proxy_routes", "Requests by route decision and reason",
-                              ["decision", "reason", "decode"], registry=r)
-        self.retries = Counter("pdxfer_proxy_retries", "Steps retried on another instance",
-                               ["role"], registry=r)
-        self.failures = Counter("pdxfer_proxy_step_failures", "Steps that failed at an instance",
-                                ["role"], registry=r)
-        self.taken_out = Counter("pdxfer_proxy_instances_taken_out",
-                                 "Times an instance was taken out (health check or unreachable)",
-                                 ["role"], registry=r)
-        self.healthy = Gauge("pdxfer_proxy_instance_healthy", "1 while an instance is in",
-                             ["role", "url"], registry=r)
+        self.routes = Counter(ROUTES.name, ROUTES.help, ROUTES.labels, registry=r)
+        self.retries = Counter(RETRIES.name, RETRIES.help, RETRIES.labels, registry=r)
+        self.failures = Counter(FAILURES.name, FAILURES.help, FAILURES.labels, registry=r)
+        self.taken_out = Counter(TAKEN_OUT.name, TAKEN_OUT.help, TAKEN_OUT.labels, registry=r)
+        self.healthy = Gauge(HEALTHY.name, HEALTHY.help, HEALTHY.labels, registry=r)
+        self.request_seconds = Histogram(REQUEST_SECONDS.name, REQUEST_SECONDS.help, REQUEST_SECONDS.labels,
+                                         buckets=REQUEST_BUCKETS, registry=r)
 
     def backend_changed(self, b: Backend, healthy: bool) -> None:
         self.healthy.labels(b.role, b.url).set(1 if healthy else 0)
         if not healthy:
             self.taken_out.labels(b.role).inc()
+
+    def step_took(self, b: Backend, seconds: float) -> None:
+        self.request_seconds.labels(b.role, b.url).observe(seconds)

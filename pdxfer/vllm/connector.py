@@ -95,6 +95,7 @@ class PdxferConnector(KVConnectorBase_V1):
                 total_kv_heads=total_heads, block_size=self.block_size,
                 producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer), tp_size=tp_size)
             self._sched_stats_sent = self.scheduler_side.stats.counters()
+            self._gauges_sent: dict[str, int] = {}
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -181,7 +182,12 @@ class PdxferConnector(KVConnectorBase_V1):
             data = {k: now[k] - self._sched_stats_sent.get(k, 0) for k in now}
             data.update(stats.phases.take())
             self._sched_stats_sent = now
-            if not any(data.values()):
+            # Gauges only when they changed: vLLM keeps the last value it was sent.
+            gauges = self.scheduler_side.gauges()
+            data.update({k: v for k, v in gauges.items() if self._gauges_sent.get(k) != v})
+            changed_gauges = any(k in gauges for k in data)
+            self._gauges_sent = gauges
+            if not changed_gauges and not any(data.values()):
                 data = None
         else:
             data = None

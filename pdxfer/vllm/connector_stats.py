@@ -8,15 +8,15 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from pdxfer.vllm.connector_metric_defs import (COUNTERS, COUNTER_KEYS, GAUGE_KEYS, GAUGES, LOAD_SECONDS,
+                                               LOAD_SECONDS_BUCKETS, PHASE_BUCKETS, PHASE_SECONDS)
 from pdxfer.vllm.phase_times import PHASES, stats_key
 
-# Counters summed across workers and the scheduler; lists concatenated.
-_COUNTERS = ("loads_ok", "loads_failed", "tokens_loaded", "bytes_loaded", "lookups", "lookup_hit_tokens",
-             "master_errors", "published_chunks", "freed_chunks", "pressure_reclaims", "late_publishes",
-             "unkeyable_requests", "background_errors", "publish_hint_waits", "publish_hint_timeouts",
-             "kv_transfer_refused", "staging_waits", "staging_full", "reads_unstopped", "publishes_unfenced", "repulls")
+# Counters summed across workers and the scheduler; gauges latest-wins (only the scheduler sends
+# them, and only when they changed); lists concatenated.
+_COUNTERS = COUNTER_KEYS
+_GAUGES = GAUGE_KEYS
 _LISTS = ("transfer_s",) + tuple(stats_key(p) for p in PHASES)
-_PHASE_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 
 
 @dataclass
@@ -26,6 +26,8 @@ class PdxferKVConnectorStats(KVConnectorStats):
         data = dict(self.data or {})
         self.data = {k: int(data.get(k, 0)) for k in _COUNTERS}
         self.data.update({k: list(data.get(k, [])) for k in _LISTS})
+        # A gauge is absent when it did not change: absent must not read as 0.
+        self.data.update({k: int(data[k]) for k in _GAUGES if data.get(k) is not None})
 
     def reset(self) -> None:
         self.data = {}
@@ -37,10 +39,12 @@ class PdxferKVConnectorStats(KVConnectorStats):
                 self.data.setdefault(k, []).extend(v)
             elif k in _COUNTERS:
                 self.data[k] = self.data.get(k, 0) + int(v)
+            elif k in _GAUGES and v is not None:
+                self.data[k] = int(v)  # ``other`` is the newer report
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in _COUNTERS + _LISTS)
+        return not any(self.data.get(k) for k in _COUNTERS + _LISTS) and not any(k in self.data for k in _GAUGES)
 
     def reduce(self) -> dict[str, int | float]:
         d = {k: self.data.get(k, 0) for k in _COUNTERS}
@@ -65,6 +69,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Loads failed for lack of staging": d["staging_full"],
             "Reads that never stopped (holder disconnected)": d["reads_unstopped"],
             "Chunks re-pulled from another holder": d["repulls"],
+            **({"Held blocks": self.data["held_blocks"]} if "held_blocks" in self.data else {}),
         }
 
 
@@ -72,46 +77,24 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        names = labelnames  # vLLM's engine labels (LABELS in connector_metric_defs)
         self.counters: dict[str, dict[int, Any]] = {}
-        docs = {
-            "loads_ok": "KV loads validated at release",
-            "loads_failed": "KV loads that failed and were recomputed",
-            "tokens_loaded": "Prompt tokens whose KV was read from a holder",
-            "bytes_loaded": "KV bytes read from holders",
-            "published_chunks": "Chunks published to the pdxfer master",
-            "freed_chunks": "Held chunks returned to the block pool",
-            "master_errors": "Master calls that failed on the scheduler hot path",
-            "unkeyable_requests": "Requests kept out of the connector: their KV is not named by their "
-                                  "tokens (LoRA, multimodal inputs, prompt embeddings)",
-            "background_errors": "Unexpected errors the holder's reaper or publisher survived (see the log)",
-            "publish_hint_waits": "Decode lookups that waited for chunks their prefill's hint announced",
-            "publish_hint_timeouts": "... that went on without some of them (the publish came too late)",
-            "kv_transfer_refused": "1 when no key can name this instance's KV (blocks no test probed, KV "
-                                   "scales computed at run time): it serves, computing every token, and "
-                                   "moves no KV (the log says why)",
-            "staging_waits": "Converting loads that waited for room in the reader's staging area",
-            "staging_full": "Converting loads recomputed for lack of staging room (see the log for sizes; "
-                            "raise staging_mib or staging_max_mib)",
-            "reads_unstopped": "Reads that had not stopped long after their load failed: the holder was "
-                               "disconnected before vLLM got the blocks back",
-            "repulls": "Chunks read again from another holder after a read failed (holder dead, frozen past "
-                       "its bound, connection refused) or its lock was refused, instead of recomputing them "
-                       "(summed over TP ranks: each rank re-pulls its own heads)",
-            "publishes_unfenced": "Publishes dropped because the device did not confirm the request's KV "
-                                  "writes within publish_fence_wait_s (see the log)",
-        }
-        for key, doc in docs.items():
-            c = self._counter_cls(name=f"vllm:pdxfer_{key}", documentation=doc, labelnames=labelnames)
+        for key, d in zip(_COUNTERS, COUNTERS):
+            c = self._counter_cls(name=d.name, documentation=d.help, labelnames=names)
             self.counters[key] = create_metric_per_engine(c, per_engine_labelvalues)
-        h = self._histogram_cls(name="vllm:pdxfer_load_seconds", documentation="Time from posting a "
-                                "load to its validated completion", labelnames=labelnames,
-                                buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0])
+        self.gauges: dict[str, dict[int, Any]] = {}
+        for key, d in zip(_GAUGES, GAUGES):
+            g = self._gauge_cls(name=d.name, documentation=d.help, labelnames=names,
+                                multiprocess_mode="mostrecent")
+            self.gauges[key] = create_metric_per_engine(g, per_engine_labelvalues)
+        h = self._histogram_cls(name=LOAD_SECONDS.name, documentation=LOAD_SECONDS.help, labelnames=names,
+                                buckets=list(LOAD_SECONDS_BUCKETS))
         self.load_seconds = create_metric_per_engine(h, per_engine_labelvalues)
         self.phase_seconds: dict[str, dict[int, Any]] = {}
         for phase in PHASES:
-            h = self._histogram_cls(name=f"vllm:pdxfer_phase_{phase}_seconds",
-                                    documentation=f"Decode load phase '{phase}' (see pdxfer.vllm.phase_times)",
-                                    labelnames=labelnames, buckets=_PHASE_BUCKETS)
+            d = PHASE_SECONDS[phase]
+            h = self._histogram_cls(name=d.name, documentation=d.help, labelnames=names,
+                                    buckets=list(PHASE_BUCKETS))
             self.phase_seconds[phase] = create_metric_per_engine(h, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -119,6 +102,10 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
             v = int(transfer_stats_data.get(key, 0) or 0)
             if v:
                 per_engine[engine_idx].inc(v)
+        for key, per_engine in self.gauges.items():
+            v = transfer_stats_data.get(key)
+            if v is not None:
+                per_engine[engine_idx].set(int(v))
         for t in transfer_stats_data.get("transfer_s", []) or []:
             self.load_seconds[engine_idx].observe(t)
         for phase, per_engine in self.phase_seconds.items():

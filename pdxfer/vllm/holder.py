@@ -312,7 +312,7 @@ class HolderPath:
         the background early enough that the next request fits whole (a P/D decode wants the
         whole prompt its prefill just computed): room for the largest recent request is kept."""
         assert self._pool is not None
-        cap = int(self.cfg.max_held_fraction * self._pool.num_blocks)
+        cap = self.held_blocks_cap
         with self._lock:  # the reaper thread mutates the held set: work on a snapshot
             held_now = set(self._held_block_refs)
         want = {x for _, b in new for x in b} - held_now
@@ -414,6 +414,11 @@ class HolderPath:
     def held_blocks(self) -> int:
         with self._lock:
             return len(self._held_block_refs)
+
+    @property
+    def held_blocks_cap(self) -> int:
+        """The most blocks this holder keeps published (0 before vLLM handed over its pool)."""
+        return int(self.cfg.max_held_fraction * self._pool.num_blocks) if self._pool is not None else 0
 
     def _reap_loop(self) -> None:
         """Unpublish chunks whose retention is over; sleeps until the next deadline (no polling).

@@ -85,6 +85,13 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ setup
 
+    def gauges(self) -> dict[str, int]:
+        """What this instance holds for readers now (vllm:pdxfer_held_*); zeros if it never publishes."""
+        if not self.publishes:
+            return {"held_blocks": 0, "held_chunks": 0, "held_blocks_cap": 0}
+        return {"held_blocks": self.holder.held_blocks, "held_chunks": self.holder.held_chunks,
+                "held_blocks_cap": self.holder.held_blocks_cap}
+
     def bind_block_pool(self, pool: Any) -> None:
         self.holder.bind_block_pool(pool)
 

@@ -270,3 +270,18 @@ def test_backends_from_a_file_and_bad_files(tmp_path: Path, stand_ins) -> None:
                           str(tmp_path / "missing.json")], cwd=ROOT, capture_output=True,
                          text=True, timeout=30)
     assert bad.returncode != 0 and "missing.json" in bad.stderr and "cannot read" in bad.stderr
+
+
+def test_each_steps_time_is_recorded_per_instance(stand_ins) -> None:
+    p, d_slow, d_fast = stand_ins("P"), stand_ins("Dslow", delay=0.3), stand_ins("Dfast")
+    with RunningProxy(PDProxy([p.url], [d_slow.url, d_fast.url], policy="round_robin", **FAST_HEALTH)) as px:
+        for i in range(4):
+            assert post(px.url + "/v1/completions", {"prompt": f"timed {i}"})[0] == 200
+        name = "pdxfer_proxy_request_seconds"
+        assert metric(px, name + "_count", role="prefill", backend=p.url) == 4
+        assert metric(px, name + "_count", role="decode", backend=d_slow.url) == 2
+        assert metric(px, name + "_count", role="decode", backend=d_fast.url) == 2
+        # The slow instance's answers took at least its delay each; the fast one's much less.
+        assert metric(px, name + "_sum", role="decode", backend=d_slow.url) >= 2 * 0.3
+        assert metric(px, name + "_sum", role="decode", backend=d_fast.url) < 2 * 0.3
+        assert metric(px, name + "_bucket", role="decode", backend=d_slow.url, le="0.25") == 0

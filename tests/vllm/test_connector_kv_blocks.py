@@ -261,3 +261,51 @@ def test_weights_fingerprint_covers_kv_scales_anywhere_in_a_shard(tmp_path):
     after_scale = weights_fingerprint(str(tmp_path))
     (tmp_path / "hf_quant_config.json").write_text('{"quantization": {"kv_cache_quant_algo": "FP8"}}')
     assert weights_fingerprint(str(tmp_path)) != after_scale
+
+
+def _prom_gauges(reports: list, vc: VllmConfig) -> dict[str, float]:
+    """The vllm:pdxfer_held_* gauges after vLLM observed each report in turn (one registry)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from pdxfer.vllm.connector_stats import PdxferPromMetrics
+
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = PdxferPromMetrics(vc, types, ["engine"], {0: ["0"]})
+    for r in reports:
+        prom.observe(r.data, 0)
+    return {k: reg.get_sample_value(f"vllm:pdxfer_{k}", {"engine": "0"})
+            for k in ("held_blocks", "held_chunks", "held_blocks_cap")}
+
+
+def test_held_gauges_reach_metrics_when_they_change_and_back_to_zero(tiny_model, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.block_pool import BlockPool
+
+    from pdxfer.vllm.connector import PdxferConnector
+
+    _host(monkeypatch)
+    vc, kcc = _configs(tiny_model, connector=True)
+    sched = PdxferConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    try:
+        sched.scheduler_side.bind_block_pool(BlockPool(32, True, 32))
+        first = sched.get_kv_connector_stats()  # nothing happened yet: the gauges still appear once
+        assert first is not None and not first.is_empty()
+        assert sched.get_kv_connector_stats() is None  # unchanged: nothing to send
+        holder = sched.scheduler_side.holder
+        holder._held = {b"k1": None, b"k2": None}  # what two published chunks of 3 blocks leave
+        holder._held_block_refs = {1: 1, 2: 1, 3: 1}
+        second = sched.get_kv_connector_stats()
+        holder._held, holder._held_block_refs = {}, {}  # both freed: 0 must reach /metrics too
+        third = sched.get_kv_connector_stats()
+        assert third is not None
+        cap = int(0.5 * 32)  # max_held_fraction's default of the pool's blocks
+        assert _prom_gauges([first], vc) == {"held_blocks": 0, "held_chunks": 0, "held_blocks_cap": cap}
+        assert _prom_gauges([first, second], vc) == {"held_blocks": 3, "held_chunks": 2, "held_blocks_cap": cap}
+        assert _prom_gauges([first, second, third], vc) == {"held_blocks": 0, "held_chunks": 0,
+                                                            "held_blocks_cap": cap}
+        # vLLM sums reports over a logging interval: a gauge keeps the newest report's value.
+        acc = sched.build_kv_connector_stats(dict(first.data)).aggregate(second).aggregate(third)
+        assert acc.data["held_blocks"] == 0 and acc.data["held_blocks_cap"] == cap
+    finally:
+        sched.shutdown()

@@ -1,0 +1,73 @@
+"""The connector's Prometheus metrics, as definitions (no vLLM import): what each vLLM instance's
+``/metrics`` shows under ``vllm:pdxfer_*``. ``connector_stats`` builds the metrics from these, and
+``docs/metrics.md`` is generated from them.
+
+Counters are summed over the scheduler and every worker (TP ranks); gauges are the scheduler's
+latest values; histograms take every sample."""
+
+from __future__ import annotations
+
+from pdxfer.metric_defs import MetricDef
+from pdxfer.vllm.phase_times import PHASES
+
+# vLLM labels every metric of an engine with these (vllm.v1.metrics.loggers).
+LABELS = ("model_name", "engine")
+
+# (stats key, help): the counter is vllm:pdxfer_<key>_total.
+_COUNTER_HELP = (
+    ("loads_ok", "KV loads validated at release"),
+    ("loads_failed", "KV loads that failed and were recomputed"),
+    ("tokens_loaded", "Prompt tokens whose KV was read from a holder"),
+    ("bytes_loaded", "KV bytes read from holders"),
+    ("lookups", "Master lookups this instance made for its requests' prompts"),
+    ("lookup_hit_tokens", "Prompt tokens the master's lookups found held, beyond this instance's own "
+                          "prefix cache (what could be loaded; tokens_loaded is what was)"),
+    ("published_chunks", "Chunks published to the pdxfer master"),
+    ("freed_chunks", "Held chunks returned to the block pool"),
+    ("pressure_reclaims", "Held chunks unpublished early to keep held blocks under the cap "
+                          "(max_held_fraction of the KV cache)"),
+    ("late_publishes", "Publishes still in flight when their request's wait for them ran out"),
+    ("master_errors", "Master calls that failed on the scheduler hot path"),
+    ("unkeyable_requests", "Requests kept out of the connector: their KV is not named by their "
+                           "tokens (LoRA, multimodal inputs, prompt embeddings)"),
+    ("background_errors", "Unexpected errors the holder's reaper or publisher survived (see the log)"),
+    ("publish_hint_waits", "Decode lookups that waited for chunks their prefill's hint announced"),
+    ("publish_hint_timeouts", "... that went on without some of them (the publish came too late)"),
+    ("kv_transfer_refused", "1 when no key can name this instance's KV (blocks no test probed, KV "
+                            "scales computed at run time): it serves, computing every token, and "
+                            "moves no KV (the log says why)"),
+    ("staging_waits", "Converting loads that waited for room in the reader's staging area"),
+    ("staging_full", "Converting loads recomputed for lack of staging room (see the log for sizes; "
+                     "raise staging_mib or staging_max_mib)"),
+    ("reads_unstopped", "Reads that had not stopped long after their load failed: the holder was "
+                        "disconnected before vLLM got the blocks back"),
+    ("repulls", "Chunks read again from another holder after a read failed (holder dead, frozen past "
+                "its bound, connection refused) or its lock was refused, instead of recomputing them "
+                "(summed over TP ranks: each rank re-pulls its own heads)"),
+    ("publishes_unfenced", "Publishes dropped because the device did not confirm the request's KV "
+                           "writes within publish_fence_wait_s (see the log)"),
+)
+
+# (stats key, help): the gauge is vllm:pdxfer_<key>.
+_GAUGE_HELP = (
+    ("held_blocks", "KV cache blocks this instance holds for readers (published chunks)"),
+    ("held_chunks", "Published chunks this instance holds for readers"),
+    ("held_blocks_cap", "The most blocks it may hold: max_held_fraction of its KV cache's blocks "
+                        "(0 on an instance that does not publish)"),
+)
+
+COUNTER_KEYS = tuple(k for k, _ in _COUNTER_HELP)
+GAUGE_KEYS = tuple(k for k, _ in _GAUGE_HELP)
+
+LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+COUNTERS = tuple(MetricDef(f"vllm:pdxfer_{k}", "counter", h, LABELS) for k, h in _COUNTER_HELP)
+GAUGES = tuple(MetricDef(f"vllm:pdxfer_{k}", "gauge", h, LABELS) for k, h in _GAUGE_HELP)
+LOAD_SECONDS = MetricDef("vllm:pdxfer_load_seconds", "histogram",
+                         "Time from posting a load to its validated completion", LABELS)
+PHASE_SECONDS = {p: MetricDef(f"vllm:pdxfer_phase_{p}_seconds", "histogram",
+                              f"Time of a decode load's '{p}' phase (phases in docs/metrics.md)", LABELS)
+                 for p in PHASES}
+
+CONNECTOR_METRICS: tuple[MetricDef, ...] = COUNTERS + GAUGES + (LOAD_SECONDS,) + tuple(PHASE_SECONDS.values())
