@@ -1,14 +1,7 @@
 """Where a decode's time-to-first-token goes, phase by phase, for vLLM's stats and /metrics.
 
-Phases of one load, in order (each a Prometheus histogram ``vllm:pdxfer_phase_<name>_seconds``):
-
-* ``lookup``        the scheduler's lookup-and-lock round trip to the master;
-* ``publish_wait``  a decode waiting for chunks its prefill's hint said were published;
-* ``post``          from the lookup to the worker posting the reads (waiting for the step
-                    that carries the load's metadata to the worker);
-* ``read``          from posting to every read done (as the worker's step-end poll saw it);
-* ``release``       from the reads done to the master confirming the lock held;
-
+Phases of one load, in order (each a Prometheus histogram ``vllm:pdxfer_phase_<name>_seconds``;
+what each covers is ``PHASE_MEANINGS``, which docs/metrics.md shows),
 then vLLM schedules the request in its next step and computes the one token (not measured here:
 the time-to-first-token minus these phases).
 """
@@ -18,6 +11,14 @@ from __future__ import annotations
 import threading
 
 PHASES = ("lookup", "publish_wait", "post", "read", "release")
+PHASE_MEANINGS = {
+    "lookup": "the scheduler's lookup-and-lock round trip to the master",
+    "publish_wait": "a decode waiting for chunks its prefill's hint said were being published",
+    "post": "from the lookup to the worker posting the reads (waiting for the step that carries the "
+            "load's metadata to the worker)",
+    "read": "from posting the reads to every read done (as the worker's step-end poll saw it)",
+    "release": "from the reads done to the master confirming the lock held (the load is valid)",
+}
 STATS_PREFIX = "phase_"  # key of a phase's sample list in the connector stats: phase_<name>_s
 
 

@@ -309,3 +309,18 @@ def test_held_gauges_reach_metrics_when_they_change_and_back_to_zero(tiny_model,
         assert acc.data["held_blocks"] == 0 and acc.data["held_blocks_cap"] == cap
     finally:
         sched.shutdown()
+
+
+def test_the_connector_exports_what_it_declares(tiny_model) -> None:
+    """docs/metrics.md is rendered from CONNECTOR_METRICS: the exporter must build exactly those."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from pdxfer.vllm.connector_metric_defs import CONNECTOR_METRICS
+    from pdxfer.vllm.connector_stats import PdxferPromMetrics
+
+    vc, _ = _configs(tiny_model, connector=True)
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    PdxferPromMetrics(vc, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    families = {(f.name, f.type, f.documentation) for f in reg.collect()}
+    assert families == {(d.name, d.kind, d.help) for d in CONNECTOR_METRICS}

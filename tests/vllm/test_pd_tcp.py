@@ -60,6 +60,27 @@ def test_second_decode_reuses_held_chunks(pair):
     assert_decode_right(pair, got, ask(pair.prefill_port, prompt, MAX_TOKENS), loaded=1299)
 
 
+def test_metrics_show_what_the_pair_holds_and_looked_up(pair):
+    """The held-blocks gauges and the lookup counters on both instances' /metrics, after the
+    requests above: the prefill holds chunks under its cap, the decode looked up and loaded."""
+    def held() -> dict[str, float]:
+        ask(pair.prefill_port, prompt_of(20, seed=4242), 1)  # a step, which carries the gauges
+        return metrics(pair.prefill_port)
+
+    deadline = time.monotonic() + 20
+    m = held()
+    while not m.get("vllm:pdxfer_held_chunks") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        m = held()
+    cap = m.get("vllm:pdxfer_held_blocks_cap", 0.0)
+    assert m.get("vllm:pdxfer_held_chunks", 0.0) >= 1, m
+    # Every held chunk holds a block at least (a prompt's tail chunk may hold just one).
+    assert 1 <= m["vllm:pdxfer_held_chunks"] <= m["vllm:pdxfer_held_blocks"] <= cap, m
+    d = metrics(pair.decode_port)
+    assert d.get("vllm:pdxfer_lookups_total", 0.0) >= d.get("vllm:pdxfer_loads_ok_total", 0.0) >= 2, d
+    assert d["vllm:pdxfer_lookup_hit_tokens_total"] >= d["vllm:pdxfer_tokens_loaded_total"] >= 1299, d
+
+
 def test_a_decode_waits_for_a_publish_still_on_its_way(pair):
     """Issue 12: the prefill answers without waiting for its publish; its kv_transfer_params
     (forwarded like a proxy does) make the decode wait for the chunks (vLLM asks the connector
