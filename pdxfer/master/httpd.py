@@ -1,7 +1,8 @@
 """A minimal asyncio HTTP/1.0 endpoint for ``GET /metrics`` and ``GET /health``.
 
-Stdlib only (the master must not need aiohttp): one request per connection, bounded request size
-and read time, anything else answered 404/405/400.
+The stdlib's asyncio streams (the master must not need aiohttp): one request per connection,
+bounded request size and read time, anything else answered 404/405/400. ``/metrics`` serves what
+the callback renders (prometheus_client's text format).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 import logging
 import ssl
 from typing import Any, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger("pdxfer.master.http")
 
@@ -26,7 +29,7 @@ def _response(status: str, body: bytes, ctype: str) -> bytes:
 async def serve_http(
     host: str,
     port: int,
-    metrics: Callable[[], str],
+    metrics: Callable[[], bytes],
     health: Callable[[], tuple[bool, dict[str, Any]]],
     ssl_context: ssl.SSLContext | None = None,
 ) -> asyncio.AbstractServer:
@@ -49,7 +52,7 @@ async def serve_http(
             if method != "GET":
                 writer.write(_response("405 Method Not Allowed", b"only GET\n", "text/plain"))
             elif path == "/metrics":
-                writer.write(_response("200 OK", metrics().encode(), "text/plain; version=0.0.4"))
+                writer.write(_response("200 OK", metrics(), CONTENT_TYPE_LATEST))
             elif path == "/health":
                 ok, doc = health()
                 status = "200 OK" if ok else "503 Service Unavailable"

@@ -61,6 +61,7 @@ class ChunkIndex:
         self.locks: dict[str, Lock] = {}
         self.max_entries = max_entries
         self.n_entries = 0
+        self.held_blocks = 0  # sum of every node's held_blocks (see Node)
         self.counters = Counters()
         # Lock ids carry a per-incarnation prefix: a lock granted by a previous master (before a
         # failover or restart) is never mistaken for one of ours, so its release says False.
@@ -136,7 +137,9 @@ class ChunkIndex:
                 if not holders:
                     del self.entries[key]
         self.n_entries -= len(node.entries)
+        self.held_blocks -= node.held_blocks
         node.entries = {}
+        node.held_blocks = 0
         if why == "lease expired":
             self.counters.nodes_expired += 1
         if self.on_node_dropped is not None:
@@ -174,8 +177,11 @@ class ChunkIndex:
                     if key in pinned:
                         self.counters.publish_refused += 1
                         continue
+                nblocks = len(blocks) >> 2
+                node.held_blocks += nblocks - old.nblocks
+                self.held_blocks += nblocks - old.nblocks
                 old.blocks = blocks
-                old.nblocks = len(blocks) // 4
+                old.nblocks = nblocks
                 old.hold_until = hold_until
                 accepted += 1
                 continue
@@ -184,6 +190,8 @@ class ChunkIndex:
                 continue
             entry = Entry(node, blocks, hold_until)
             node.entries[key] = entry
+            node.held_blocks += entry.nblocks
+            self.held_blocks += entry.nblocks
             holders = self.entries.get(key)
             if holders is None:
                 self.entries[key] = {node_id: entry}
@@ -234,6 +242,8 @@ class ChunkIndex:
                 self.counters.unpublish_refused += 1
                 continue
             del node.entries[key]
+            node.held_blocks -= entry.nblocks
+            self.held_blocks -= entry.nblocks
             holders = self.entries[key]
             del holders[node_id]
             if not holders:
@@ -451,7 +461,8 @@ class ChunkIndex:
         while heap and heap[0][0] <= now:
             _, lid = heapq.heappop(heap)
             lock = self.locks.pop(lid, None)
-            if lock is not None:
+            if lock is not None:  # None: released (or its node dropped) before its deadline
+                self.counters.lock_expiries += 1
                 self._unpin(lock)
 
     def clear(self) -> None:
@@ -466,6 +477,7 @@ class ChunkIndex:
         return {
             "nodes": len(self.nodes),
             "entries": self.n_entries,
+            "held_blocks": self.held_blocks,
             "keys": len(self.entries),
             "locks": len(self.locks),
             "lookups": c.lookups,
@@ -481,4 +493,5 @@ class ChunkIndex:
             "unpublish_refused": c.unpublish_refused,
             "nodes_expired": c.nodes_expired,
             "locks_invalidated": c.locks_invalidated,
+            "lock_expiries": c.lock_expiries,
         }

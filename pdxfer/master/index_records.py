@@ -44,7 +44,7 @@ class FencedError(ValueError):
 
 class Node:
     __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks", "fence_seq",
-                 "transport", "hold_floor", "per")
+                 "transport", "hold_floor", "per", "held_blocks")
 
     def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int,
                  transport: str | None = None) -> None:
@@ -64,6 +64,9 @@ class Node:
         # -2: no entry yet). Both only ever loosen, so a stale value costs speed, never truth.
         self.hold_floor = float("inf")
         self.per = -2
+        # Sum of nblocks over ``entries``, kept as they change: a scrape or status must not walk
+        # millions of entries.
+        self.held_blocks = 0
 
 
 class Entry:
@@ -122,3 +125,4 @@ class Counters:
     unpublish_refused: int = 0
     nodes_expired: int = 0
     locks_invalidated: int = 0
+    lock_expiries: int = 0  # locks reaped at their deadline with releases still missing

@@ -1,8 +1,8 @@
 """The pdxfer-master service: the wire protocol server around the in-memory chunk index.
 
 One asyncio event loop owns the index, so every request is applied atomically in arrival order.
-Request and reply fields are decoded and encoded by ``protocol_ops.py``; stats and metrics are in
-``service_stats.py``; the process (flags, signals) is ``cli.py``.
+Request and reply fields are decoded and encoded by ``protocol_ops.py``; stats are in
+``service_stats.py``, the Prometheus metrics in ``metrics_export.py``; the process (flags, signals) is ``cli.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pdxfer.master.index import (
     SupersededError,
     UnknownNodeError,
 )
-from pdxfer.master.service_stats import LookupRate, health, metrics_text, stats, status_reply
+from pdxfer.master.metrics_export import MasterMetrics, scrape_values
+from pdxfer.master.service_stats import health, stats, status_reply
 
 log = logging.getLogger("pdxfer.master")
 
@@ -80,7 +81,6 @@ class MasterService:
         self.auth_failures = 0
         self.bad_frames = 0
         self.lookup_seconds = 0.0
-        self.rate = LookupRate()
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._conns: set[MasterConnection] = set()
@@ -95,6 +95,7 @@ class MasterService:
             P.OP_FENCE: self._fence, P.OP_PEEK: self._peek, P.OP_NODES: self._nodes,
             P.OP_STATUS: self._status,
         }
+        self.metrics = MasterMetrics(lambda: scrape_values(self), {op: P.OP_NAMES[op] for op in self._handlers})
 
     # ---- leadership -----------------------------------------------------------------------------
 
@@ -127,7 +128,7 @@ class MasterService:
         self.port = server.sockets[0].getsockname()[1]
         if http_port >= 0:
             hctx = tls.context(require_client_cert=False) if tls is not None and http_tls else None
-            hs = await serve_http(http_host or host, http_port, lambda: metrics_text(self),
+            hs = await serve_http(http_host or host, http_port, self.metrics.render,
                                   lambda: health(self), ssl_context=hctx)
             self._servers.append(hs)
             self.http_port = hs.sockets[0].getsockname()[1]
@@ -156,7 +157,6 @@ class MasterService:
                 # cycle (node <-> its entries) is broken explicitly when a node is dropped.
                 gc.freeze()
                 last_freeze = now
-            self.rate.sample(now, self.index.counters.lookups)
 
     # ---- connections ----------------------------------------------------------------------------
 
@@ -234,7 +234,11 @@ class MasterService:
         handler = self._handlers.get(op)
         if handler is None:
             raise P.ProtocolError(P.ERR_UNKNOWN_OP, f"unknown op {op}")
-        return handler(doc, blob, time.monotonic())
+        t0 = time.perf_counter()
+        try:
+            return handler(doc, blob, time.monotonic())
+        finally:  # refused requests too: a slow refusal is still time the loop was busy
+            self.metrics.observe[op](time.perf_counter() - t0)
 
     # ---- one handler per op: decode the request, apply it to the index, encode the reply --------
 

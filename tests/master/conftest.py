@@ -6,9 +6,12 @@ Every process started here is killed at teardown, also when the test fails.
 from __future__ import annotations
 
 import time
+import urllib.request
 from typing import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from pdxfer.master import LocalMaster, MasterClient, NodeInfo, start_local_master
 from pdxfer.master.local_etcd import LocalEtcd, etcd_binary
@@ -74,6 +77,26 @@ def etcd(tmp_path) -> Iterator[LocalEtcd]:
         yield srv
     finally:
         srv.kill()
+
+
+def scrape_master(http_address: str) -> dict[str, list[Sample]]:
+    """One GET /metrics of a master, parsed: metric family name -> its samples."""
+    with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def sample_value(families: dict[str, list[Sample]], name: str, **labels: str) -> float:
+    """The value of sample ``name`` (as exposed: with _total, _count, ...) whose labels include
+    ``labels``; AssertionError when no sample or more than one matches."""
+    found = [s.value for ss in families.values() for s in ss
+             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, f"{len(found)} samples named {name} with labels {labels}"
+    return found[0]
+
+
+def master_value(http_address: str, name: str, **labels: str) -> float:
+    return sample_value(scrape_master(http_address), name, **labels)
 
 
 def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.05):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from pdxfer.master import protocol as P
 
-from .conftest import keys_for, node_info, wait_until
+from .conftest import keys_for, master_value, node_info, wait_until
 
 
 def _raw(addr: str, timeout: float = 3.0) -> socket.socket:
@@ -38,11 +37,7 @@ def _closed_within(s: socket.socket, seconds: float) -> bool:
 
 def _open_connections(http_address: str) -> int:
     """The master's open client connections, read over HTTP (a wire connection would count itself)."""
-    with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=2) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("pdxfer_master_connections "):
-                return int(float(line.split()[1]))
-    return -1
+    return int(master_value(http_address, "pdxfer_master_connections"))
 
 
 def _reply_header(s: socket.socket, timeout: float) -> P.Header:

@@ -99,4 +99,5 @@ def test_index_matches_reference_model():
             if rng.random() < 0.3:  # the reaper: afterwards the counts must agree exactly
                 ix.expire(now)
                 assert ix.n_entries == len(held), (trial, step)
+                assert ix.held_blocks == sum(map(len, held.values())), (trial, step)
                 assert set(ix.nodes) == set(alive), (trial, step)
