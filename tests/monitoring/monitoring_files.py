@@ -49,6 +49,7 @@ class PanelQuery:
     panel: str
     ref_id: str
     expr: str  # as written in the dashboard, Grafana variables and all
+    legend: str
 
 
 def panel_queries(dash: dict[str, Any]) -> list[PanelQuery]:
@@ -58,7 +59,8 @@ def panel_queries(dash: dict[str, Any]) -> list[PanelQuery]:
     def walk(panels: list[dict[str, Any]]) -> None:
         for p in panels:
             for t in p.get("targets") or ():
-                out.append(PanelQuery(p.get("title", ""), t.get("refId", ""), t.get("expr", "")))
+                out.append(PanelQuery(p.get("title", ""), t.get("refId", ""), t.get("expr", ""),
+                                      t.get("legendFormat", "")))
             walk(p.get("panels") or [])
 
     walk(dash.get("panels") or [])
