@@ -97,8 +97,9 @@ def _add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="when the prefill step fails on two instances: let decode compute the "
                         "prompt (decode, the default) or answer 502/504 (error)")
     p.add_argument("--master", metavar="HOST:PORT", default=None,
-                   help="the pdxfer master: route from its index (skip the prefill of what the "
-                        "fleet holds, prefer the instances holding a prompt's prefix)")
+                   help="the pdxfer master (HOST:PORT, or etcd://... for a replica group's leader): "
+                        "route from its index (skip the prefill of what the fleet holds, prefer "
+                        "the instances holding a prompt's prefix)")
     p.add_argument("--master-token-file", type=Path, default=None, help="the master's shared secret")
     p.add_argument("--skip-prefill-tokens", type=int, default=256,
                    help="skip the prefill when at most this many prompt tokens are left to compute")

@@ -54,6 +54,9 @@ def _why_no_namespace() -> str | None:
         return "not root: bind-mounting a hosts file in a mount namespace needs root"
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         return "no unshare(1) or mount(8) (util-linux)"
+    missing = [f for f in ("/etc/hosts", "/etc/host.conf", "/etc/resolv.conf") if not os.path.exists(f)]
+    if missing:
+        return f"no {', '.join(missing)} to bind-mount the test's own over"
     probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount --bind /etc/hosts /etc/hosts"],
                            capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
