@@ -128,6 +128,8 @@ class Discovery:
             raise TimeoutError(f"the previous resolution of {source.name} is still running")
         loop = asyncio.get_running_loop()
         task = loop.create_task(loop.getaddrinfo(source.name, source.port, type=socket.SOCK_STREAM))
+        # One that timed out ends unawaited: take its outcome so asyncio does not report it.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._pending[source] = task
         try:
             infos = await asyncio.wait_for(asyncio.shield(task), self.timeout_s)

@@ -331,3 +331,28 @@ def test_discovery_leaves_static_urls_alone_and_revives_a_returning_address() ->
     d._apply(pool, {})
     assert [b.url for b in pool.backends] == ["http://10.0.0.1:8000"]
     assert [b.url for b in removed] == ["http://10.0.0.2:8000"] and removed[0].removed
+
+
+def test_a_name_that_does_not_resolve_leaves_an_empty_pool_and_a_clear_503() -> None:
+    from pdxfer.serve.proxy import PDProxy, RunningProxy
+
+    prefill = StandIn("P")
+    try:
+        px = PDProxy([prefill.url], ["dns+http://no-such-decode.invalid:8000"], discovery_timeout=5)
+        with RunningProxy(px) as run:
+            try:
+                _post(run.url + "/v1/completions", {"prompt": "x"})
+                raise AssertionError("a request was answered with no decode instance")
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                err = json.loads(e.read())["error"]
+            assert err["role"] == "decode" and "none known" in err["message"], err
+            status, body = _get(run.url + "/health")
+            (dns,) = json.loads(body)["dns"]
+            assert status == 503 and dns["instances"] == [] and dns["error"], dns
+    finally:
+        prefill.stop()
+    with pytest.raises(ValueError, match="needs a port"):
+        PDProxy([prefill.url], ["dns+http://pods"])
+    with pytest.raises(ValueError, match="discovery interval and timeout must be positive"):
+        PDProxy([prefill.url], ["dns+http://pods:1"], discovery_interval=0)
