@@ -192,10 +192,10 @@ def fleet(tmp_path: Path):
     prefill = StandIn("P")
     proxies: list[ProxyInNamespace] = []
 
-    def start(first: list[str]) -> ProxyInNamespace:
+    def start(first: list[str], *more: str) -> ProxyInNamespace:
         args = ["--prefill", prefill.url, "--decode", f"dns+http://{NAME}:{sites.port}",
                 "--policy", "round_robin", "--discovery-interval", "0.2",
-                "--discovery-timeout", "2", "--health-interval", "0.2"]
+                "--discovery-timeout", "2", "--health-interval", "0.2", *more]
         px = ProxyInNamespace(tmp_path / f"px{len(proxies)}", args, first)
         proxies.append(px)
         return px
@@ -282,6 +282,45 @@ def test_dns_backends_follow_the_hosts_file(fleet) -> None:
     log = px.log.read_text()
     assert log.count(f"resolving dns+http://{NAME}:{port} failed") == 1, log
     assert log.count(f"dns+http://{NAME}:{port} resolves again") == 1, log
+
+
+def test_the_index_names_a_dns_found_pod_by_its_serve_url(fleet, tmp_path) -> None:
+    """A pod's connector registers serve_url http://<its address>:PORT; the proxy knows the pod
+    by the URL it makes of that address's DNS record: the two are equal, so the router sends a
+    prompt to the decode pod holding it."""
+    from pdxfer.keys import Namespace
+    from pdxfer.master import MasterClient, NodeInfo, start_local_master
+    from pdxfer.serve.index_view import lookup_keys
+
+    from .stand_ins import stand_in_tokens
+
+    start, apps, port, _ = fleet
+    chunk = 16
+    root = Namespace("tiny", "content-fp", chunk).root()
+    prompt = "".join(f"w{i:03d} " for i in range(40))  # 200 tokens
+    tokens = stand_in_tokens({"prompt": prompt})
+    master = start_local_master(workdir=tmp_path / "master")
+    client = MasterClient(master.address, timeout_s=5.0)
+    try:
+        holder = f"http://{HOSTS[2]}:{port}"  # what the pod's PDXFER_SERVE_URL would say
+        info = NodeInfo("decode-pod-4", 0, "tcp", b"meta", {"v": 1, "block_size": chunk}, "fp-test",
+                        serve_url=holder, namespace=root.hex(), chunk_tokens=chunk, role="kv_consumer")
+        client.register_node(info, 60)
+        keys, _ = lookup_keys(tokens, chunk, root)
+        assert client.publish("decode-pod-4", [(k, [i]) for i, k in enumerate(keys)]) == len(keys)
+        px = start(list(HOSTS), "--master", master.address)
+        wait_for(lambda: len(px.decode_urls()) == 3, 20, "three decode pods")
+        for _ in range(3):  # not round robin's turn: the holder each time
+            req = urllib.request.Request(px.url + "/v1/completions", data=json.dumps({"prompt": prompt}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=20) as r:
+                assert r.headers["x-pdxfer-route"] == f"decode-only={holder}", dict(r.headers)
+                assert "decode=holder" in r.headers["x-pdxfer-route-reason"]
+        assert len(apps[HOSTS[2]].received) == 3
+        assert len(apps[HOSTS[0]].received) == len(apps[HOSTS[1]].received) == 0
+    finally:
+        client.close()
+        master.stop()
 
 
 # ---- parsing, without a namespace -----------------------------------------------------------
