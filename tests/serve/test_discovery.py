@@ -158,8 +158,13 @@ class ProxyInNamespace:
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
 
     def set_hosts(self, addrs: list[str]) -> None:
-        # Written in place (open "w" keeps the inode): the bind mount in the namespace sees it.
-        self.hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {NAME}\n" for a in addrs))
+        """Rewritten in place (the bind mount shows this inode), new text first and the cut
+        after: a resolution in between reads whole lines, never an empty file (which would be
+        a failed resolution the test did not make)."""
+        text = ("127.0.0.1 localhost\n" + "".join(f"{a} {NAME}\n" for a in addrs)).encode()
+        with open(self.hosts, "r+b" if self.hosts.exists() else "wb") as f:
+            f.write(text)
+            f.truncate()
 
     def health(self) -> dict[str, Any]:
         return json.loads(_get(self.url + "/health")[1])
