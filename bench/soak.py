@@ -17,6 +17,15 @@ pair itself does), prompts that share one of a few prefixes so the decode loads 
 them. Locks: a side client holds a node of its own with published keys and takes a lock on them
 every few seconds that it never releases (the master reaps it at its TTL). Restarts: SIGKILL, then
 a new master on the same ports; the instances re-register and re-publish on their own.
+
+Fds and threads move within a band of a few by design, which a line fitted over half an hour can
+read as a slope: a master client keeps one connection per caller that used it at the same time
+(socket:tcp->master; the master's socket:tcp<-<group>, so each incarnation starts with fewer), a
+connection to a master that died is closed at the client's next call, a decode drops its two
+connections to a holder after a failed load and makes them again at the next load, a holder cuts
+a reader's connection idle for 10 minutes (one serving thread each: socket:tcp<-decode on the
+prefill), and executor threads start at their first use. A leak grows one kind without bound;
+the fds by kind say which.
 """
 
 from __future__ import annotations
