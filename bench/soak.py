@@ -1,7 +1,9 @@
 """Soak: a prefill/decode pair under steady traffic for N minutes, with reader locks left to expire
 at the master and the master killed and restarted every few minutes; every 10 s it samples each
-process group's RSS, open fds and threads, the holders' held chunks and the master's entries,
-locks and nodes, then fits a line to each series and reports its slope per hour.
+process group's RSS, open fds (in all, and by kind: files, pipes, anon inodes, sockets by the
+group at the other end; bench/proc_fds.py) and threads, the holders' held chunks and the master's
+entries, locks and nodes, then fits a line to each series and reports its slope per hour. The fds
+by kind are judged like the totals but kept out of the verdict: they say which kind grew.
 
 Baseline, measured in the same run first: the same traffic through one plain `vllm serve` (no
 connector) for --baseline-minutes, sampled the same way. vLLM's own growth (allocator warm-up,
@@ -15,6 +17,15 @@ pair itself does), prompts that share one of a few prefixes so the decode loads 
 them. Locks: a side client holds a node of its own with published keys and takes a lock on them
 every few seconds that it never releases (the master reaps it at its TTL). Restarts: SIGKILL, then
 a new master on the same ports; the instances re-register and re-publish on their own.
+
+Fds and threads move within a band of a few by design, which a line fitted over half an hour can
+read as a slope: a master client keeps one connection per caller that used it at the same time
+(socket:tcp->master; the master's socket:tcp<-<group>, so each incarnation starts with fewer), a
+connection to a master that died is closed at the client's next call, a decode drops its two
+connections to a holder after a failed load and makes them again at the next load, a holder cuts
+a reader's connection idle for 10 minutes (one serving thread each: socket:tcp<-decode on the
+prefill), and executor threads start at their first use. A leak grows one kind without bound;
+the fds by kind say which.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.pd_util import post_json, scrape  # noqa: E402
+from bench.proc_fds import fd_targets, group_pids, kinds_by_group  # noqa: E402
 from pdxfer.master import MasterClient, NodeInfo, start_local_master  # noqa: E402
 from pdxfer.procs import free_port  # noqa: E402
 from pdxfer.serve.launch import Stack, start_pair  # noqa: E402
@@ -54,12 +66,9 @@ TOLERANCE = {"rss_mib": ("relative", 0.05), "fds": ("absolute", 4.0), "threads":
 def group_usage(pgid: int) -> dict[str, float]:
     """RSS (MiB), open fds and threads summed over every live process of a process group."""
     rss_kib = fds = threads = 0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for pid in group_pids(pgid):
+        d = Path(f"/proc/{pid}")
         try:
-            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
             for line in (d / "status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     rss_kib += int(line.split()[1])
@@ -109,7 +118,8 @@ def slope_per_hour(segments: list[list[tuple[float, float]]]) -> float | None:
 def judge(series: str, segments: list[list[tuple[float, float]]]) -> dict[str, Any]:
     s = slope_per_hour(segments)
     points = [p for seg in segments for p in seg]
-    kind, *lim = TOLERANCE[series.split(".", 1)[-1]]
+    name = series.split(".", 1)[-1]
+    kind, *lim = TOLERANCE["fds" if name.startswith("fd.") else name]  # a kind: as the total
     median = statistics.median(v for _, v in points) if points else 0.0
     if kind == "relative":
         allowed = lim[0] * abs(median)
@@ -204,6 +214,7 @@ def sample_loop(groups: dict[str, int], holders: dict[str, str], master_http: st
         for name, pgid in groups.items():
             for k, v in group_usage(pgid).items():
                 row[f"{name}.{k}"] = v
+        row["fd_kinds"] = kinds_by_group({name: fd_targets(group_pids(pgid)) for name, pgid in groups.items()})
         for name, url in holders.items():
             row[f"{name}.held_chunks"] = held_chunks(url)
         if master_http is not None:
@@ -216,10 +227,21 @@ def sample_loop(groups: dict[str, int], holders: dict[str, str], master_http: st
         time.sleep(max(0.0, min(sample_s, end - time.monotonic())))
 
 
+def fd_kind_series(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fds by kind as series of their own (``<group>.fd.<kind>``, 0 where a sample lacks the
+    kind while its group was sampled), for :func:`analyse`."""
+    seen = {(g, k) for row in samples for g, kinds in row.get("fd_kinds", {}).items() for k in kinds}
+    out = []
+    for row in samples:
+        by_group = row.get("fd_kinds", {})
+        out.append({"t": row["t"], **{f"{g}.fd.{k}": by_group[g].get(k, 0) for g, k in seen if g in by_group}})
+    return out
+
+
 def analyse(samples: list[dict[str, Any]], warmup_s: float, restarts: list[float] = ()) -> dict[str, Any]:
-    """Trend of every series after ``warmup_s``; the master's own series are cut into one segment
-    per incarnation (each judged after half a warm-up of its own)."""
-    keys = sorted({k for row in samples for k in row if k != "t"})
+    """Trend of every numeric series after ``warmup_s``; the master's own series are cut into one
+    segment per incarnation (each judged after half a warm-up of its own)."""
+    keys = sorted({k for row in samples for k, v in row.items() if k != "t" and isinstance(v, (int, float))})
     out = {}
     for k in keys:
         pts = [(row["t"], float(row[k])) for row in samples if row["t"] >= warmup_s and row.get(k) is not None]
@@ -246,7 +268,8 @@ def run_baseline(model_dir: Path, model: str, vocab: int, log_dir: Path, args: a
         traffic.stop.set()
         traffic.join(70)
         return {"minutes": args.baseline_minutes, "requests_ok": traffic.ok, "requests_failed": traffic.failed,
-                "trends": analyse(samples, args.warmup_s), "samples": samples}
+                "trends": analyse(samples, args.warmup_s),
+                "fd_kind_trends": analyse(fd_kind_series(samples), args.warmup_s), "samples": samples}
     finally:
         stack.stop(10)
 
@@ -298,6 +321,7 @@ def run_pair(model_dir: Path, model: str, vocab: int, log_dir: Path, args: argpa
         return {"minutes": args.minutes, "requests_ok": traffic.ok, "requests_failed": traffic.failed,
                 "last_error": traffic.last_error, "ghost_locks_left_to_expire": ghost.locks,
                 "ghost_errors": ghost.errors, "master_restarts_at_s": restarts, "trends": trends,
+                "fd_kind_trends": analyse(fd_kind_series(samples), args.warmup_s, restarts),
                 "samples": samples}
     finally:
         stack.stop(10)
@@ -346,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'series':28s} {'slope/h':>10s} {'allowed/h':>10s} {'median':>10s} flat")
     for k, v in trends.items():
         print(f"{k:28s} {v['slope_per_hour']!s:>10s} {v['allowed_per_hour']!s:>10s} {v['median']!s:>10s} {v['flat']}")
+    grown = {k: v for k, v in pair["fd_kind_trends"].items() if v["samples"] >= 3 and not v["flat"]}
+    for k, v in grown.items():
+        print(f"  fds by kind, not flat: {k:40s} {v['slope_per_hour']!s:>10s}/h (median {v['median']})")
     print(f"baseline plain rss slope/h {base_rss}; pair requests ok {pair['requests_ok']} failed "
           f"{pair['requests_failed']}; master restarts at {pair['master_restarts_at_s']}")
     print(f"every trend flat: {flat}")

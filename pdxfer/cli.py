@@ -69,11 +69,18 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
 
 def _add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="append", default=[], metavar="URL",
-                   help="prefill instance base URL, e.g. http://127.0.0.1:8100 (repeatable)")
+                   help="prefill instance base URL, e.g. http://127.0.0.1:8100, or "
+                        "dns+http://NAME:PORT: one instance per address NAME resolves to, "
+                        "resolved again every --discovery-interval (repeatable)")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
-                   help="decode instance base URL (repeatable)")
+                   help="decode instance base URL or dns+http://NAME:PORT (repeatable)")
     p.add_argument("--backends", type=Path, default=None, metavar="FILE",
-                   help='JSON file {"prefill": [URL, ...], "decode": [URL, ...]} (added to the flags)')
+                   help='JSON file {"prefill": [URL, ...], "decode": [URL, ...]} (added to the flags; '
+                        "dns+http:// URLs too)")
+    p.add_argument("--discovery-interval", type=float, default=5.0,
+                   help="seconds between resolutions of the dns+http:// backends' names")
+    p.add_argument("--discovery-timeout", type=float, default=2.0,
+                   help="bound of one resolution, seconds (a failed one keeps the last known addresses)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="least_loaded",
@@ -90,8 +97,9 @@ def _add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="when the prefill step fails on two instances: let decode compute the "
                         "prompt (decode, the default) or answer 502/504 (error)")
     p.add_argument("--master", metavar="HOST:PORT", default=None,
-                   help="the pdxfer master: route from its index (skip the prefill of what the "
-                        "fleet holds, prefer the instances holding a prompt's prefix)")
+                   help="the pdxfer master (HOST:PORT, or etcd://... for a replica group's leader): "
+                        "route from its index (skip the prefill of what the fleet holds, prefer "
+                        "the instances holding a prompt's prefix)")
     p.add_argument("--master-token-file", type=Path, default=None, help="the master's shared secret")
     p.add_argument("--skip-prefill-tokens", type=int, default=256,
                    help="skip the prefill when at most this many prompt tokens are left to compute")

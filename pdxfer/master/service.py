@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
-import sys
 import logging
+import sys
 import time
 from typing import Any, Callable
 

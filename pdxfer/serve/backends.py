@@ -3,6 +3,9 @@
 An instance is taken out when its health check (GET /health) fails or times out, or when a
 request could not reach it (refused, reset, disconnected); the next passing health check puts it
 back. Nothing here sends a request: the proxy does (proxy.py), the checker only asks /health.
+
+A pool may change while the proxy runs (backends found through DNS, discovery.py): a backend
+leaving it is first ``draining`` (never picked again) and dropped once nothing is in flight to it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class Backend:
     healthy: bool = True
     down_reason: str = ""  # why it was taken out (empty while healthy)
     changed_at: float = field(default_factory=time.monotonic)
+    source: str = ""  # the dns+http:// backend it was found through ("" when given as a URL)
+    draining: bool = False  # gone from DNS: picked no more, dropped once nothing is in flight
+    removed: bool = False  # dropped from its pool (late updates of its metrics are ignored)
 
     def mark_down(self, reason: str) -> bool:
         """Take it out; True when it was in (so the caller logs and counts once)."""
@@ -53,13 +59,15 @@ class Backend:
     def as_dict(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "healthy": self.healthy,
                 "down_reason": self.down_reason, "in_flight": self.in_flight,
-                "requests": self.requests, "errors": self.errors}
+                "requests": self.requests, "errors": self.errors,
+                **({"source": self.source, "draining": self.draining} if self.source else {})}
 
 
 def check_url(role: str, url: str) -> str:
     """The URL without a trailing slash; ValueError naming the role when it is no http(s) URL."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"{role} instance URL must start with http:// or https://: {url!r}")
+        raise ValueError(f"{role} instance URL must start with http:// or https:// (or "
+                         f"dns+http:// for every address of a name): {url!r}")
     return url.rstrip("/")
 
 
@@ -73,8 +81,10 @@ class BackendPool:
     _turn: itertools.count = field(default_factory=itertools.count)
 
     @classmethod
-    def from_urls(cls, role: str, urls: Sequence[str], policy: str) -> "BackendPool":
-        if not urls:
+    def from_urls(cls, role: str, urls: Sequence[str], policy: str,
+                  allow_empty: bool = False) -> "BackendPool":
+        """``allow_empty``: the pool is filled later (DNS discovery)."""
+        if not urls and not allow_empty:
             raise ValueError(f"no {role} instance given")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -85,7 +95,25 @@ class BackendPool:
         return cls(role, [Backend(u, role) for u in clean], policy)
 
     def healthy(self) -> list[Backend]:
-        return [b for b in self.backends if b.healthy]
+        return [b for b in self.backends if b.healthy and not b.draining]
+
+    def add(self, url: str, source: str = "") -> Backend:
+        """A new backend in rotation (healthy until its health check says otherwise)."""
+        url = check_url(self.role, url)
+        if self.by_url(url) is not None:
+            raise ValueError(f"{self.role} instance {url} is in the pool already")
+        b = Backend(url, self.role, source=source)
+        self.backends.append(b)
+        return b
+
+    def drop_idle_draining(self) -> list[Backend]:
+        """Remove the draining backends with nothing in flight; those removed."""
+        gone = [b for b in self.backends if b.draining and b.in_flight == 0]
+        if gone:
+            self.backends = [b for b in self.backends if not (b.draining and b.in_flight == 0)]
+            for b in gone:
+                b.removed = True
+        return gone
 
     def by_url(self, url: str) -> Backend | None:
         url = url.rstrip("/")
@@ -97,9 +125,11 @@ class BackendPool:
         taken out for a slow health check may well answer, and one that does not is named)."""
         skip = {id(b) for b in exclude}
         n = len(self.backends)
+        if n == 0:  # DNS found none (yet)
+            return None
         start = next(self._turn) % n
         order = [b for b in self.backends[start:] + self.backends[:start]
-                 if (b.healthy or last_resort) and id(b) not in skip]
+                 if (b.healthy or last_resort) and not b.draining and id(b) not in skip]
         if not order:
             return None
         if self.policy == "round_robin":
@@ -107,7 +137,10 @@ class BackendPool:
         return min(order, key=lambda b: b.in_flight)
 
     def describe_down(self) -> str:
-        return "; ".join(f"{b.url}: {b.down_reason or 'out'}" for b in self.backends if not b.healthy)
+        if not self.backends:
+            return "none known"
+        return "; ".join(f"{b.url}: {b.down_reason or ('draining' if b.draining else 'out')}"
+                         for b in self.backends if not b.healthy or b.draining)
 
 
 def load_backends_file(path: str | Path) -> tuple[list[str], list[str]]:

@@ -50,6 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdxfer.cli_common import LOG_FORMAT
 
 from pdxfer.serve.backends import Backend, BackendPool, HealthChecker, load_backends_file
+from pdxfer.serve.discovery import Discovery, split_specs
 from pdxfer.serve.http_headers import request_headers, response_headers
 from pdxfer.serve.index_view import IndexView
 from pdxfer.serve.proxy_metrics import ProxyMetrics
@@ -132,7 +133,10 @@ class PDProxy:
                  timeout: float = 300, connect_timeout: float = 5, handoff: str = "none",
                  prefill_failure: str = "decode", master: str | None = None,
                  master_token: str | None = None, route: RouteConfig | None = None,
-                 health_interval: float = 2.0, health_timeout: float = 2.0) -> None:
+                 health_interval: float = 2.0, health_timeout: float = 2.0,
+                 discovery_interval: float = 5.0, discovery_timeout: float = 2.0) -> None:
+        """``prefill``/``decode``: instance URLs, or ``dns+http://NAME:PORT`` for every address
+        NAME resolves to, resolved again every ``discovery_interval`` seconds (discovery.py)."""
         if handoff not in HANDOFFS:
             raise ValueError(f"unknown handoff {handoff!r}; known: {', '.join(HANDOFFS)}")
         if prefill_failure not in PREFILL_FAILURE:
@@ -140,8 +144,10 @@ class PDProxy:
                              f"{', '.join(PREFILL_FAILURE)}")
         if timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeouts must be positive")
-        self.prefill = BackendPool.from_urls("prefill", prefill, policy)
-        self.decode = BackendPool.from_urls("decode", decode, policy)
+        p_urls, p_dns = split_specs("prefill", prefill)
+        d_urls, d_dns = split_specs("decode", decode)
+        self.prefill = BackendPool.from_urls("prefill", p_urls, policy, allow_empty=bool(p_dns))
+        self.decode = BackendPool.from_urls("decode", d_urls, policy, allow_empty=bool(d_dns))
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.handoff = handoff
@@ -156,6 +162,10 @@ class PDProxy:
             self.metrics.healthy.labels(b.role, b.url).set(1)
         self.health = HealthChecker((self.prefill, self.decode), health_interval, health_timeout,
                                     self.metrics.backend_changed)
+        self.discovery = (Discovery((self.prefill, self.decode), p_dns + d_dns, discovery_interval,
+                                    discovery_timeout, self.metrics.backend_added,
+                                    self.metrics.backend_removed)
+                          if p_dns or d_dns else None)
         self._session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_get("/health", self.health_endpoint)
@@ -173,9 +183,16 @@ class PDProxy:
             timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout,
                                           sock_read=self.timeout),
         )
+        if self.discovery is not None:
+            # Once before serving (bounded by the discovery timeout): the first requests find
+            # the instances that are there already.
+            await self.discovery.refresh()
+            self.discovery.start()
         self.health.start(self._session)
 
     async def _cleanup(self, app: web.Application) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.health.stop()
         if self._session is not None:
             await self._session.close()
@@ -205,11 +222,14 @@ class PDProxy:
 
     async def health_endpoint(self, request: web.Request) -> web.Response:
         ok = bool(self.decode.healthy())
-        return web.json_response({
+        doc: dict[str, Any] = {
             "status": "ok" if ok else "no healthy decode instance",
             "prefill": [b.as_dict() for b in self.prefill.backends],
             "decode": [b.as_dict() for b in self.decode.backends],
-        }, status=200 if ok else 503)
+        }
+        if self.discovery is not None:
+            doc["dns"] = self.discovery.describe()
+        return web.json_response(doc, status=200 if ok else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
@@ -496,8 +516,10 @@ async def _serve_forever(proxy: PDProxy, host: str, port: int, port_file: Path |
         tmp = port_file.with_suffix(port_file.suffix + ".tmp")
         tmp.write_text(f"{bound}\n")
         tmp.replace(port_file)
+    dns = ([s.spec for s in proxy.discovery.sources] if proxy.discovery is not None else [])
     print(f"pdxfer proxy on http://{host}:{bound}  prefill={[b.url for b in proxy.prefill.backends]}"
-          f" decode={[b.url for b in proxy.decode.backends]}", flush=True)
+          f" decode={[b.url for b in proxy.decode.backends]}" + (f" dns={dns}" if dns else ""),
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -531,7 +553,9 @@ def run_proxy_cli(args: argparse.Namespace) -> int:
                         connect_timeout=args.connect_timeout, handoff=args.handoff,
                         prefill_failure=args.prefill_failure, master=args.master,
                         master_token=_read_token(args.master_token_file), route=route,
-                        health_interval=args.health_interval, health_timeout=args.health_timeout)
+                        health_interval=args.health_interval, health_timeout=args.health_timeout,
+                        discovery_interval=args.discovery_interval,
+                        discovery_timeout=args.discovery_timeout)
     except ValueError as e:
         raise SystemExit(f"pdxfer proxy: {e}") from e
     asyncio.run(_serve_forever(proxy, args.host, args.port, args.port_file))

@@ -42,10 +42,24 @@ class ProxyMetrics:
         self.request_seconds = Histogram(REQUEST_SECONDS.name, REQUEST_SECONDS.help, REQUEST_SECONDS.labels,
                                          buckets=REQUEST_BUCKETS, registry=r)
 
+    def backend_added(self, b: Backend) -> None:
+        self.healthy.labels(b.role, b.url).set(1 if b.healthy else 0)
+
+    def backend_removed(self, b: Backend) -> None:
+        """Its series go with it: pods come and go with new addresses, and a series per address
+        ever seen would grow without bound."""
+        for metric, labels in ((self.healthy, (b.role, b.url)), (self.request_seconds, (b.role, b.url))):
+            try:
+                metric.remove(*labels)
+            except KeyError:  # never recorded
+                pass
+
     def backend_changed(self, b: Backend, healthy: bool) -> None:
-        self.healthy.labels(b.role, b.url).set(1 if healthy else 0)
+        if not b.removed:  # a health check that ends after its backend was dropped
+            self.healthy.labels(b.role, b.url).set(1 if healthy else 0)
         if not healthy:
             self.taken_out.labels(b.role).inc()
 
     def step_took(self, b: Backend, seconds: float) -> None:
-        self.request_seconds.labels(b.role, b.url).observe(seconds)
+        if not b.removed:
+            self.request_seconds.labels(b.role, b.url).observe(seconds)

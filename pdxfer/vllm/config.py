@@ -84,6 +84,11 @@ class ConnectorConfig:
     # This instance's OpenAI HTTP base URL ("http://10.0.0.5:8100"), carried in its registration
     # so a router can send requests to whichever instance holds a prompt. None: not announced.
     serve_url: str | None = None
+    # Load only the prefix of a hit that is expected to arrive sooner than this instance would
+    # compute it, from the loads and prefill steps it measured (reader_benefit.py); false: load
+    # every usable hit. A shorter choice is taken only when it saves more than the margin.
+    load_benefit: bool = False
+    load_benefit_margin: float = 0.25
 
     @property
     def staging_enabled(self) -> bool:
@@ -102,7 +107,8 @@ class ConnectorConfig:
 
 _FLOATS = {"lookup_timeout_s", "master_timeout_s", "lock_ttl_s", "retention_s", "load_timeout_s",
            "read_timeout_floor_s", "connect_timeout_s", "lease_ttl_s", "publish_fence_wait_s"}
-_NONNEG_FLOATS = {"publish_wait_s", "publish_hint_wait_s"}  # 0 turns the wait off
+_NONNEG_FLOATS = {"publish_wait_s", "publish_hint_wait_s",  # 0 turns the wait off
+                  "load_benefit_margin"}  # 0: any expected saving counts
 # Keys vLLM's own connectors read from the same dict; harmless to carry, so not an error.
 _IGNORED = {"backends"}
 
@@ -222,9 +228,9 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConnectorConfigError(f"{key} must be a positive number, got {value!r}")
         return float(value)
-    if key == "publish_as_decode":
+    if key in ("publish_as_decode", "load_benefit"):
         if not isinstance(value, bool):
-            raise ConnectorConfigError(f"publish_as_decode must be true or false, got {value!r}")
+            raise ConnectorConfigError(f"{key} must be true or false, got {value!r}")
         return value
     if key == "serve_url":
         return _serve_url(value)

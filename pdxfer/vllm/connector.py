@@ -250,11 +250,13 @@ class PdxferConnector(KVConnectorBase_V1):
             return PdxferConnectorMetadata()
         assert self.scheduler_side is not None
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
-        return self.scheduler_side.build_connector_meta(None if scheduled is None else scheduled.keys())
+        if scheduled is None:
+            return self.scheduler_side.build_connector_meta(None)
+        return self.scheduler_side.build_connector_meta(scheduled.keys(), scheduled)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler_side is not None:
-            self.scheduler_side.drain_frees()
+            self.scheduler_side.step_output(getattr(connector_output, "finished_recving", None))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.refusal is not None:

@@ -27,6 +27,10 @@ _COUNTER_HELP = (
     ("pressure_reclaims", "Held chunks unpublished early to keep held blocks under the cap "
                           "(max_held_fraction of the KV cache)"),
     ("late_publishes", "Publishes still in flight when their request's wait for them ran out"),
+    ("load_benefit_loads", "Hits the load gate (load_benefit) loaded whole: loading was expected to be faster"),
+    ("load_benefit_partials", "Hits the load gate loaded only a leading part of, computing the rest here"),
+    ("load_benefit_recomputes", "Hits the load gate declined entirely: computing them was expected to be faster"),
+    ("load_benefit_declined_tokens", "Held prompt tokens the load gate chose to compute rather than load"),
     ("master_errors", "Master calls that failed on the scheduler hot path"),
     ("unkeyable_requests", "Requests kept out of the connector: their KV is not named by their "
                            "tokens (LoRA, multimodal inputs, prompt embeddings)"),

@@ -22,6 +22,7 @@ from pdxfer.vllm.hint_wait import HintPoller, HintWait
 from pdxfer.vllm.holder_routes import NotReadable, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.load_plan import HitShape, exact_end, plan_reads
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, RepullSpec
+from pdxfer.vllm.reader_benefit import LoadGate
 from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
@@ -72,6 +73,8 @@ class ReaderPath:
         self._hot = hot  # lookups: the short bound of the scheduler's hot path
         self._bg = bg
         self.stats = stats
+        # Load or recompute by measured benefit (None: every usable hit is loaded).
+        self.gate = LoadGate(cfg.load_benefit_margin, stats) if cfg.load_benefit else None
         self._hasher = hasher
         self._own_node = own_node
         self._lookups: dict[str, _Lookup] = {}
@@ -178,6 +181,14 @@ class ReaderPath:
                      answered_at + res.lock_ttl_s, looked_up_at=answered_at, epochs=dict(res.epochs or {}),
                      skip=self._skip())
         usable = self._usable_chunks(lk)
+        pieces = None
+        if self.gate is not None and usable:
+            tail_n = num_tokens - len(keys) * C if tail is not None else 0
+            pieces = self.gate.pieces(lk.locations[:usable], local, first, C, tail_n, len(keys), last)
+            usable = self.gate.decide(req_id, pieces).chunks
+            if usable == 0:
+                self._release_async(res.lock_id)
+                return 0, False
         hit_end = (first + min(usable, len(keys) - first)) * C
         if tail is not None and usable == len(want):
             lk.tail_tokens = num_tokens - len(keys) * C
@@ -193,6 +204,9 @@ class ReaderPath:
             return 0, False
         lk.hit_end = hit_end
         self._lookups[req_id] = lk
+        if pieces is not None:
+            assert self.gate is not None
+            self.gate.planned(req_id, pieces[:usable])
         self.stats.lookup_hit_tokens += hit_end - local
         return hit_end - local, True
 
@@ -260,6 +274,8 @@ class ReaderPath:
 
     def set_local_layouts(self, layouts: dict[int, KVLayout]) -> None:
         self._local = dict(layouts)
+        if self.gate is not None:
+            self.gate.set_bytes_per_token(self._local.values(), self.block_size)
         self._usable.clear()
         with self._skip_mu:
             self._unusable_regs.clear()
@@ -370,7 +386,11 @@ class ReaderPath:
                       self.block_size)
         return end
 
-    def take_metadata(self) -> PdxferConnectorMetadata:
+    def take_metadata(self, scheduled_tokens: dict[str, int] | None = None) -> PdxferConnectorMetadata:
+        """The loads planned since the last step, for this step's metadata; ``scheduled_tokens``
+        (vLLM's tokens per request of this step) feeds the load gate's prefill rate."""
+        if self.gate is not None:
+            self.gate.step_built(scheduled_tokens, (spec.req_id for spec in self._pending_loads))
         meta = PdxferConnectorMetadata(loads=self._pending_loads)
         self._pending_loads, self._step_refs = [], {}
         return meta
@@ -379,8 +399,15 @@ class ReaderPath:
 
     def finish_request(self, req_id: str) -> None:
         self.drop_lookup(req_id)
+        if self.gate is not None:
+            self.gate.dropped(req_id)
         self._attempted.discard(req_id)
         self._hint_waits.cancel(req_id)
+
+    def step_output(self, finished_recving: Any) -> None:
+        """vLLM's output of a step: the loads it reports finished (for the load gate)."""
+        if self.gate is not None:
+            self.gate.step_output(finished_recving)
 
     def drop_lookup(self, req_id: str) -> None:
         lk = self._lookups.pop(req_id, None)

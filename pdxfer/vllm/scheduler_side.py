@@ -193,11 +193,13 @@ class SchedulerSide:
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self.reader.update_state_after_alloc(req_id, block_ids, num_external_tokens)
 
-    def build_connector_meta(self, scheduled: Iterable[str] | None = None) -> PdxferConnectorMetadata:
+    def build_connector_meta(self, scheduled: Iterable[str] | None = None,
+                             scheduled_tokens: dict[str, int] | None = None) -> PdxferConnectorMetadata:
         """The step's metadata; ``scheduled``: the ids of the requests it computes (None:
-        unknown, then every request finishing later waits for this step's writes)."""
+        unknown, then every request finishing later waits for this step's writes);
+        ``scheduled_tokens``: how many tokens each computes (None: unknown)."""
         self.holder.drain_frees()
-        meta = self.reader.take_metadata()
+        meta = self.reader.take_metadata(scheduled_tokens)
         if self.fence is not None:
             self._step_seq += 1
             meta.step_seq, meta.write_fence = self._step_seq, self.fence.name
@@ -243,6 +245,11 @@ class SchedulerSide:
             self._kept_out_reasons.add(reason)
             log.warning("pdxfer: request %s is kept out of KV transfer because %s (its token ids do not "
                         "name its KV); such requests are computed locally", req_id, reason)
+
+    def step_output(self, finished_recving: Any) -> None:
+        """A step's output reached the scheduler: what it says about this instance's loads."""
+        self.holder.drain_frees()
+        self.reader.step_output(finished_recving)
 
     def drain_frees(self) -> None:
         self.holder.drain_frees()

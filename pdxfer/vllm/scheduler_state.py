@@ -24,6 +24,10 @@ class SchedulerStats:
     background_errors: int = 0  # unexpected errors in the reaper or publisher (logged, survived)
     publish_hint_waits: int = 0  # lookups that waited for chunks a prefill's hint announced
     publish_hint_timeouts: int = 0  # ... and went on without some of them
+    load_benefit_loads: int = 0  # hits the load gate loaded whole (load_benefit on)
+    load_benefit_partials: int = 0  # ... of which it loaded a leading part and computed the rest
+    load_benefit_recomputes: int = 0  # ... that it computed entirely
+    load_benefit_declined_tokens: int = 0  # held tokens it chose to compute rather than load
     publishes_unfenced: int = 0  # dropped: the device did not confirm their KV writes in time
     phases: PhaseTimes = field(default_factory=PhaseTimes)  # not a counter: taken, not diffed
 

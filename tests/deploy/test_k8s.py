@@ -251,7 +251,67 @@ def test_master_and_proxy_settings_are_accepted(overlay):
     assert ports == {"wire": 7000, "metrics": 7001}
     p = _container(objs, "Deployment", "pdxfer-proxy", "proxy")
     proxy_args = pdxfer_cli.build_parser().parse_args(p["command"][1:] + p["args"])
-    assert proxy_args.port == 8000 and proxy_args.prefill == ["http://pdxfer-prefill:8000"]
+    assert proxy_args.port == 8000 and proxy_args.host == "0.0.0.0"
+
+
+def _vllm_port(c: dict) -> int:
+    (port,) = [int(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--port=")]
+    return port
+
+
+def test_proxy_routes_to_each_pod_by_the_url_its_connector_registers(overlay):
+    """The proxy's backends are the headless Services' pods, one per ready pod at vLLM's port,
+    and the URL the proxy makes of a pod's address is the serve_url that pod's connector
+    registers, which the master's index hands the router (holder matching is by equal URL)."""
+    from pdxfer import cli as pdxfer_cli
+    from pdxfer.serve.discovery import is_dns_spec, parse_dns_spec
+
+    name, objs = overlay
+    by_id = _by_id(objs)
+    p = _container(objs, "Deployment", "pdxfer-proxy", "proxy")
+    env = _pod_env(objs, p)
+    args = pdxfer_cli.build_parser().parse_args(p["command"][1:] + [_expand(a, env) for a in p["args"]])
+    for role, given in (("prefill", args.prefill), ("decode", args.decode)):
+        assert given and all(is_dns_spec(u) for u in given), f"{name} {role}: {given} (one load-balanced URL hides the pods)"
+        (spec,) = [parse_dns_spec(role, u) for u in given]
+        svc = by_id.get(("Service", spec.name))
+        assert svc is not None, f"{name} {role}: no Service {spec.name}"
+        assert svc["spec"].get("clusterIP") == "None", f"{name}: {spec.name} is not headless"
+        assert svc["spec"].get("publishNotReadyAddresses", False) is False, f"{name}: {spec.name} lists unready pods"
+        workload = by_id[("Deployment", f"pdxfer-{role}")]
+        assert svc["spec"]["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+        vllm = _container(objs, "Deployment", f"pdxfer-{role}", "vllm")
+        (http,) = [cp["containerPort"] for cp in vllm["ports"] if cp["name"] == "http"]
+        assert spec.port == http == _vllm_port(vllm), f"{name} {role}: proxy port {spec.port}, vLLM {_vllm_port(vllm)}"
+        ienv = _pod_env(objs, vllm)
+        cfg = parse_extra_config(_kv_transfer_config([_expand(a, ienv) for a in vllm["args"]])
+                                 ["kv_connector_extra_config"], env=ienv)
+        assert cfg.serve_url == spec.url_for(POD_IP) == f"http://{POD_IP}:{http}", (
+            f"{name} {role}: registers serve_url {cfg.serve_url!r}, the proxy knows the pod as "
+            f"{spec.url_for(POD_IP)!r}")
+    # The index: read from the leader the instances find, with the token they use.
+    ienv = _pod_env(objs, _container(objs, "Deployment", "pdxfer-decode", "vllm"))
+    assert args.master == ienv["PDXFER_MASTER"] and args.master.startswith("etcd://"), args.master
+    assert str(args.master_token_file) == ienv["PDXFER_MASTER_TOKEN_FILE"]
+    mounts = {m["mountPath"] for m in p["volumeMounts"]}
+    assert str(args.master_token_file.parent) in mounts
+    for opt in re.findall(r"(?:ca|cert|key|password-file)=([^&]+)", args.master):
+        assert str(Path(opt).parent) in mounts, f"{name}: the proxy does not mount {opt}"
+
+
+def test_each_pod_is_scraped_once(overlay):
+    """A ServiceMonitor scrapes every Service it selects: a pod behind two of them (the
+    load-balanced and the headless one) would be counted twice."""
+    name, objs = overlay
+    services = [o for o in objs if o["kind"] == "Service"]
+    for mon in (o for o in objs if o["kind"] == "ServiceMonitor"):
+        sel = mon["spec"]["selector"]["matchLabels"]
+        for w in _workloads(objs):
+            labels = w["spec"]["template"]["metadata"]["labels"]
+            hits = [s["metadata"]["name"] for s in services
+                    if sel.items() <= s["metadata"].get("labels", {}).items()
+                    and s["spec"]["selector"].items() <= labels.items()]
+            assert len(hits) <= 1, f"{name}: {mon['metadata']['name']} scrapes {w['metadata']['name']} via {hits}"
 
 
 # ---- the TLS settings as pdxfer parses them --------------------------------------------------
@@ -379,6 +439,11 @@ def test_tls_settings_are_accepted_by_pdxfers_etcd_and_master_tls_code(overlay, 
     tls = master_tls.client_tls_from(env=env)
     assert tls is not None and tls.server_name == server_name
     _handshake(server_ctx, tls.context(), tls.server_name)
+    # Its --master is $(PDXFER_MASTER) (test_proxy_routes_to_each_pod_...): that etcd, those files.
+    proxy_etcd = etcd_layout.parse_etcd_url(env["PDXFER_MASTER"], env={}).security
+    assert proxy_etcd == master_etcd, f"{name} proxy: etcd settings differ from the masters'"
+    proxy_etcd.ssl_context()
+    assert proxy_etcd.read_password() == "etcd-pw"
 
     # etcd serves client TLS, requires client certificates, and its /health probe stays reachable.
     sts = by_id[("StatefulSet", "etcd")]

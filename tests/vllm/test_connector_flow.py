@@ -566,3 +566,63 @@ def test_each_instance_logs_the_namespace_it_keys_prompts_in(pair, caplog):
     assert spaces[0] == spaces[1] == holder.sched.namespace(None).root().hex()[:16]
     assert spaces[2] == spaces[3] != spaces[0], "another chunk size must log another namespace"
     assert f"chunks of {2 * C} tokens" in lines[2]
+
+
+def _steps(node: Node, n: int, tokens: int, seconds: float) -> None:
+    """``n`` prefill steps as vLLM drives the scheduler: metadata built, the step runs, its output."""
+    for i in range(n):
+        node.sched.build_connector_meta([f"step{i}"], {f"step{i}": tokens})
+        time.sleep(seconds)
+        node.sched.step_output(None)
+
+
+def _measured_load(node: Node, rid: str, toks: list[int]) -> int:
+    """A load through the scheduler and worker halves, reported back as vLLM's step output does."""
+    ext, _, errors = node.load(rid, toks)
+    assert not errors
+    node.sched.step_output({rid})
+    node.sched.request_finished(rid, None, [], None)
+    return ext
+
+
+def test_the_load_gate_computes_a_hit_that_would_load_slower(pair, master, tmp_path, monkeypatch):
+    holder, reader = pair(load_benefit=True)
+    stats = reader.sched.stats
+    # A holder whose reads take 0.3 s (frozen NIC, far away): measured on a real load, which the
+    # gate takes on a cold start (nothing measured yet).
+    (tmp_path / "read_delay_s").write_text("0.3")
+    monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
+    first = _tokens(2 * C + 3, 70)
+    holder.run_request("p0", first)
+    assert _measured_load(reader, "d0", first) == len(first) - 1
+    assert (stats.load_benefit_loads, stats.load_benefit_recomputes) == (1, 0)
+    # A fast prefill here: 4000 tokens per 10 ms step (the rate the gate needs to decide).
+    _steps(reader, 4, 4000, 0.01)
+    second = _tokens(2 * C + 3, 71)
+    holder.run_request("p1", second)
+    assert reader.sched.get_num_new_matched_tokens("d1", second, len(second), 0, None) == (0, False)
+    assert stats.load_benefit_recomputes == 1 and stats.load_benefit_declined_tokens == len(second) - 1
+    from pdxfer.master import MasterClient
+
+    with MasterClient(master.address) as c:
+        wait_until(lambda: c.stats()["locks"] == 0, "the declined hit's lock was never released", 5)
+    # The same holder against a slow prefill (200 tokens/s here): loading pays, the hit is loaded.
+    _steps(reader, 16, 10, 0.05)
+    ext, _ = reader.sched.get_num_new_matched_tokens("d2", second, len(second), 0, None)
+    assert ext == len(second) - 1 and stats.load_benefit_loads == 2
+    reader.sched.reader.drop_lookup("d2")
+
+
+def test_without_the_gate_every_hit_is_loaded(pair, tmp_path, monkeypatch):
+    holder, reader = pair()
+    (tmp_path / "read_delay_s").write_text("0.3")
+    monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
+    first = _tokens(2 * C + 3, 72)
+    holder.run_request("p0", first)
+    assert _measured_load(reader, "d0", first) == len(first) - 1
+    _steps(reader, 4, 4000, 0.01)
+    second = _tokens(2 * C + 3, 73)
+    holder.run_request("p1", second)
+    ext, _ = reader.sched.get_num_new_matched_tokens("d1", second, len(second), 0, None)
+    assert ext == len(second) - 1 and reader.sched.stats.load_benefit_recomputes == 0
+    reader.sched.reader.drop_lookup("d1")

@@ -324,3 +324,16 @@ def test_the_connector_exports_what_it_declares(tiny_model) -> None:
     PdxferPromMetrics(vc, types, ["model_name", "engine"], {0: ["tiny", "0"]})
     families = {(f.name, f.type, f.documentation) for f in reg.collect()}
     assert families == {(d.name, d.kind, d.help) for d in CONNECTOR_METRICS}
+
+
+def test_every_counter_the_connector_keeps_is_exported() -> None:
+    """A counter added to the scheduler's or a worker's stats must reach /metrics (and so
+    docs/metrics.md): the stats pipeline drops keys it does not know."""
+    from dataclasses import fields
+
+    from pdxfer.vllm.connector_metric_defs import COUNTER_KEYS
+    from pdxfer.vllm.scheduler_state import SchedulerStats
+    from pdxfer.vllm.worker_side import WorkerStats
+
+    kept = {f.name for cls in (SchedulerStats, WorkerStats) for f in fields(cls) if f.type in (int, "int")}
+    assert kept and kept <= set(COUNTER_KEYS), sorted(kept - set(COUNTER_KEYS))
