@@ -3,7 +3,8 @@
 # CI (where a skip fails: tests/conftest.py) skips nothing:
 #   Debian packages (root + apt-get; only what is missing): python3-venv, g++ (native kernels;
 #     binutils' nm/readelf for the CUDA compile test), iproute2 (network-namespace test), systemd (its
-#     systemd-analyze/-sysusers/-tmpfiles check the shipped units), and the
+#     systemd-analyze/-sysusers/-tmpfiles check the shipped units), prometheus (its promtool checks
+#     deploy/monitoring's rules and config; the server scrapes a live pair), and the
 #     soft-RoCE testbed's list (tools/softroce/testbed.py PACKAGES: qemu-system-x86,
 #     linux-image-amd64, busybox-static, rdma-core, kmod, ibverbs-utils, ibverbs-providers,
 #     perftest, python3-pyverbs, ucx-utils)
@@ -23,7 +24,7 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 missing=()
-for pkg in python3-venv g++ binutils iproute2 systemd; do
+for pkg in python3-venv g++ binutils iproute2 systemd prometheus; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

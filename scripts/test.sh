@@ -9,6 +9,8 @@
 #   scripts/test.sh vllm       real `vllm serve` prefill/decode pairs on CPU (minutes)
 #   scripts/test.sh rdma       soft-RoCE QEMU guest: NIXL/UCX rc_verbs READs between two rxe devices (root)
 #   scripts/test.sh chaos      holders, readers, masters, etcd under injected faults + history checker (~4 min)
+#   scripts/test.sh monitoring promtool on deploy/monitoring's rules, alert tests and config; a real Prometheus
+#                              scraping a live master, pair and proxy, every dashboard query answered (~1 min)
 #   scripts/test.sh gpu        the prepared GPU check (tests/gpu/check.py; not part of `all`): on a machine
 #                              with an NVIDIA GPU, builds the CUDA kernels and checks them and VRAM KV moves
 #                              (< 8 min); elsewhere prints one line and exits 0. No setup, no venv, no
@@ -85,8 +87,8 @@ PY
 case "$tier" in
   gpu) gpu_tier "$@" ;;  # exits: no setup.sh, no pytest
   all) paths=(tests) ;;
-  unit|transport|master|serve|deploy|vllm|rdma|chaos) paths=("tests/$tier") ;;
-  *) echo "unknown tier '$tier' (all|unit|transport|master|serve|deploy|vllm|rdma|chaos|gpu)" >&2; exit 2 ;;
+  unit|transport|master|serve|deploy|vllm|rdma|chaos|monitoring) paths=("tests/$tier") ;;
+  *) echo "unknown tier '$tier' (all|unit|transport|master|serve|deploy|vllm|rdma|chaos|monitoring|gpu)" >&2; exit 2 ;;
 esac
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
