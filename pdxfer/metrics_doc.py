@@ -34,8 +34,9 @@ Every pdxfer part serves Prometheus text on `GET /metrics`:
 | proxy | `http://<proxy>/metrics` | `pdxfer_proxy_*` |
 | connector | each vLLM instance's own `/metrics` (vLLM's port), beside vLLM's `vllm:*` | `vllm:pdxfer_*` |
 
-Counters end in `_total` in a scrape; histograms show `_bucket`, `_sum` and `_count`. What to do
-when one of them moves is in [failures.md](failures.md).
+Counters end in `_total` in a scrape; histograms show `_bucket`, `_sum` and `_count`. A Grafana
+dashboard and Prometheus alert rules built on these names are in `deploy/monitoring/` (see
+[monitoring.md](monitoring.md)); what to do when one of them moves is in [failures.md](failures.md).
 """
 
 _CONNECTOR_NOTE = """\
