@@ -20,6 +20,7 @@ MUTATIONS = (
     ("PdxferLockExpiries", "[5m])) > 0.05", "[5m])) > 0"),  # the healthy fleet's rare expiries fire
     ("PdxferLoadFailures", "> 0.1", "> 0.6"),  # misses half the loads failing
     ("PdxferHeldBlocksNearCap", "and vllm:pdxfer_held_blocks_cap > 0", ""),  # fires at 0 of 0
+    ("PdxferHeldBlocksNearCap", "_count[5m])) > 0)", "_count[5m])) >= 0)"),  # an idle engine's stale gauge
     ("PdxferProxyNoHealthyDecode", 'healthy{role="decode"}', 'healthy{role="prefill"}'),  # the wrong pool
 )
 
