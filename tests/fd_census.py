@@ -5,6 +5,7 @@ names (a holder's serving thread is named after the reader's port, an executor's
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections import Counter
@@ -20,3 +21,14 @@ def fd_kinds(**pids: int) -> dict[str, dict[str, int]]:
 
 def thread_names() -> Counter[str]:
     return Counter(re.sub(r"[-_:.]?\d+", "", t.name) for t in threading.enumerate())
+
+
+def census_with_master(master_pid: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(this process's fds by kind, the master's)."""
+    k = fd_kinds(test=os.getpid(), master=master_pid)
+    return k["test"], k["master"]
+
+
+def without(kinds: dict[str, int], name: str) -> dict[str, int]:
+    """``kinds`` but ``name`` (a kind a test judges apart)."""
+    return {k: v for k, v in kinds.items() if k != name}

@@ -12,7 +12,6 @@ locks ran out, it holds exactly the fds it held before them.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -20,23 +19,13 @@ from pathlib import Path
 
 from pdxfer.master import MasterClient, NodeSession, start_local_master
 from pdxfer.procs import free_port
-from tests.fd_census import fd_kinds, thread_names
+from tests.fd_census import census_with_master, thread_names, without
 from tests.master.conftest import keys_for, node_info, wait_until
 
 RESTARTS = 6
 TO_MASTER = "socket:tcp->master"
 FROM_TEST = "socket:tcp<-test"
 REPO = str(Path(__file__).resolve().parents[2])
-
-
-def _census(master_pid: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(this process's fds by kind, the master's)."""
-    k = fd_kinds(test=os.getpid(), master=master_pid)
-    return k["test"], k["master"]
-
-
-def _without(kinds: dict[str, int], name: str) -> dict[str, int]:
-    return {k: v for k, v in kinds.items() if k != name}
 
 
 def test_a_client_holds_the_same_fds_and_threads_after_many_master_restarts(tmp_path):
@@ -80,11 +69,11 @@ def test_a_client_holds_the_same_fds_and_threads_after_many_master_restarts(tmp_
         # it (one kept to a master that died would count on our side only). Bounded: closes
         # travel to the master while we look.
         def all_live() -> bool:
-            ours, its = _census(m.proc.pid)
+            ours, its = census_with_master(m.proc.pid)
             return ours.get(TO_MASTER) == its.get(FROM_TEST)
 
         wait_until(all_live, 10, "as many connections to the master as it holds from us")
-        ours, its = _census(m.proc.pid)
+        ours, its = census_with_master(m.proc.pid)
         assert 2 <= ours[TO_MASTER] <= callers, ours
         return ours, its
 
@@ -97,9 +86,9 @@ def test_a_client_holds_the_same_fds_and_threads_after_many_master_restarts(tmp_
             m = start_local_master(workdir=tmp_path, extra_args=margs)
             wait_until(lambda: session.reregistrations > before, 10, f"re-registration after restart {n + 1}")
             ours, its = incarnation()
-            assert _without(ours, TO_MASTER) == _without(first[0], TO_MASTER), \
+            assert without(ours, TO_MASTER) == without(first[0], TO_MASTER), \
                 f"after restart {n + 1} this process holds {ours}, after the first incarnation {first[0]}"
-            assert _without(its, FROM_TEST) == _without(first[1], FROM_TEST), \
+            assert without(its, FROM_TEST) == without(first[1], FROM_TEST), \
                 f"incarnation {n + 2} of the master holds {its}, the first {first[1]}"
             assert thread_names() == first_threads, \
                 f"threads after restart {n + 1}: {thread_names()}, after the first incarnation: {first_threads}"
@@ -126,8 +115,8 @@ time.sleep(60)
 
 def test_the_master_holds_what_it_held_before_once_its_clients_left(master):
     pid = master.proc.pid
-    wait_until(lambda: FROM_TEST not in _census(pid)[1], 10, "the start's own ping connection closed")
-    base = _census(pid)[1]
+    wait_until(lambda: FROM_TEST not in census_with_master(pid)[1], 10, "the start's own ping connection closed")
+    base = census_with_master(pid)[1]
     for i in range(3):
         # One client closes, one is dropped without close(), one dies with its connection open;
         # each leaves a node with a short lease and a lock nobody releases.
@@ -158,4 +147,4 @@ def test_the_master_holds_what_it_held_before_once_its_clients_left(master):
         return s["nodes"] == 0 and s["locks"] == 0
 
     wait_until(gone, 10, "every lease and lock expired")
-    wait_until(lambda: _census(pid)[1] == base, 10, f"the master's fds back to {base}")
+    wait_until(lambda: census_with_master(pid)[1] == base, 10, f"the master's fds back to {base}")

@@ -12,7 +12,6 @@ master that died is kept.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -20,7 +19,7 @@ pytest.importorskip("vllm")
 
 from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.procs import free_port  # noqa: E402
-from tests.fd_census import fd_kinds, thread_names  # noqa: E402
+from tests.fd_census import census_with_master, thread_names, without  # noqa: E402
 from tests.vllm.conftest import wait_until  # noqa: E402
 from tests.vllm.test_connector_flow import C, Node, _tokens  # noqa: E402
 
@@ -31,16 +30,6 @@ FROM_TEST = "socket:tcp<-test"
 # holder are dropped until the next load, which is a state of the moment, not a leak.
 CFG = {"lease_ttl_s": 1.5, "retention_s": 3.0, "lock_ttl_s": 1.0, "load_timeout_s": 30.0,
        "read_timeout_floor_s": 10.0, "connect_timeout_s": 10.0}
-
-
-def _census(master_pid: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(this process's fds by kind, the master's)."""
-    k = fd_kinds(test=os.getpid(), master=master_pid)
-    return k["test"], k["master"]
-
-
-def _without(kinds: dict[str, int], name: str) -> dict[str, int]:
-    return {k: v for k, v in kinds.items() if k != name}
 
 
 def test_holder_and_reader_hold_the_same_fds_and_threads_after_many_master_restarts(tmp_path):
@@ -65,12 +54,12 @@ def test_holder_and_reader_hold_the_same_fds_and_threads_after_many_master_resta
             reader.sched.reader.finish_request(f"x{seq}")
 
         def all_live() -> bool:
-            ours, its = _census(m.proc.pid)
+            ours, its = census_with_master(m.proc.pid)
             return ours.get(TO_MASTER) == its.get(FROM_TEST)
 
         # Bounded: the unused lock's release and closes travel while we look.
         wait_until(all_live, "as many connections to the master as it holds from us")
-        return _census(m.proc.pid)
+        return census_with_master(m.proc.pid)
 
     def restart(n: int) -> None:
         nonlocal m
@@ -89,13 +78,13 @@ def test_holder_and_reader_hold_the_same_fds_and_threads_after_many_master_resta
         for n in range(2, RESTARTS + 2):
             restart(n)
             ours, its = incarnation()
-            assert _without(ours, TO_MASTER) == _without(first[0], TO_MASTER), \
+            assert without(ours, TO_MASTER) == without(first[0], TO_MASTER), \
                 f"after restart {n} this process holds {ours}, after the first {first[0]}"
             # A client shared by two threads (a lease keeper and a reaper or releaser) keeps a
             # second connection in an incarnation where their calls overlapped: two such clients.
             assert ours[TO_MASTER] <= first[0][TO_MASTER] + 2, \
                 f"after restart {n}: {ours[TO_MASTER]} connections to the master, {first[0][TO_MASTER]} after the first"
-            assert _without(its, FROM_TEST) == _without(first[1], FROM_TEST), \
+            assert without(its, FROM_TEST) == without(first[1], FROM_TEST), \
                 f"incarnation {n} of the master holds {its}, the first after a restart {first[1]}"
             assert thread_names() == first_threads, \
                 f"threads after restart {n}: {thread_names()}, after the first: {first_threads}"

@@ -235,10 +235,13 @@ def test_the_connector_reports_each_bound_step_at_wait_for_save(standin):
         conn.wait_for_save()
         assert fence.completed() == 4
 
-        sched = SimpleNamespace(build_connector_meta=lambda scheduled: list(scheduled or ["<none>"]))
+        sched = SimpleNamespace(build_connector_meta=lambda scheduled, tokens=None: (
+            list(scheduled or ["<none>"]), tokens))
         conn.refusal, conn.scheduler_side = None, sched
         out = SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 1})
-        assert conn.build_connector_meta(out) == ["a", "b"]
+        # The tokens per request too: the load gate measures prefill steps by them.
+        assert conn.build_connector_meta(out) == (["a", "b"], {"a": 3, "b": 1})
+        assert conn.build_connector_meta(SimpleNamespace()) == (["<none>"], None)
         conn._fence_writer.close()
     finally:
         fence.close()
