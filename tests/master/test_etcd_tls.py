@@ -158,13 +158,15 @@ def test_refused_client_is_told_what_was_refused(cluster, pki, masters, case):
     wait_until(lambda: role(leader.address), 10, "a well-configured replica to lead")
     bad = _opts(pki, override)
 
-    # A reader: every endpoint refuses it; it says why, within its time budget.
+    # A reader: every endpoint refuses it; it says why, within its time budget. The budgets leave
+    # room for etcd's password hashing and three TLS handshakes on a loaded 2-core CI machine,
+    # where 1 s once ran out before the refusal arrived.
     t0 = time.monotonic()
     with pytest.raises(MasterUnavailable, match=message):
-        EtcdLocator(H.url(members, PREFIX, bad)).locate(2.0)
+        EtcdLocator(H.url(members, PREFIX, bad)).locate(3.0)
     with pytest.raises(MasterUnavailable, match=message):
-        MasterClient(H.url(members, PREFIX, bad), timeout_s=1.0).stats()
-    assert time.monotonic() - t0 < 4
+        MasterClient(H.url(members, PREFIX, bad), timeout_s=3.0).stats()
+    assert time.monotonic() - t0 < 7
 
     # A replica: it cannot lead; its status says what etcd refused (and the good one still leads).
     m = masters.start(extra_args=H.master_args(members, PREFIX, bad))
