@@ -12,10 +12,12 @@ try:  # The connector needs vLLM's base classes; the core of pdxfer must import 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorHandshakeMetadata as _HandshakeBase,
         KVConnectorMetadata as _MetaBase,
+        KVConnectorWorkerMetadata as _WorkerMetaBase,
     )
 except ImportError:  # pragma: no cover - exercised only where vLLM is absent
     _HandshakeBase = object  # type: ignore[misc,assignment]
     _MetaBase = object  # type: ignore[misc,assignment]
+    _WorkerMetaBase = object  # type: ignore[misc,assignment]
 
 # What changed in each version (both halves check it before trusting a field):
 #   1  loads (LoadSpec: reads per holder, lock, expiry, blocks) and holder refs; handshake
@@ -30,7 +32,9 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
 #      workers report each step's KV writes complete there (pdxfer.vllm.write_fence)
 #   7  HolderRef carries the registration's epoch; LoadSpec carries ``repull`` (RepullSpec): what a
 #      worker needs to look a failed range up again and read it from another holder
-METADATA_VERSION = 7
+#   8  host-memory tier: the step carries ``offloads`` (OffloadJob: device blocks -> host slots);
+#      workers answer with PdxferWorkerMeta; the handshake carries the rank's host pool
+METADATA_VERSION = 8
 
 
 class MetadataVersionError(RuntimeError):
@@ -144,9 +148,39 @@ class LoadSpec:
         raise MetadataVersionError(f"load of {self.req_id} names node {node_id} that it does not describe")
 
 
+@dataclass(frozen=True)
+class OffloadJob:
+    """Copy device block ``device_blocks[i]`` into host slot ``host_slots[i]`` (every layer and
+    segment). Sent in a step after the one that wrote those blocks."""
+
+    job_id: int
+    device_blocks: tuple[int, ...]
+    host_slots: tuple[int, ...]
+
+
+@dataclass
+class PdxferWorkerMeta(_WorkerMetaBase):  # type: ignore[misc]
+    """Worker -> scheduler, per step (vLLM aggregates every rank's before the scheduler sees it):
+    offload jobs whose copy completed on a rank (job id -> ranks done) or failed (job id -> why)."""
+
+    offloads_done: dict[int, int] = field(default_factory=dict)
+    offloads_failed: dict[int, str] = field(default_factory=dict)
+    version: int = METADATA_VERSION
+
+    def aggregate(self, other: "PdxferWorkerMeta") -> "PdxferWorkerMeta":
+        if getattr(other, "version", None) != self.version:
+            raise MetadataVersionError(f"worker metadata versions {self.version} and "
+                                       f"{getattr(other, 'version', None)} in one engine: mixed pdxfer installs?")
+        done = dict(self.offloads_done)
+        for job, n in other.offloads_done.items():
+            done[job] = done.get(job, 0) + n
+        return PdxferWorkerMeta(done, {**self.offloads_failed, **other.offloads_failed}, self.version)
+
+
 @dataclass
 class PdxferConnectorMetadata(_MetaBase):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
+    offloads: list[OffloadJob] = field(default_factory=list)
     step_seq: int = 0  # 1, 2, ... per built step; 0: this scheduler has no write fence
     write_fence: str = ""  # shared-memory name where workers store completed step numbers
     version: int = METADATA_VERSION
