@@ -190,3 +190,17 @@ def test_a_full_host_pool_evicts_the_oldest_host_chunk_before_reusing_its_slots(
     h.finish("e", e)
     jobs_e = h.step_jobs()
     assert {s for j in jobs_e for s in j.host_slots} == slots_a
+
+
+def test_cap_pressure_moves_copied_chunks_to_host_instead_of_dropping_them(host_holder):
+    h = host_holder(host_blocks=32, max_held_fraction=0.25, retention_s=60.0)  # 8 of 32 blocks held at most
+    p0 = _tokens(3 * C + 1, 20)  # 7 blocks: 3 chunks + the tail
+    h.finish("p0", p0)
+    jobs0 = h.step_jobs()
+    h.answer(done=jobs0)
+    h.finish("p1", _tokens(3 * C + 1, 21))  # does not fit under the cap with p0: room is made
+    wait_until(lambda: h.sched.stats.host_moves, "no chunk moved under cap pressure", 5)
+    assert h.sched.stats.pressure_reclaims >= h.sched.stats.host_moves
+    # p0's leading chunk left the device for its host copy, still served (not unpublished).
+    assert h.master_blocks(p0)[0] == _host_ids(jobs0)[0]
+    assert h.sched.held_blocks <= 8
