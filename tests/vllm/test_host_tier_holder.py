@@ -204,3 +204,17 @@ def test_cap_pressure_moves_copied_chunks_to_host_instead_of_dropping_them(host_
     # p0's leading chunk left the device for its host copy, still served (not unpublished).
     assert h.master_blocks(p0)[0] == _host_ids(jobs0)[0]
     assert h.sched.held_blocks <= 8
+
+
+def test_host_chunks_are_published_again_after_re_registration(host_holder):
+    h = host_holder(retention_s=0.3)
+    toks = _tokens(C + 3, 30)
+    h.finish("p", toks)
+    jobs = h.step_jobs()
+    h.answer(done=jobs)
+    wait_until(lambda: h.sched.holder.host_chunks == 2, "the chunks never moved to the host tier", 5)
+    # The master forgets them behind the holder's back (as after a restart) ...
+    assert len(h.client.unpublish_if_unlocked(h.sched.node_id, h.keys(toks))) == 2
+    assert h.master_blocks(toks) == []
+    h.sched.holder._republish()  # what the node session runs after a re-registration
+    wait_until(lambda: h.master_blocks(toks) == _host_ids(jobs), "host chunks never re-published", 5)
