@@ -218,3 +218,23 @@ def test_host_chunks_are_published_again_after_re_registration(host_holder):
     assert h.master_blocks(toks) == []
     h.sched.holder._republish()  # what the node session runs after a re-registration
     wait_until(lambda: h.master_blocks(toks) == _host_ids(jobs), "host chunks never re-published", 5)
+
+
+def test_the_connector_hands_vllms_step_output_to_the_host_tier(host_holder):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from pdxfer.vllm.connector import PdxferConnector
+
+    h = host_holder(retention_s=30.0)
+    # The vLLM-facing adapter around this scheduler half (its constructor needs a whole VllmConfig).
+    conn = PdxferConnector.__new__(PdxferConnector)
+    conn.scheduler_side = h.sched
+    assert not conn.has_pending_push_work()
+    h.finish("p", _tokens(C + 3, 40))
+    assert conn.has_pending_push_work()  # queued: vLLM keeps stepping for it
+    jobs = h.step_jobs()
+    conn.update_connector_output(KVConnectorOutput())  # a step without worker metadata
+    assert conn.has_pending_push_work()
+    conn.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=PdxferWorkerMeta({j.job_id: 1 for j in jobs}, {})))
+    assert not conn.has_pending_push_work() and h.sched.stats.offloads_completed == 2
