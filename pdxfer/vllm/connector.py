@@ -257,6 +257,7 @@ class PdxferConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.step_output(getattr(connector_output, "finished_recving", None))
+            self.scheduler_side.worker_output(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.refusal is not None:
@@ -275,3 +276,7 @@ class PdxferConnector(KVConnectorBase_V1):
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_frees()
+
+    def has_pending_push_work(self) -> bool:
+        # Host-tier copies in flight: vLLM keeps stepping until every rank answered (bounded).
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()

@@ -50,6 +50,15 @@ _COUNTER_HELP = (
                 "(summed over TP ranks: each rank re-pulls its own heads)"),
     ("publishes_unfenced", "Publishes dropped because the device did not confirm the request's KV "
                            "writes within publish_fence_wait_s (see the log)"),
+    ("offloads_queued", "Host-tier copies queued: a finished request's new chunk copied from KV cache "
+                        "blocks into host slots (host_tier_mib)"),
+    ("offloads_completed", "Host-tier copies every TP rank completed (the chunk can move to host memory)"),
+    ("offloads_failed", "Host-tier copies that failed on a TP rank or went unanswered (see the log); "
+                        "their chunks are unpublished as without a host tier"),
+    ("host_moves", "Chunks whose master entry moved to their host copy when their KV cache blocks were "
+                   "released (retention over, cap pressure)"),
+    ("host_evictions", "Host-only chunks unpublished (least recently used first) to make room in the "
+                       "host pool"),
 )
 
 # (stats key, help): the gauge is vllm:pdxfer_<key>.
@@ -58,6 +67,8 @@ _GAUGE_HELP = (
     ("held_chunks", "Published chunks this instance holds for readers"),
     ("held_blocks_cap", "The most blocks it may hold: max_held_fraction of its KV cache's blocks "
                         "(0 on an instance that does not publish)"),
+    ("host_chunks", "Chunks this instance serves from host memory only (host tier)"),
+    ("host_slots_used", "Host-tier slots in use: host-only chunks and copies of held chunks"),
 )
 
 COUNTER_KEYS = tuple(k for k, _ in _COUNTER_HELP)

@@ -69,6 +69,10 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Loads failed for lack of staging": d["staging_full"],
             "Reads that never stopped (holder disconnected)": d["reads_unstopped"],
             "Chunks re-pulled from another holder": d["repulls"],
+            "Host-tier copies completed": d["offloads_completed"],
+            "Host-tier copies failed": d["offloads_failed"],
+            "Chunks moved to host memory": d["host_moves"],
+            "Host chunks evicted": d["host_evictions"],
             **({"Held blocks": self.data["held_blocks"]} if "held_blocks" in self.data else {}),
         }
 

@@ -11,6 +11,18 @@ master's compare-and-unpublish succeeded (no valid reader lock), decided on a ba
 that sleeps until the next retention deadline; the block-pool call itself is made on the
 scheduler thread at its next hook (every step, and before any new request is allocated), since
 vLLM's block pool is not thread-safe. An idle engine therefore costs nothing.
+
+The host tier (``host_tier_mib`` > 0, when every TP rank reported host slots): each new chunk
+that finds free host slots is copied there when its request finishes (an ``OffloadJob`` in the
+next step's metadata; write-through). When its GPU blocks would be released (retention over, cap
+pressure) and the copy is complete on every rank, the master's entry is re-published with the host
+ids (``N + slot``, N = the device block count) instead of unpublished, and only once the master
+accepted that move are the GPU blocks freed. Host chunks are published without a hold-until
+(``retention_s=None``: the master serves them until this holder unpublishes them or its lease
+ends): they stay until the host LRU evicts them, which is a compare-and-unpublish like any other,
+and a slot is freed only after the master confirmed its key gone. A chunk that is host-only and
+finishes again from the device is served from the host copy (its LRU entry is refreshed; the
+device blocks are not held): the master never holds two locations of one key from this node.
 """
 
 from __future__ import annotations
@@ -30,6 +42,9 @@ from pdxfer.plan import chunk_span
 from pdxfer.vllm.config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.block_pool import BlockPoolHolder
+from pdxfer.vllm.host_slots import HostSlots
+from pdxfer.vllm.metadata import OffloadJob
+from pdxfer.vllm.offload_jobs import JobOutcome, OffloadJobs
 from pdxfer.vllm.scheduler_state import EpisodeLog, SchedulerStats
 from pdxfer.vllm.write_fence import WriteFence
 
@@ -41,16 +56,26 @@ class _Held:
     blocks: tuple[int, ...]
     retain_until: float  # monotonic; pushed forward while unpublish is refused
     retention_end: float = 0.0  # when retention first ran out (the master stops serving then)
+    host: tuple[int, ...] | None = None  # host slots of its copy (reserved while the job runs)
+    job_id: int = 0  # the offload job still filling ``host`` (0: none)
+    host_valid: bool = False  # the copy completed on every rank: the chunk may move there
+    no_move: bool = False  # never move (never published from the device, or a move errored)
+    moving: bool = False  # a move is queued on the publisher thread
+    gen: int = 0  # bumped by every refresh: a move decided before one keeps the device blocks
 
 
 # How fast the room kept for the largest recent request shrinks (per request) when requests get
 # smaller: a burst of long prompts is remembered for a few dozen requests.
 _ROOM_DECAY = 0.95
 
+# An offload job not answered by every TP rank within this long after it was sent is dropped
+# (its host copy is never used): copies take milliseconds, so this only catches a lost answer.
+OFFLOAD_ANSWER_BOUND_S = 30.0
+
 
 class HolderPath:
     def __init__(self, cfg: ConnectorConfig, *, block_size: int, hot: Any, bg: Any,
-                 stats: SchedulerStats, fence: WriteFence | None = None) -> None:
+                 stats: SchedulerStats, fence: WriteFence | None = None, tp_size: int = 1) -> None:
         self.cfg = cfg
         self._fence = fence  # None: every write is complete when its request finishes (no device)
         self._awaiting_fence: set[bytes] = set()  # held, queued, writes not yet confirmed: never re-published
@@ -76,9 +101,44 @@ class HolderPath:
         self._reclaiming = False
         self._room_wanted = 0  # blocks the largest recent request took (decaying): kept free
         self.stale_after_s_override: float | None = None  # tests shorten the last-resort bound
+        # Host tier (all guarded by _lock): slots and host-only chunks, offload jobs.
+        self._host = HostSlots(0)
+        self._device_blocks = 0  # N: host slot s is published as block id N + s
+        self._jobs = OffloadJobs(tp_size, OFFLOAD_ANSWER_BOUND_S)
+        self._evicting = False
 
     def bind_block_pool(self, pool: Any) -> None:
         self._pool = pool if isinstance(pool, BlockPoolHolder) else BlockPoolHolder(pool)
+
+    def set_host_tier(self, num_slots: int, device_blocks: int) -> None:
+        """Every TP rank has ``num_slots`` host slots; the device KV cache has ``device_blocks``
+        blocks (host slot s is block id ``device_blocks + s`` at the master). 0 slots: no tier."""
+        if num_slots > 0 and device_blocks < 1:
+            raise ValueError(f"a host tier needs the device block count, got {device_blocks}")
+        with self._lock:
+            if self._host.used_count:
+                raise RuntimeError("the host tier was set up already and holds chunks")
+            self._host = HostSlots(max(int(num_slots), 0))
+            self._device_blocks = int(device_blocks)
+        if num_slots > 0:
+            log.info("pdxfer: host tier of %d slots per TP rank (published as block ids %d..%d)",
+                     num_slots, device_blocks, device_blocks + num_slots - 1)
+
+    @property
+    def host_enabled(self) -> bool:
+        return self._host.num_slots > 0
+
+    def _host_tier_usable(self) -> bool:
+        """The master's ids for host slots start at the device block count: it must be vLLM's."""
+        if not self.host_enabled or self._pool is None:
+            return False
+        if self._pool.num_blocks != self._device_blocks:
+            log.error("pdxfer: host tier off: vLLM's block pool has %d blocks, the KV layout %d; host ids "
+                      "(N + slot) would be ambiguous", self._pool.num_blocks, self._device_blocks)
+            with self._lock:
+                self._host = HostSlots(0)
+            return False
+        return True
 
     def start(self, info: NodeInfo) -> None:
         """Register the node under a lease and start the reaper."""
@@ -99,6 +159,9 @@ class HolderPath:
         with self._lock:
             keys = list(self._held)
         self._forget(keys)
+        with self._lock:  # the master dropped our host entries too
+            for k, _ in self._host.oldest():
+                self._free_host_only(k)
 
     @property
     def max_lock_ttl_s(self) -> float:
@@ -189,8 +252,12 @@ class HolderPath:
             return 0
         now = time.monotonic()
         retain = test_hook_float("retention_s") or self.cfg.retention_s
+        host_ok = self._host_tier_usable()
         with self._lock:
-            new = [(k, b) for k, b in zip(keys, blocks) if k not in self._held]
+            # Host-only chunks are served from their host copy: refreshed in the host LRU, never
+            # published from the device too (one location per key and node at the master).
+            on_host = {k for k in keys if k not in self._held and self._host.touch(k)}
+            new = [(k, b) for k, b in zip(keys, blocks) if k not in self._held and k not in on_host]
         if new:
             new = self._fit_under_cap(new)  # may reclaim (free) old chunks: before the refresh
         # Chunks already held are wanted again: extend their retention here and at the master,
@@ -202,10 +269,11 @@ class HolderPath:
                 h = self._held.get(k)
                 if h is not None:
                     h.retain_until, h.retention_end = now + retain, 0.0
+                    h.gen += 1
                     self._held.move_to_end(k)
                     refresh.append((k, h.blocks))
         if not new and not refresh:
-            return 0
+            return next((i for i, k in enumerate(keys) if k not in on_host), len(keys))
         for _, b in new:
             self._pool.hold(b)
         # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
@@ -216,7 +284,10 @@ class HolderPath:
                 self._held[k] = _Held(b, now + retain)
                 for x in b:
                     self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
+            host_wanted = self._queue_offloads(new) if host_ok else 0
             self._wake.notify()
+        if host_wanted:
+            self._evict_host_async(host_wanted)
         entries = [(k, list(b)) for k, b in refresh + new]
         # Sequence number and registration are fixed now, when the publish is queued: a fence
         # (every free goes through one) or a newer registration then refuses it wherever it is.
@@ -232,7 +303,7 @@ class HolderPath:
                 fut.result(timeout=self.cfg.publish_wait_s)
             except FutureTimeout:
                 self.stats.late_publishes += 1
-        covered = {k for k, _ in refresh} | {k for k, _ in new}
+        covered = {k for k, _ in refresh} | {k for k, _ in new} | on_host
         return next((i for i, k in enumerate(keys) if k not in covered), len(keys))
 
     def _send_publish(self, entries: list[tuple[bytes, list[int]]], new_keys: list[bytes], n_refresh: int,
@@ -304,6 +375,7 @@ class HolderPath:
                 h = self._held.get(k)
                 if h is not None:
                     h.retain_until = 0.0
+                    h.no_move = True  # the master never had its device entry: nothing to move
             self._wake.notify()
 
     def _fit_under_cap(self, new: list[tuple[bytes, tuple[int, ...]]]) -> list[tuple[bytes, tuple[int, ...]]]:
@@ -345,24 +417,27 @@ class HolderPath:
             for k, h in self._held.items():  # oldest first
                 if len(freed) >= want_blocks:
                     break
-                if k in keep:
+                if k in keep or h.moving:
                     continue
                 candidates.append(k)
                 freed.update(x for x in h.blocks if self._held_block_refs.get(x, 0) <= 1)
             if not candidates:
                 return
             self._reclaiming = True
+            moves = self._mark_moving(candidates)
+            candidates = [k for k in candidates if k not in moves]
 
         def run() -> None:
             try:
-                done = self._unpublish(self._hot, candidates)
+                moved = self._move(moves) if moves else []
+                done = self._unpublish(self._hot, candidates) if candidates else []
             except MasterError as exc:
                 log.debug("pdxfer: pressure unpublish failed: %s", exc)
                 return
             finally:
                 with self._lock:
                     self._reclaiming = False
-            self.stats.pressure_reclaims += len(done)
+            self.stats.pressure_reclaims += len(done) + len(moved)
             self._forget(done)
 
         # On the publisher thread: an unpublish must not overtake a queued publish of the same key.
@@ -371,6 +446,10 @@ class HolderPath:
         except RuntimeError:  # closing
             with self._lock:
                 self._reclaiming = False
+                for k in moves:
+                    h = self._held.get(k)
+                    if h is not None:
+                        h.moving = False
 
     def _forget(self, keys: Iterable[bytes], only_if_due: bool = False) -> None:
         """Keys no reader can lock any more: queue their blocks for release on the scheduler thread.
@@ -381,15 +460,23 @@ class HolderPath:
                 h = self._held.get(bytes(k))
                 if h is None or (only_if_due and h.retain_until > now):
                     continue
-                del self._held[bytes(k)]
-                for x in h.blocks:
-                    n = self._held_block_refs.get(x, 0) - 1
-                    if n <= 0:
-                        self._held_block_refs.pop(x, None)
-                    else:
-                        self._held_block_refs[x] = n
-                self._to_free.append(h.blocks)
-                self.stats.freed_chunks += 1
+                self._drop_held(bytes(k), h)
+                # Its host copy goes too (the master points at neither now); a copy still being
+                # made keeps its slots until its job ends (the worker may be writing them).
+                if h.host is not None and not h.job_id:
+                    self._host.free(h.host)
+
+    def _drop_held(self, key: bytes, h: _Held) -> None:
+        """Stop holding ``key``'s device blocks: queued for release on the scheduler thread (under _lock)."""
+        del self._held[key]
+        for x in h.blocks:
+            n = self._held_block_refs.get(x, 0) - 1
+            if n <= 0:
+                self._held_block_refs.pop(x, None)
+            else:
+                self._held_block_refs[x] = n
+        self._to_free.append(h.blocks)
+        self.stats.freed_chunks += 1
 
     def drain_frees(self) -> None:
         """Return blocks the reaper let go to vLLM's pool (scheduler thread only)."""
@@ -441,12 +528,22 @@ class HolderPath:
             if self._closing:
                 return True
             now = time.monotonic()
-            due = [k for k, h in self._held.items() if h.retain_until <= now]
+            due = [k for k, h in self._held.items() if h.retain_until <= now and not h.moving]
             if not due:
                 nxt = min((h.retain_until for h in self._held.values()), default=None)
                 self._wake.wait(None if nxt is None else max(nxt - now, 0.01))
                 return False
+            # Chunks with a complete host copy move there instead (on the publisher thread).
+            moves = self._mark_moving(due, retention_over=True)
+            for k in moves:
+                h = self._held[k]
+                h.retention_end = h.retention_end or now
+            due = [k for k in due if k not in moves]
         assert self.node_id is not None
+        if moves:
+            self._submit_move(moves)
+            if not due:
+                return False
         try:
             done = self._unpublish(self._bg, due)
             self._master_unreachable_since = None
@@ -495,11 +592,221 @@ class HolderPath:
         return client.unpublish_if_unlocked(self.node_id, keys,
                                             fence_seq=client.last_publish_seq(self.node_id))
 
+    # ------------------------------------------------------------------ host tier
+
+    def _queue_offloads(self, new: list[tuple[bytes, tuple[int, ...]]]) -> int:
+        """Queue a copy to fresh host slots for each new chunk that fits (under _lock); the slots
+        still wanted for those that did not (the host LRU makes room for later chunks)."""
+        wanted = 0
+        for k, b in new:
+            h = self._held.get(k)
+            if h is None or not b:
+                continue
+            slots = self._host.allocate(len(b))
+            if slots is None:
+                wanted += len(b)
+                continue
+            job = self._jobs.queue(k, b, slots)
+            h.host, h.job_id = slots, job.job_id
+            self.stats.offloads_queued += 1
+        return wanted
+
+    def take_offloads(self) -> list[OffloadJob]:
+        """Queued offload jobs for this step's metadata, each handed out once (scheduler thread)."""
+        with self._lock:
+            self._apply_outcomes(self._jobs.expire())
+            return self._jobs.take()
+
+    def offload_output(self, worker_meta: Any) -> None:
+        """A step's aggregated worker metadata (None: nothing reported): jobs done or failed."""
+        with self._lock:
+            self._apply_outcomes(self._jobs.answer(worker_meta) + self._jobs.expire())
+
+    def has_pending_offloads(self) -> bool:
+        """Offload jobs queued or sent and not ended: vLLM keeps stepping for them (each ends
+        within OFFLOAD_ANSWER_BOUND_S of being sent)."""
+        with self._lock:
+            return not self._closing and self._jobs.pending()
+
+    def _apply_outcomes(self, outcomes: list[JobOutcome]) -> None:
+        for o in outcomes:
+            h = self._held.get(o.key)
+            live = h is not None and h.job_id == o.job.job_id
+            if not o.why:
+                self.stats.offloads_completed += 1
+                if live:
+                    assert h is not None
+                    h.job_id, h.host_valid = 0, True
+                    continue
+            else:
+                self.stats.offloads_failed += 1
+                log.warning("pdxfer: host copy of chunk %s (job %d) failed: %s; it is unpublished as usual "
+                            "when its retention ends", o.key.hex()[:16], o.job.job_id, o.why)
+                if live:
+                    assert h is not None
+                    h.job_id, h.host = 0, None
+            # Failed, or its chunk was let go meanwhile: the master never pointed at these slots.
+            self._host.free(o.job.host_slots)
+
+    @staticmethod
+    def _movable(h: _Held) -> bool:
+        return h.host_valid and h.host is not None and not h.no_move and not h.moving
+
+    def _mark_moving(self, keys: Iterable[bytes], retention_over: bool = False) -> dict[bytes, int]:
+        """Of ``keys`` (held), those that move to their host copy now, with their refresh
+        generation, marked moving (under _lock); ``retention_over``: the reaper's (a refused
+        move is tried again shortly)."""
+        moves: dict[bytes, int] = {}
+        for k in keys:
+            h = self._held.get(k)
+            if h is not None and self._movable(h):
+                h.moving = True
+                if retention_over:
+                    h.retain_until = time.monotonic() + min(1.0, self.cfg.lock_ttl_s)  # next try, if refused
+                moves[k] = h.gen
+        return moves
+
+    def _submit_move(self, moves: dict[bytes, int]) -> None:
+        try:
+            self._publisher.submit(self._move, moves)
+        except RuntimeError:  # closing
+            with self._lock:
+                for k in moves:
+                    h = self._held.get(k)
+                    if h is not None:
+                        h.moving = False
+
+    def _move(self, moves: dict[bytes, int]) -> list[bytes]:
+        """Re-point the master's entries of ``moves`` (key -> refresh generation when decided) at
+        their host copies, on the publisher thread (after every publish queued before); release
+        the device blocks of each key the master accepted. Returns the moved keys. A key a
+        reader's lock pins is refused by the master and tried again later; a key refreshed
+        meanwhile keeps its device blocks too (a publish of them may follow the move)."""
+        assert self.node_id is not None
+        N = self._device_blocks
+        with self._lock:
+            entries = [(k, [N + s for s in h.host]) for k in moves
+                       if (h := self._held.get(k)) is not None and h.host is not None]
+        ok: set[bytes] = set()
+        failed = False
+        try:
+            if entries:
+                # Every device publish numbered so far is refused from now on, wherever it is (a
+                # timed-out one may still land): none can re-point a moved key at freed blocks.
+                self._hot.fence(self.node_id)
+                # No hold-until: a host chunk is served until the host LRU evicts it (unpublish).
+                accepted = self._hot.publish(self.node_id, entries, retention_s=None)
+                if accepted >= len(entries):
+                    ok = {k for k, _ in entries}
+                elif accepted > 0:  # which ones: the same publish again, per key (idempotent)
+                    ok = {k for k, b in entries if self._hot.publish(self.node_id, [(k, b)], retention_s=None) == 1}
+        except PublishFenced as exc:  # a concurrent unpublish's fence: try again next round
+            log.debug("pdxfer: host move fenced: %s", exc)
+        except MasterError as exc:
+            # Unknown outcome: the chunk takes the unpublish path, which copes with a lost master
+            # (its host slots are freed once the key is confirmed gone).
+            log.warning("pdxfer: moving %d chunks to the host tier failed (%s); unpublishing them instead",
+                        len(entries), exc)
+            failed = True
+        moved: list[bytes] = []
+        with self._lock:
+            for k, gen in moves.items():
+                h = self._held.get(k)
+                if h is None:
+                    continue
+                h.moving = False
+                if failed:
+                    h.no_move, h.retain_until = True, 0.0
+                    continue
+                if k not in ok or h.gen != gen or h.host is None:
+                    continue
+                self._drop_held(k, h)
+                self._host.add_host_only(k, h.host)
+                self.stats.host_moves += 1
+                moved.append(k)
+            self._wake.notify()
+        return moved
+
+    def _free_host_only(self, key: bytes) -> bool:
+        """The master confirmed ``key`` gone: its host slots are free (under _lock)."""
+        slots = self._host.pop_host_only(key)
+        if slots is None:
+            return False
+        self._host.free(slots)
+        return True
+
+    def _evict_host_async(self, want_slots: int) -> None:
+        """Unpublish the least recently used host-only chunks in the background until about
+        ``want_slots`` slots free; a slot is freed only after the master confirmed its key gone
+        (one eviction at a time, on the publisher thread: after queued publishes and moves)."""
+        with self._lock:
+            if self._evicting or self.node_id is None:
+                return
+            keys: list[bytes] = []
+            got = 0
+            for k, slots in self._host.oldest():
+                if got >= want_slots:
+                    break
+                keys.append(k)
+                got += len(slots)
+            if not keys:
+                return
+            self._evicting = True
+
+        def run() -> None:
+            try:
+                gone = self._unpublish(self._hot, keys)
+            except MasterError as exc:
+                log.debug("pdxfer: host eviction failed: %s", exc)
+                return
+            finally:
+                with self._lock:
+                    self._evicting = False
+            with self._lock:
+                for k in gone:
+                    if self._free_host_only(k):
+                        self.stats.host_evictions += 1
+
+        try:
+            self._publisher.submit(run)
+        except RuntimeError:  # closing
+            with self._lock:
+                self._evicting = False
+
+    def _republish_host(self) -> None:
+        """Publish the host-only chunks again (re-registration), on the publisher thread: an
+        eviction (also there) cannot free a slot under this publish."""
+        N = self._device_blocks
+        with self._lock:
+            entries = [(k, [N + s for s in slots]) for k, slots in self._host.oldest()]
+        if not entries or self.node_id is None:
+            return
+        try:
+            n = self._hot.publish(self.node_id, entries, retention_s=None)
+            log.info("pdxfer: re-published %d/%d host chunks after re-registration", n, len(entries))
+        except MasterError as exc:
+            log.warning("pdxfer: re-publish of host chunks after re-registration failed: %s", exc)
+
+    @property
+    def host_chunks(self) -> int:
+        with self._lock:
+            return len(self._host)
+
+    @property
+    def host_slots_used(self) -> int:
+        with self._lock:
+            return self._host.used_count
+
     def _republish(self) -> None:
         """The master forgot us (restart, failover, lost lease): publish again what we hold, each
         chunk with the retention it has left (never longer: the master must stop serving an
         entry no later than this holder's deadline for it)."""
 
+        if self.host_enabled:
+            try:
+                self._publisher.submit(self._republish_host)
+            except RuntimeError:  # closing
+                pass
         now = time.monotonic()
         groups: dict[int, list[tuple[bytes, list[int]]]] = {}
         with self._lock:

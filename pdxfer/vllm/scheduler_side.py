@@ -81,16 +81,18 @@ class SchedulerSide:
         self._req_step: dict[str, int] = {}  # request -> the newest step that scheduled it
         self._opaque_step = 0  # the newest step built without the list of what it scheduled
         self.holder = HolderPath(cfg, block_size=block_size, hot=self._hot, bg=self._bg, stats=self.stats,
-                                 fence=self.fence)
+                                 fence=self.fence, tp_size=tp_size)
 
     # ------------------------------------------------------------------ setup
 
     def gauges(self) -> dict[str, int]:
         """What this instance holds for readers now (vllm:pdxfer_held_*); zeros if it never publishes."""
         if not self.publishes:
-            return {"held_blocks": 0, "held_chunks": 0, "held_blocks_cap": 0}
+            return {"held_blocks": 0, "held_chunks": 0, "held_blocks_cap": 0, "host_chunks": 0,
+                    "host_slots_used": 0}
         return {"held_blocks": self.holder.held_blocks, "held_chunks": self.holder.held_chunks,
-                "held_blocks_cap": self.holder.held_blocks_cap}
+                "held_blocks_cap": self.holder.held_blocks_cap, "host_chunks": self.holder.host_chunks,
+                "host_slots_used": self.holder.host_slots_used}
 
     def bind_block_pool(self, pool: Any) -> None:
         self.holder.bind_block_pool(pool)
@@ -121,6 +123,11 @@ class SchedulerSide:
                  "log the same namespace", self.engine_id, self.role, self.namespace(None).root().hex()[:16],
                  self.model_id, self.content_fingerprint, self.cfg.chunk_tokens)
         if self.publishes:
+            # Host slots every rank has (older workers report none: no host tier); host slot s
+            # is block id N + s at the master, N = the device KV cache's block count.
+            host_slots = min(int(getattr(hs, "host_blocks", 0) or 0) for hs in by_rank.values())
+            if host_slots > 0:
+                self.holder.set_host_tier(host_slots, layouts[0].num_blocks)
             more = tuple(RankEndpoint(r, hs.transport_metadata, hs.layout, hs.layout_fingerprint)
                          for r, hs in sorted(by_rank.items()) if r != 0)
             # Namespace, chunk size, role and URL let a router that reads the master's index
@@ -200,6 +207,10 @@ class SchedulerSide:
         ``scheduled_tokens``: how many tokens each computes (None: unknown)."""
         self.holder.drain_frees()
         meta = self.reader.take_metadata(scheduled_tokens)
+        if self.publishes:
+            # Jobs queued when their request finished: its KV writes were enqueued in an earlier
+            # step, which the worker's copy is ordered after.
+            meta.offloads = self.holder.take_offloads()
         if self.fence is not None:
             self._step_seq += 1
             meta.step_seq, meta.write_fence = self._step_seq, self.fence.name
@@ -250,6 +261,15 @@ class SchedulerSide:
         """A step's output reached the scheduler: what it says about this instance's loads."""
         self.holder.drain_frees()
         self.reader.step_output(finished_recving)
+
+    def worker_output(self, worker_meta: Any) -> None:
+        """The workers' aggregated metadata of a step (None: nothing): offload jobs done or failed."""
+        if self.publishes:
+            self.holder.offload_output(worker_meta)
+
+    def has_pending_push_work(self) -> bool:
+        """Offload jobs queued or not yet answered by every TP rank (each one bounded)."""
+        return self.publishes and self.holder.has_pending_offloads()
 
     def drain_frees(self) -> None:
         self.holder.drain_frees()

@@ -29,6 +29,11 @@ class SchedulerStats:
     load_benefit_recomputes: int = 0  # ... that it computed entirely
     load_benefit_declined_tokens: int = 0  # held tokens it chose to compute rather than load
     publishes_unfenced: int = 0  # dropped: the device did not confirm their KV writes in time
+    offloads_queued: int = 0  # host-tier copies queued (device blocks -> host slots)
+    offloads_completed: int = 0  # ... that every TP rank completed
+    offloads_failed: int = 0  # ... that failed on a rank or went unanswered (copy never used)
+    host_moves: int = 0  # chunks whose master entry moved to the host copy (device blocks freed)
+    host_evictions: int = 0  # host-only chunks unpublished to make room in the host pool
     phases: PhaseTimes = field(default_factory=PhaseTimes)  # not a counter: taken, not diffed
 
     def counters(self) -> dict[str, int]:
