@@ -25,7 +25,7 @@ from pdxfer.vllm.connector_layout import (derive_content_fingerprint, derive_lay
                                          derive_kv_dtype, kv_format, kv_refusal, model_identity, total_kv_heads)
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
-from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake
+from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
 from pdxfer.vllm.publish_hint import hinted_tokens, publish_hint
 from pdxfer.vllm.write_fence import FenceWriter
 
@@ -162,6 +162,10 @@ class PdxferConnector(KVConnectorBase_V1):
             return None, None
         done = self.worker_side.get_finished()
         return None, (done or None)
+
+    def build_connector_worker_meta(self) -> PdxferWorkerMeta | None:
+        # Host-tier copies that ended on this rank since the last step (vLLM sums the ranks').
+        return self.worker_side.take_worker_meta() if self.worker_side is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors() if self.worker_side is not None else set()

@@ -50,6 +50,8 @@ _COUNTER_HELP = (
                 "(summed over TP ranks: each rank re-pulls its own heads)"),
     ("publishes_unfenced", "Publishes dropped because the device did not confirm the request's KV "
                            "writes within publish_fence_wait_s (see the log)"),
+    ("host_tier_tokens_loaded", "Prompt tokens of loads that read chunks from a holder's host tier "
+                                "(host_tier_mib on the holder); part of tokens_loaded"),
     ("offloads_queued", "Host-tier copies queued: a finished request's new chunk copied from KV cache "
                         "blocks into host slots (host_tier_mib)"),
     ("offloads_completed", "Host-tier copies every TP rank completed (the chunk can move to host memory)"),

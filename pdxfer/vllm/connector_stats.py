@@ -69,6 +69,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Loads failed for lack of staging": d["staging_full"],
             "Reads that never stopped (holder disconnected)": d["reads_unstopped"],
             "Chunks re-pulled from another holder": d["repulls"],
+            "Tokens loaded from host tiers": d["host_tier_tokens_loaded"],
             "Host-tier copies completed": d["offloads_completed"],
             "Host-tier copies failed": d["offloads_failed"],
             "Chunks moved to host memory": d["host_moves"],

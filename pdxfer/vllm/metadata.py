@@ -212,6 +212,7 @@ class PdxferHandshake(_HandshakeBase):  # type: ignore[misc]
     dtype: str = ""
     kv_format: str = ""
     block_size: int = 0
+    host_blocks: int = 0  # host-tier slots of this rank (0: none); their layout is in ``layout``
     version: int = METADATA_VERSION
 
     def check(self) -> None:

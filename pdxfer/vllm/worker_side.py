@@ -31,7 +31,9 @@ from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.load_corruption import maybe_corrupt_load
 from pdxfer.vllm import repull as rp_plan
 from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
-from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake
+from pdxfer.vllm.host_pool import HOST_LAYOUT_KEY, HostPool, host_slots_for
+from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
+from pdxfer.layout import Region
 from pdxfer.vllm.phase_times import PhaseTimes
 
 log = logging.getLogger("pdxfer.vllm.worker")
@@ -105,6 +107,7 @@ class _Inflight:
     repulled: int = 0
     repull_lookup: Future | None = None
     repull_from: int = 0  # the token the pending re-pull starts at
+    host_reads: bool = False  # some chunks came from a holder's host tier
 
 
 @dataclass
@@ -119,6 +122,7 @@ class WorkerStats:
     staging_full: int = 0  # ... that failed: no room within the load's bound, or a block larger than it
     reads_unstopped: int = 0  # reads that did not stop within the bound: holder disconnected
     repulls: int = 0  # chunks read again from another holder after a failed read or refused lock
+    host_tier_tokens_loaded: int = 0  # tokens of loads that read some chunks from a holder's host tier
     transfer_s: list[float] = field(default_factory=list)
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 
@@ -129,10 +133,12 @@ class WorkerStats:
                "tokens_loaded": self.tokens_loaded, "bytes_loaded": self.bytes_loaded,
                "staging_waits": self.staging_waits, "staging_full": self.staging_full,
                "reads_unstopped": self.reads_unstopped, "repulls": self.repulls,
+               "host_tier_tokens_loaded": self.host_tier_tokens_loaded,
                "transfer_s": list(self.transfer_s)}
         out.update(self.phases.take())
         self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
         self.staging_waits = self.staging_full = self.reads_unstopped = self.repulls = 0
+        self.host_tier_tokens_loaded = 0
         self.transfer_s = []
         return out
 
@@ -161,6 +167,11 @@ class WorkerSide:
         self._staging: ReaderStaging | None = None
         self.transport: Any = None
         self._kv_caches: Mapping[str, Any] | None = None  # keeps registered memory alive
+        self.host_pool: HostPool | None = None
+        self._offloads_done: dict[int, int] = {}
+        self._offloads_failed: dict[int, str] = {}
+        # (holder node, rank) -> (planner for its host slots, its device block count)
+        self._host_planners: dict[tuple[str, int], tuple[PeerPlanner | ConvertingPlanner, int]] = {}
         # (node, holder rank) -> (its metadata, transport peer id, planner made once at connect)
         self._peers: dict[tuple[str, int], tuple[bytes, str, PeerPlanner | ConvertingPlanner]] = {}
         self._peers_lock = threading.Lock()
@@ -200,16 +211,28 @@ class WorkerSide:
         # copy through a pinned host bounce buffer with them.
         regions = [RegisteredRegion(r.index, r.ptr, r.nbytes, r.device, tensor=t)
                    for r, t in zip(layout.regions, kv_bytes)]
-        transport.register(regions + ([self._staging.region()] if self._staging.enabled else []))
+        regions += [self._staging.region()] if self._staging.enabled else []
+        layout_wire = layout.to_wire()
+        host_blocks = host_slots_for(self.cfg.host_tier_mib, layout.bytes_per_block)
+        if host_blocks:
+            placeholders = [Region(r.index, r.nbytes, r.device) for r in regions]
+            self.host_pool = HostPool(layout, kv_bytes, host_blocks, placeholders, self._staging.ops)
+            regions.append(self.host_pool.region())
+            layout_wire[HOST_LAYOUT_KEY] = self.host_pool.layout.to_wire()
+        transport.register(regions)
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
+        if self.host_pool is not None:
+            log.info("pdxfer: node %s rank %d host tier: %d blocks, %.0f MiB of pinned host memory",
+                     self.node_id, self.rank, host_blocks, self.host_pool.nbytes / 2**20)
         log.info("pdxfer: node %s rank %d/%d registered %d KV region(s), %d blocks x %d bytes (%d of %d KV "
                  "heads), transport %s, staging %.0f MiB", self.node_id, self.rank, self.tp_size,
                  len(layout.regions), layout.num_blocks, layout.bytes_per_block, layout.kv_heads,
                  self.total_kv_heads, self.cfg.transport, self._staging.nbytes / 2**20)
         return PdxferHandshake(self.node_id, self.rank, self.cfg.transport, transport.metadata(),
-                               layout.to_wire(), layout.fingerprint(), tp_size=self.tp_size,
+                               layout_wire, layout.fingerprint(), tp_size=self.tp_size,
                                total_kv_heads=self.total_kv_heads, dtype=layout.dtype,
-                               kv_format=layout.kv_format, block_size=layout.block_size)
+                               kv_format=layout.kv_format, block_size=layout.block_size,
+                               host_blocks=host_blocks)
 
     def _staging_bytes(self, layout: KVLayout) -> int:
         """``staging_mib`` when set, else from the model (longer loads stream through it)."""
@@ -232,12 +255,41 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
 
     def start_loads(self, meta: PdxferConnectorMetadata) -> None:
+        if meta.offloads:
+            self._start_offloads(meta)
         if not meta.loads:
             return
         meta.check()
         for spec in meta.loads:
             if spec.req_id not in self._inflight:  # the same metadata bound twice posts once
                 self._post(spec, {h.node_id: h for h in spec.holders})  # this load's own lookup
+
+    # ------------------------------------------------------------------ host tier (holder)
+
+    def _start_offloads(self, meta: PdxferConnectorMetadata) -> None:
+        for job in meta.offloads:
+            if self.host_pool is None:  # the scheduler thinks otherwise: the copy never happens
+                self._offloads_failed[job.job_id] = f"rank {self.rank} has no host tier"
+                continue
+            try:
+                self.host_pool.start(job)
+            except Exception as exc:
+                self._offloads_failed[job.job_id] = f"{type(exc).__name__}: {exc}"
+
+    def take_worker_meta(self) -> PdxferWorkerMeta | None:
+        """Offload jobs that ended on this rank since the last call (vLLM sums every rank's)."""
+        if self.host_pool is not None:
+            done, failed = self.host_pool.poll()
+            for job in done:
+                self._offloads_done[job] = 1
+            self._offloads_failed.update(failed)
+        if not self._offloads_done and not self._offloads_failed:
+            return None
+        out = PdxferWorkerMeta(self._offloads_done, self._offloads_failed)
+        self._offloads_done, self._offloads_failed = {}, {}
+        return out
+
+    # ------------------------------------------------------------------ loads (reader)
 
     def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> _Inflight:
         now = time.time()
@@ -303,6 +355,10 @@ class WorkerSide:
             at, peer, planner = self._peers[(ref.node_id, route.holder_rank)]
             if at != ref.endpoint(route.holder_rank).transport_metadata:  # reconnected for another load's lookup
                 raise RuntimeError(f"holder {ref.node_id} rank {route.holder_rank} is connected as another registration")
+            host = self._host_planners.get((ref.node_id, route.holder_rank))
+            if host is not None and max(r.remote_blocks, default=-1) >= host[1]:
+                self._post_host_read(inf, ref, route, r, peer, planner, *host)
+                return
             if isinstance(planner, ConvertingPlanner):  # READ into staging piece by piece, convert each
                 assert self._staging is not None
                 stream = self._staging.stream(planner, r, peer)
@@ -324,6 +380,27 @@ class WorkerSide:
             if isinstance(exc, (PeerDied, PeerUnreachable)):
                 inf.blame.add(ref.node_id)
             inf.error = f"{type(exc).__name__}: {exc}"
+
+    def _post_host_read(self, inf: _Inflight, ref: HolderRef, route: Route, r: Any, peer: str,
+                        planner: PeerPlanner | ConvertingPlanner, host_planner: PeerPlanner | ConvertingPlanner,
+                        n_device: int) -> None:
+        """A read naming some of the holder's host slots (block ids >= its device block count):
+        device and host blocks are planned against their own layouts, one transport read each."""
+        if isinstance(planner, ConvertingPlanner) or isinstance(host_planner, ConvertingPlanner) or r.remote_block_size:
+            raise NotReadable(f"holder {ref.node_id} serves these chunks from its host tier, which this "
+                              "version reads only block for block (same block size, format and heads)")
+        inf.host_reads = True
+        for part, offset in ((planner, 0), (host_planner, n_device)):
+            pairs = [(b - offset, l) for b, l in zip(r.remote_blocks, r.local_blocks)
+                     if (b >= n_device) == bool(offset)]
+            if not pairs:
+                continue
+            plan = part.plan([b for b, _ in pairs], [l for _, l in pairs])
+            inf.nbytes += plan.total_bytes
+            inf.handles.append(self.transport.read(peer, plan))
+            inf.handle_nodes.append((ref.node_id, route.holder_rank))
+            inf.read_deadline = max(inf.read_deadline,
+                                    time.monotonic() + self._read_bound(ref.node_id, plan.total_bytes))
 
     def _post_piece(self, inf: _Inflight, i: int) -> None:
         """Post stream ``i``'s next piece if the staging area has room; else wait (bounded by
@@ -423,9 +500,17 @@ class WorkerSide:
         assert self.layout is not None and self._staging is not None
         # The holder rank's layout is checked against ours once, here, not on every read.
         planner = self._staging.planner_for(KVLayout.from_wire(ep.layout), route)
+        host_wire = ep.layout.get(HOST_LAYOUT_KEY)
+        host = None
+        if host_wire is not None:
+            host = (self._staging.planner_for(KVLayout.from_wire(host_wire), route), int(ep.layout["num_blocks"]))
         peer = self.transport.connect(ep.transport_metadata, timeout=self._connect_bound())
         with self._peers_lock:
             self._peers[key] = (ep.transport_metadata, peer, planner)
+            if host is not None:
+                self._host_planners[key] = host
+            else:
+                self._host_planners.pop(key, None)
 
     def _post_pending(self, inf: _Inflight) -> bool:
         """Post reads whose connection came up; False while some connection is still pending."""
@@ -834,6 +919,8 @@ class WorkerSide:
         if inf.error is None and valid and not inf.lost:
             self.stats.loads_ok += counts
             self.stats.tokens_loaded += inf.load_tokens * counts
+            if inf.host_reads:
+                self.stats.host_tier_tokens_loaded += inf.load_tokens * counts
             self.stats.bytes_loaded += inf.nbytes
             self.stats.transfer_s.append(time.monotonic() - inf.load_started)
             self._observe(inf, elapsed)
