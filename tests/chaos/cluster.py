@@ -159,17 +159,19 @@ class Cluster:
         self.procs.append(cp)
         return cp
 
+    @staticmethod
+    def has_started(p: ChaosProc) -> bool:
+        """``p`` wrote its start record (a holder: after its first registration)."""
+        try:
+            with open(p.log) as f:
+                return '"op":"start"' in f.readline()
+        except OSError:
+            return False
+
     def all_started(self) -> bool:
         """Every holder and reader wrote its start record (or died trying)."""
-        for p in self.procs:
-            if p.kind in ("holder", "reader") and p.proc.alive():
-                try:
-                    with open(p.log) as f:
-                        if '"op":"start"' not in f.readline():
-                            return False
-                except OSError:
-                    return False
-        return True
+        return all(self.has_started(p) for p in self.procs
+                   if p.kind in ("holder", "reader") and p.proc.alive())
 
     def live(self, kind: str) -> list[ChaosProc]:
         return [p for p in self.procs if p.kind == kind and p.proc.alive()]

@@ -71,6 +71,9 @@ class ChaosConfig:
     broken_grouping: bool = False
     broken_repull: bool = False  # readers re-pull one block late (tests.chaos.kv_reader): must be caught
     wait_slack_s: float = 1.5  # scheduling slack on a loaded 2-core machine
+    # A node-id clash's second process sleeps this long before it registers: a loaded machine's
+    # slow start, made repeatable.
+    dup_start_delay_s: float = 0.0
     workdir: str = ""
 
     def to_json(self) -> str:

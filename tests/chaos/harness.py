@@ -28,6 +28,7 @@ BASE_FAULTS = ["holder_kill", "holder_freeze", "master_kill", "master_freeze", "
 HA_FAULTS = ["etcd_kill", "etcd_freeze"]
 # Known to break today's master (issue 9 hole 2): only injected when asked for.
 OPT_IN_FAULTS = ["node_id_clash"]
+DUP_START_BOUND_S = 30.0  # a clash whose second process has not registered by then ends unmet
 
 
 def fault_kinds(cfg: ChaosConfig) -> list[str]:
@@ -48,11 +49,13 @@ class Injector:
         self.seq = itertools.count()
         self.counts: dict[str, int] = {}
         self.busy: set[str] = set()  # targets with a fault in progress
+        self.flushing = False  # run_due(flush=True): every undo runs now, nothing waits
 
     def later(self, delay: float, what: str, fn: Callable[[], None]) -> None:
         heapq.heappush(self.events, (time.monotonic() + delay, next(self.seq), what, fn))
 
     def run_due(self, flush: bool = False) -> None:
+        self.flushing = self.flushing or flush
         while self.events and (flush or self.events[0][0] <= time.monotonic()):
             _, _, what, fn = heapq.heappop(self.events)
             try:
@@ -229,11 +232,23 @@ class Injector:
         dur = self.rng.uniform(1.0, 3.0)
         self.busy.add("clash")
         self._record("node_id_clash", dup.name, dur, node_of=p.name)
+        give_up = time.monotonic() + DUP_START_BOUND_S
 
         def end() -> None:
             dup.proc.kill()
             self.busy.discard("clash")
-        self.later(dur, "end clash", end)
+
+        # The clash lasts ``dur`` from the second process's registration, not from its spawn: on a
+        # loaded machine its imports alone can outlast ``dur``, and a process killed before it
+        # registered displaced nobody.
+        def when_registered() -> None:
+            if self.flushing or not dup.proc.alive() or time.monotonic() >= give_up:
+                self.later(0.0, "end clash", end)
+            elif self.cl.has_started(dup):
+                self.later(dur, "end clash", end)
+            else:
+                self.later(0.1, "wait for the clash's registration", when_registered)
+        self.later(0.1, "wait for the clash's registration", when_registered)
         return True
 
 

@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     with open(args.config) as f:
         cfg = ChaosConfig.from_json(f.read())
+    if args.name.startswith("dup"):
+        time.sleep(cfg.dup_start_delay_s)
     log = OpLog(args.log, args.name)
     fds0, threads0 = open_fds(), threading.active_count()
     if cfg.kv:
