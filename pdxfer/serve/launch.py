@@ -131,6 +131,13 @@ class Stack:
         return [self._rows[c.name] for c in self.components]
 
 
+def proxy_ready_url(proxy_url: str) -> str:
+    """Where the launcher asks whether the proxy is ready: once its health checks put every
+    instance in (it takes out the ones that did not answer yet and puts them back only at a later
+    check), not merely a decode, so a first request is never routed around a prefill still out."""
+    return proxy_url + "/health?require=all"
+
+
 def pdxfer_kv_config(role: str, master: str, transport: str = "tcp",
                      chunk_tokens: int | None = None, **extra: object) -> dict:
     """--kv-transfer-config for the pdxfer connector in `role` (kv_producer|kv_consumer|kv_both)."""
@@ -257,7 +264,7 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
         extra = (["--master", master] if connector and master and index_routing else []) + list(proxy_args)
         pproc, proxy_url = start_proxy(urls["prefill"], urls["decode"], log_dir, proxy_port,
                                        extra, die_with_parent=die_with_parent)
-        stack.add(Component("proxy", pproc, proxy_url + "/health", url=proxy_url))
+        stack.add(Component("proxy", pproc, proxy_ready_url(proxy_url), url=proxy_url))
         return stack, proxy_url
     except BaseException:
         stack.stop(5)

@@ -221,9 +221,21 @@ class PDProxy:
     # --- plain endpoints ---------------------------------------------------------------------
 
     async def health_endpoint(self, request: web.Request) -> web.Response:
+        """200 while a decode instance is in (the proxy can answer); with ``?require=all``
+        (readiness, e.g. for `pdxfer launch`) only while every instance of both roles is."""
         ok = bool(self.decode.healthy())
+        status = "ok" if ok else "no healthy decode instance"
+        require = request.query.get("require")
+        if require not in (None, "all"):
+            return web.json_response({"error": {"message": f"require={require!r}: only 'all' is known",
+                                                "type": "invalid_request_error", "code": 400}}, status=400)
+        if ok and require == "all":
+            out = [f"{pool.role} {pool.describe_down()}" for pool in (self.prefill, self.decode)
+                   if len(pool.healthy()) < len(pool.backends)]
+            if out:
+                ok, status = False, "instances out: " + "; ".join(out)
         doc: dict[str, Any] = {
-            "status": "ok" if ok else "no healthy decode instance",
+            "status": status,
             "prefill": [b.as_dict() for b in self.prefill.backends],
             "decode": [b.as_dict() for b in self.decode.backends],
         }

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pdxfer.procs import free_port, wait_http_ready
+from pdxfer.procs import free_port, http_ok, wait_http_ready
+from pdxfer.serve.launch import proxy_ready_url
 from pdxfer.serve.proxy import PDProxy, RunningProxy
 
 from .stand_ins import ThreadServer
@@ -258,6 +259,37 @@ def test_models_and_health(instances) -> None:
         health = json.loads(urllib.request.urlopen(px.url + "/health", timeout=5).read())
     assert models["data"][0]["owner"] == "D"
     assert health["status"] == "ok" and health["decode"][0]["url"] == d.url
+
+
+def test_launch_readiness_waits_until_the_proxy_has_every_instance_back_in(instances) -> None:
+    """The proxy takes out instances that do not answer yet and puts them back only at its next
+    health check; `pdxfer launch` declared the stack ready once the decode was back in, and a
+    first request could find the prefill still out (a decode-only route, nothing loaded)."""
+    p, d = instances("P"), instances("D")
+    p.healthy = False
+    with RunningProxy(PDProxy([p.url], [d.url], health_interval=0.2)) as px:
+        ready = proxy_ready_url(px.url)
+
+        def prefill_out() -> bool:
+            doc = json.loads(urllib.request.urlopen(px.url + "/health", timeout=5).read())
+            return doc["prefill"][0]["healthy"] is False
+
+        _wait(prefill_out, "the health check takes the prefill out")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(ready, timeout=5)
+        assert e.value.code == 503 and p.url in e.value.read().decode()
+        assert http_ok(px.url + "/health")  # the decode alone still serves: liveness stays ok
+        p.healthy = True
+        _wait(lambda: http_ok(ready), "ready once the health check put the prefill back in")
+        doc = json.loads(urllib.request.urlopen(ready, timeout=5).read())
+        assert doc["status"] == "ok" and doc["prefill"][0]["healthy"] is True
+
+
+def _wait(done, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 def test_nixl_handoff_passes_kv_transfer_params(instances) -> None:

@@ -94,7 +94,7 @@ def test_launch_demo_and_clean_stop(tmp_path: Path) -> None:
         pairs = re.findall(r"(\d+) prompt tokens, .* decode loaded (\d+) tokens", "\n".join(lines))
         assert len(pairs) == 3
         # Every prompt token but the last (full chunks and the tail), the short one included.
-        assert [int(n) - 1 for n, _ in pairs] == [int(k) for _, k in pairs]
+        assert [int(n) - 1 for n, _ in pairs] == [int(k) for _, k in pairs], "\n".join(lines)
         loaded = [int(k) for _, k in pairs]
         assert read_prom_counter(decode_url, TRANSFER_COUNTER) - before == sum(loaded)
 
