@@ -116,6 +116,10 @@ class LocalEtcd:
             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", self.initial_cluster, "--max-txn-ops", str(self.max_txn_ops),
             "--auto-compaction-retention", "1", "--log-level", "warn",
+            # Throwaway passwords: etcd's default bcrypt cost (10) takes ~100 ms of a fast core per
+            # password check, several times that on a loaded 2-core CI machine, where it once held
+            # an answer past a client's budget. Production etcd keeps its own setting.
+            "--bcrypt-cost", "4",
         ]
         if self.tls is not None:
             t = self.tls

@@ -62,9 +62,14 @@ class EtcdLocator:
         deadline = time.monotonic() + max(timeout_s, 0.05)
         last: str | None = None
         refused: str | None = None
-        for host, port in self.target.endpoints:
+        endpoints = self.target.endpoints
+        for i, (host, port) in enumerate(endpoints):
+            # An equal share of what is left: a member cut off by the network (it accepts nothing,
+            # answers nothing) must not use up the time of the healthy ones after it.
+            now = time.monotonic()
+            share = now + max((deadline - now) / (len(endpoints) - i), 0.05)  # the last: all that is left
             try:
-                doc = self._range(host, port, key, deadline)
+                doc = self._range(host, port, key, share)
             except EtcdRefusedError as exc:
                 refused = str(exc)
                 continue

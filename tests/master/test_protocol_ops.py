@@ -214,3 +214,40 @@ def test_leader_record_encoding_and_a_dead_etcd():
     with pytest.raises(MasterUnavailable, match="no etcd endpoint answered"):
         loc.locate(0.5)
     assert time.monotonic() - t0 < 3
+
+
+def test_a_silent_etcd_endpoint_does_not_use_up_the_budget_of_the_others():
+    """A member cut off by the network accepts nothing and answers nothing; the locator gave the
+    first endpoint its whole budget, so a silent first member hid every healthy one behind it."""
+    import base64
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections queue in the backlog; nothing ever reads them
+
+    leader = base64.b64encode(etcd_layout.encode_leader("10.0.0.7:7000", "r1")).decode()
+
+    class Member(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # /v3/kv/range of the leader key
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"kvs": [{"value": leader}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    member = ThreadingHTTPServer(("127.0.0.1", 0), Member)
+    threading.Thread(target=member.serve_forever, daemon=True).start()
+    try:
+        loc = EtcdLocator(f"etcd://127.0.0.1:{silent.getsockname()[1]},127.0.0.1:{member.server_port}/x")
+        t0 = time.monotonic()
+        assert loc.locate(2.0) == ("10.0.0.7", 7000)
+        assert time.monotonic() - t0 < 1.8
+    finally:
+        member.shutdown()
+        silent.close()

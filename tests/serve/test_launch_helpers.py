@@ -4,6 +4,7 @@ Process control: tests/unit/test_procs.py."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import pytest
 from pdxfer.serve.launch import instance_names, pdxfer_kv_config, split_cores, split_cores_among, start_fleet
 from pdxfer.serve.serve_shim import vllm_serve_argv, vllm_serve_env
 from pdxfer.serve.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
@@ -91,3 +94,12 @@ def test_each_instance_is_told_its_own_serve_url() -> None:
     cfg = pdxfer_kv_config("kv_consumer", "127.0.0.1:5000", serve_url="http://127.0.0.1:8101")
     assert cfg["kv_connector_extra_config"]["serve_url"] == "http://127.0.0.1:8101"
     assert cfg["kv_role"] == "kv_consumer"
+
+
+def test_launch_rejects_bad_model_dir(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "pdxfer.cli", "launch", str(tmp_path / "nothing")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no config.json" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pdxfer.cli", "launch"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--make-tiny-model" in r.stderr

@@ -6,7 +6,10 @@ against a plain `vllm serve` of the same model (no connector) computing every pr
   prompt token, and whose second turn goes to the instances holding the first turn's prefix;
 - a prompt the fleet already holds (a prefill computed it, no decode has it) skips the prefill:
   the route header and the proxy's metric say so, no prefill instance sees it, and the decode
-  loads every prompt token but the last.
+  loads every prompt token but the last;
+- what a user of `pdxfer launch` sees: the printed endpoints and example, the demo's prompts
+  (those routed through a prefill loaded but their last token, the short one computed by a
+  decode), a streamed chat answer, and SIGTERM stopping every process it started.
 
 Heavy: five vLLM instances (four in the fleet, the plain one), several minutes on small boxes.
 """
@@ -29,7 +32,7 @@ import pytest
 
 from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
 from pdxfer.serve.index_view import IndexView
-from pdxfer.serve.launch import read_prom_counter
+from pdxfer.serve.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
 from pdxfer.serve.serve_shim import start_vllm
 from tests.vllm.conftest import (kill_process_groups, EXTERNAL_HITS, PAIR_VLLM_ARGS, READY_TIMEOUT_S, TOP_K, Answer,
                                  ask_url, check_logprobs, post_json, prompt_of)
@@ -42,10 +45,11 @@ _TABLE = re.compile(r"^\s+(master|proxy|prefill-\d+|decode-\d+)\s+pid (\d+)\s+(\
 class Fleet:
     """The launched fleet: component URLs by name (the master's is its host:port)."""
 
-    def __init__(self, proc: subprocess.Popen, urls: dict[str, str], pgids: list[int]) -> None:
+    def __init__(self, proc: subprocess.Popen, urls: dict[str, str], pgids: list[int], log: Path) -> None:
         self.proc = proc
         self.urls = urls
         self.pgids = pgids
+        self.log = log  # what `pdxfer launch` printed
 
     @property
     def proxy(self) -> str:
@@ -79,7 +83,7 @@ def fleet(tmp_path_factory, tiny_model) -> Iterator[Fleet]:
         urls = {name: url for name, _, url in found}
         pgids = [int(pid) for _, pid, _ in found]  # each child leads its own process group
         assert set(urls) == {"master", "proxy", "prefill-0", "prefill-1", "decode-0", "decode-1"}
-        yield Fleet(proc, urls, pgids)
+        yield Fleet(proc, urls, pgids, log)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -216,3 +220,58 @@ def test_a_prompt_the_fleet_holds_skips_the_prefill_and_loads_all_but_its_last_t
         assert fleet.counter("prefill", "vllm:request_success_total") == prefill_requests
     finally:
         view.close()
+
+
+def _alive_in_group(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().split(")")[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_the_launch_output_the_demo_streaming_and_a_clean_stop(fleet: Fleet) -> None:
+    """Last in the module: it stops the fleet."""
+    text = fleet.log.read_text()
+    assert "pdxfer connector, transport tcp" in text
+    assert f"curl -s {fleet.proxy}/v1/completions" in text
+
+    lines: list[str] = []
+    decodes = fleet.role("decode")
+    before = fleet.counter("decode", TRANSFER_COUNTER)
+    assert run_demo(fleet.proxy, decodes, "tiny", connector=True, out=lines.append), "\n".join(lines)
+    shown = "\n".join(lines)
+    found = re.findall(r"(\d+) prompt tokens, .* decode loaded (\d+) tokens.*\n\s+route (\S+)", shown)
+    assert len(found) == 3, shown
+    for n, loaded, route in found:
+        if route.startswith("prefill="):  # every prompt token but the last (full chunks and the tail)
+            assert int(loaded) == int(n) - 1, shown
+        else:  # the short prompt (under the proxy's --skip-prefill-tokens): the decode computes it
+            assert route.startswith("decode-only=") and int(n) <= 256 and int(loaded) == 0, shown
+    assert sum(r.startswith("prefill=") for _, _, r in found) == 2, shown
+    assert fleet.counter("decode", TRANSFER_COUNTER) - before == sum(int(k) for _, k, _ in found)
+
+    # Streaming chat through the proxy to the real instances: SSE events, then [DONE].
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "the data block"}],
+            "max_tokens": 8, "temperature": 0, "stream": True}
+    req = urllib.request.Request(fleet.proxy + "/v1/chat/completions",
+                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [ln.decode().strip() for ln in r if ln.strip()]
+    assert events[-1] == "data: [DONE]"
+    deltas = [json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+              for e in events[:-1] if json.loads(e[6:]).get("choices")]
+    assert "".join(deltas)
+
+    fleet.proc.send_signal(signal.SIGTERM)
+    assert fleet.proc.wait(60) == 130
+    assert "all processes stopped" in fleet.log.read_text()
+    for g in fleet.pgids:
+        assert _alive_in_group(g) == [], f"process group {g} left behind"
