@@ -222,6 +222,27 @@ def test_a_prompt_the_fleet_holds_skips_the_prefill_and_loads_all_but_its_last_t
         view.close()
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_status_lists_every_instance_with_its_role_and_the_prefills_chunks(fleet: Fleet) -> None:
+    """`pdxfer status --json` on the fleet the earlier tests used: the four instances with their
+    roles (prefills read too: kv_both; decodes register as holders too), each a node of its own,
+    and the prefills' chunks."""
+    out = subprocess.run([sys.executable, "-m", "pdxfer.cli", "status", "--master", fleet.urls["master"], "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["master"]["leader"] is True
+    nodes = doc["nodes"]
+    assert sorted(n["role"] for n in nodes) == ["kv_both"] * 2 + ["kv_consumer"] * 2, nodes
+    assert len({n["node_id"] for n in nodes}) == 4
+    prefills = [n for n in nodes if n["role"] == "kv_both"]
+    assert sum(n["entries"] for n in prefills) > 0 and sum(n["blocks"] for n in prefills) > 0, prefills
+    for n in nodes:
+        assert n["transport"] == "tcp" and n["endpoints"][0]["endpoint"], n
+        assert n["layout"]["chunk_tokens"] == 256 and n["layout"]["namespace"], n
+
+
 def _alive_in_group(pgid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():

@@ -6,11 +6,8 @@ logprobs against the producer computing the prompt itself, and each request's ow
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +15,7 @@ import pytest
 
 from tests.vllm.conftest import (
     Answer, ask, assert_decode_right, assert_oracle_catches_corruption, check_logprobs, make_pair, metrics,
-    pair_oracle, post_json, prompt_of, through_pair, wait_until,
+    pair_oracle, post_json, prompt_of, through_pair,
 )
 
 pytestmark = pytest.mark.vllm
@@ -82,34 +79,6 @@ def test_metrics_show_what_the_pair_holds_and_looked_up(pair):
     d = metrics(pair.decode_port)
     assert d.get("vllm:pdxfer_lookups_total", 0.0) >= d.get("vllm:pdxfer_loads_ok_total", 0.0) >= 2, d
     assert d["vllm:pdxfer_lookup_hit_tokens_total"] >= d["vllm:pdxfer_tokens_loaded_total"] >= 1299, d
-
-
-def status(master: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "pdxfer.cli", "status", "--master", master, "--json"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
-def test_status_lists_both_instances_and_the_prefills_chunks(pair):
-    """`pdxfer status --json`: both instances with their roles (the decode registers as a holder
-    too), and the prefill holds the chunks of the prompt it served."""
-    through_pair(pair, prompt_of(600, seed=5100), 4)
-    pair.wait_published(1)
-
-    def prefill_holds() -> bool:
-        return any(n["role"] == "kv_producer" and n["entries"] > 0 for n in status(pair.master_addr)["nodes"])
-
-    wait_until(prefill_holds, "the prefill's chunks in the status", timeout=20)
-    doc = status(pair.master_addr)
-    assert doc["master"]["leader"] is True
-    roles = {n["role"]: n for n in doc["nodes"]}
-    assert set(roles) == {"kv_producer", "kv_consumer"}, doc["nodes"]
-    prefill, decode = roles["kv_producer"], roles["kv_consumer"]
-    assert prefill["node_id"] != decode["node_id"]
-    assert prefill["entries"] > 0 and prefill["blocks"] > 0
-    assert prefill["transport"] == "tcp" and prefill["endpoints"][0]["endpoint"]
-    assert prefill["layout"]["chunk_tokens"] > 0 and prefill["layout"]["namespace"]
 
 
 def test_a_decode_waits_for_a_publish_still_on_its_way(pair):
