@@ -236,11 +236,35 @@ def run_config(name: str, model_dir: Path, model: str, log_dir: Path, args: argp
         fleet.stack.stop()
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(ap: argparse.ArgumentParser, configs: tuple[str, ...], help_configs: str) -> None:
+    """The model, its dtype and the configurations to run (bench/fleet.py, bench/tier.py)."""
     ap.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="run these, in this order")
+    ap.add_argument("--configs", default=",".join(configs), help=help_configs)
+
+
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """Bounds, seed and outputs of a run (bench/fleet.py, bench/tier.py)."""
+    ap.add_argument("--ready-timeout", type=float, default=600)
+    ap.add_argument("--request-timeout", type=float, default=120)
+    ap.add_argument("--settle", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+
+
+def parse_configs(ap: argparse.ArgumentParser, text: str, known: tuple[str, ...]) -> list[str]:
+    """``--configs`` as a list, every name checked against ``known``."""
+    out = [c.strip() for c in text.split(",") if c.strip()]
+    for c in out:
+        if c not in known:
+            ap.error(f"unknown config {c!r} ({', '.join(known)})")
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap, CONFIGS, "run these, in this order")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--arrivals", type=int, default=2, help="new users per round")
@@ -249,17 +273,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--message-tokens", default="60,180", help="range of a user message's length")
     ap.add_argument("--answer-tokens", type=int, default=24, help="max_tokens of each answer")
     ap.add_argument("--kv-cache-gib", type=int, default=1)
-    ap.add_argument("--ready-timeout", type=float, default=600)
-    ap.add_argument("--request-timeout", type=float, default=120)
-    ap.add_argument("--settle", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-dir", type=Path, default=None)
-    ap.add_argument("--json", type=Path, default=None)
+    add_run_args(ap)
     args = ap.parse_args(argv)
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for c in args.configs:
-        if c not in CONFIGS:
-            ap.error(f"unknown config {c!r} ({', '.join(CONFIGS)})")
+    args.configs = parse_configs(ap, args.configs, CONFIGS)
     lo, _, hi = args.message_tokens.partition(",")
     args.message_tokens = (int(lo), int(hi or lo))
     if not 0 < args.message_tokens[0] <= args.message_tokens[1]:

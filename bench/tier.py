@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fleet import counters, stream_completion  # noqa: E402
+from bench.fleet import add_model_args, add_run_args, counters, parse_configs, stream_completion  # noqa: E402
 from bench.pd_util import bench_model, med  # noqa: E402
 from pdxfer.procs import default_run_dir  # noqa: E402
 from pdxfer.serve.launch import read_prom_counter, start_pair  # noqa: E402
@@ -143,9 +143,7 @@ def run_config(name: str, model_dir: Path, model: str, log_dir: Path, args: argp
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="run these, in this order (repeats allowed)")
+    add_model_args(ap, CONFIGS, "run these, in this order (repeats allowed)")
     ap.add_argument("--prefixes", type=int, default=16, help="distinct prefixes in the working set")
     ap.add_argument("--prefix-tokens", type=int, default=1024)
     ap.add_argument("--suffix-tokens", type=int, default=64, help="each request's own tokens after its prefix")
@@ -156,17 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--host-mib", type=int, default=128, help="host tier per instance (config 'on')")
     ap.add_argument("--retention-s", type=float, default=60.0)
-    ap.add_argument("--ready-timeout", type=float, default=600)
-    ap.add_argument("--request-timeout", type=float, default=120)
-    ap.add_argument("--settle", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-dir", type=Path, default=None)
-    ap.add_argument("--json", type=Path, default=None)
+    add_run_args(ap)
     args = ap.parse_args(argv)
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for c in args.configs:
-        if c not in CONFIGS:
-            ap.error(f"unknown config {c!r} ({', '.join(CONFIGS)})")
+    args.configs = parse_configs(ap, args.configs, CONFIGS)
     if min(args.prefixes, args.prefix_tokens, args.suffix_tokens, args.requests, args.gpu_blocks,
            args.host_mib, args.answer_tokens) < 1:
         ap.error("--prefixes, --prefix-tokens, --suffix-tokens, --requests, --gpu-blocks, --host-mib "
