@@ -89,10 +89,11 @@ class ConnectorConfig:
     # every usable hit. A shorter choice is taken only when it saves more than the margin.
     load_benefit: bool = False
     load_benefit_margin: float = 0.25
-    # Host-memory tier, in MiB of pinned host memory per TP rank (0: off). Published chunks are
+    # Host-memory tier, in MiB of pinned host memory per TP rank (0: off; None, from "auto": a
+    # share of the host's available memory, host_pool.auto_host_tier_mib). Published chunks are
     # copied there when their request finishes; when their GPU blocks are released (retention
     # over, cap pressure) the master's entry moves to the host copy instead of disappearing.
-    host_tier_mib: int = 0
+    host_tier_mib: int | None = 0
 
     @property
     def staging_enabled(self) -> bool:
@@ -214,9 +215,12 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConnectorConfigError(f"staging_mib must be an int >= 0 or \"auto\", got {value!r}")
         return value
+    if key == "host_tier_mib" and value == "auto":
+        return None
     if key in ("staging_max_mib", "host_tier_mib"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConnectorConfigError(f"{key} must be an int >= 0, got {value!r}")
+            also = ' or "auto"' if key == "host_tier_mib" else ""
+            raise ConnectorConfigError(f"{key} must be an int >= 0{also}, got {value!r}")
         return value
     if key == "listen_port":
         try:

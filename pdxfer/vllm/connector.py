@@ -184,7 +184,7 @@ class PdxferConnector(KVConnectorBase_V1):
             stats = self.scheduler_side.stats
             now = stats.counters()
             data = {k: now[k] - self._sched_stats_sent.get(k, 0) for k in now}
-            data.update(stats.phases.take())
+            data.update(stats.take_samples())
             self._sched_stats_sent = now
             # Gauges only when they changed: vLLM keeps the last value it was sent.
             gauges = self.scheduler_side.gauges()

@@ -20,8 +20,14 @@ _COUNTER_HELP = (
     ("tokens_loaded", "Prompt tokens whose KV was read from a holder"),
     ("bytes_loaded", "KV bytes read from holders"),
     ("lookups", "Master lookups this instance made for its requests' prompts"),
-    ("lookup_hit_tokens", "Prompt tokens the master's lookups found held, beyond this instance's own "
-                          "prefix cache (what could be loaded; tokens_loaded is what was)"),
+    ("hit_exists_tokens", "Hit funnel, 1 of 4 (exists): prompt tokens beyond this instance's prefix cache "
+                          "known published when it looked them up (its prefill's publish hint, or the "
+                          "master's answer); the last prompt token is never counted (always computed)"),
+    ("hit_visible_tokens", "Hit funnel, 2 of 4 (visible): ... of those, the tokens the master's lookup "
+                           "answer held (short of exists: published too late, or the holder unusable here)"),
+    ("lookup_hit_tokens", "Hit funnel, 3 of 4 (selected): ... of those, the tokens this instance chose to "
+                          "load (short of visible: the load gate, a holder whose layout it cannot read); "
+                          "4 of 4 (loaded) is tokens_loaded"),
     ("published_chunks", "Chunks published to the pdxfer master"),
     ("freed_chunks", "Held chunks returned to the block pool"),
     ("pressure_reclaims", "Held chunks unpublished early to keep held blocks under the cap "
@@ -83,8 +89,13 @@ COUNTERS = tuple(MetricDef(f"vllm:pdxfer_{k}", "counter", h, LABELS) for k, h in
 GAUGES = tuple(MetricDef(f"vllm:pdxfer_{k}", "gauge", h, LABELS) for k, h in _GAUGE_HELP)
 LOAD_SECONDS = MetricDef("vllm:pdxfer_load_seconds", "histogram",
                          "Time from posting a load to its validated completion", LABELS)
+OFFLOAD_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+OFFLOAD_SECONDS = MetricDef("vllm:pdxfer_offload_seconds", "histogram",
+                            "Host-tier copies: time from queueing the copy to every TP rank reporting it "
+                            "complete (from then on the chunk can outlive its KV cache blocks)", LABELS)
 PHASE_SECONDS = {p: MetricDef(f"vllm:pdxfer_phase_{p}_seconds", "histogram",
                               f"Time of a decode load's '{p}' phase (phases in docs/metrics.md)", LABELS)
                  for p in PHASES}
 
-CONNECTOR_METRICS: tuple[MetricDef, ...] = COUNTERS + GAUGES + (LOAD_SECONDS,) + tuple(PHASE_SECONDS.values())
+CONNECTOR_METRICS: tuple[MetricDef, ...] = (COUNTERS + GAUGES + (LOAD_SECONDS, OFFLOAD_SECONDS)
+                                             + tuple(PHASE_SECONDS.values()))

@@ -9,14 +9,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from pdxfer.vllm.connector_metric_defs import (COUNTERS, COUNTER_KEYS, GAUGE_KEYS, GAUGES, LOAD_SECONDS,
-                                               LOAD_SECONDS_BUCKETS, PHASE_BUCKETS, PHASE_SECONDS)
+                                               LOAD_SECONDS_BUCKETS, OFFLOAD_SECONDS, OFFLOAD_SECONDS_BUCKETS,
+                                               PHASE_BUCKETS, PHASE_SECONDS)
 from pdxfer.vllm.phase_times import PHASES, stats_key
 
 # Counters summed across workers and the scheduler; gauges latest-wins (only the scheduler sends
 # them, and only when they changed); lists concatenated.
 _COUNTERS = COUNTER_KEYS
 _GAUGES = GAUGE_KEYS
-_LISTS = ("transfer_s",) + tuple(stats_key(p) for p in PHASES)
+_LISTS = ("transfer_s", "offload_s") + tuple(stats_key(p) for p in PHASES)
 
 
 @dataclass
@@ -95,6 +96,9 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
         h = self._histogram_cls(name=LOAD_SECONDS.name, documentation=LOAD_SECONDS.help, labelnames=names,
                                 buckets=list(LOAD_SECONDS_BUCKETS))
         self.load_seconds = create_metric_per_engine(h, per_engine_labelvalues)
+        h = self._histogram_cls(name=OFFLOAD_SECONDS.name, documentation=OFFLOAD_SECONDS.help, labelnames=names,
+                                buckets=list(OFFLOAD_SECONDS_BUCKETS))
+        self.offload_seconds = create_metric_per_engine(h, per_engine_labelvalues)
         self.phase_seconds: dict[str, dict[int, Any]] = {}
         for phase in PHASES:
             d = PHASE_SECONDS[phase]
@@ -113,6 +117,8 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].set(int(v))
         for t in transfer_stats_data.get("transfer_s", []) or []:
             self.load_seconds[engine_idx].observe(t)
+        for t in transfer_stats_data.get("offload_s", []) or []:
+            self.offload_seconds[engine_idx].observe(t)
         for phase, per_engine in self.phase_seconds.items():
             for t in transfer_stats_data.get(stats_key(phase), []) or []:
                 per_engine[engine_idx].observe(t)

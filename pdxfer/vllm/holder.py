@@ -634,6 +634,7 @@ class HolderPath:
             live = h is not None and h.job_id == o.job.job_id
             if not o.why:
                 self.stats.offloads_completed += 1
+                self.stats.offload_s.append(o.seconds)
                 if live:
                     assert h is not None
                     h.job_id, h.host_valid = 0, True

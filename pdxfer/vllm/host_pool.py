@@ -25,17 +25,39 @@ import torch
 from pdxfer.device import DeviceEvent, DeviceOps
 from pdxfer.layout import KVLayout, LayoutError, Region, Segment
 from pdxfer.transport.base import RegisteredRegion
+from pdxfer.vllm.host_slots import HOST_LAYOUT_KEY
 from pdxfer.vllm.metadata import OffloadJob
 
 log = logging.getLogger("pdxfer.vllm.worker")
 
-# The key under which a rank's layout (wire form) carries its host pool's layout: readers that
-# predate the tier ignore it (and read no host ids: those are outside their device layout).
-HOST_LAYOUT_KEY = "host_tier"
 
 
 class HostTierError(RuntimeError):
     """The host tier cannot be set up as configured; the message names the size and why."""
+
+
+# host_tier_mib "auto": this share of the memory the kernel says is available when the worker
+# starts, split among the TP ranks (they run on one host). A quarter leaves the rest to the
+# engine, the OS page cache and other instances that start later on the same host.
+AUTO_HOST_SHARE = 0.25
+
+
+def auto_host_tier_mib(tp_size: int, meminfo: str = "/proc/meminfo", share: float = AUTO_HOST_SHARE) -> int:
+    """MiB of host tier per TP rank for ``host_tier_mib: "auto"``: ``share`` of MemAvailable over
+    ``tp_size``. Refuses (naming the file) when the available memory cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name == "MemAvailable":
+                    kib = int(rest.split()[0])
+                    break
+            else:
+                raise ValueError("no MemAvailable line")
+    except (OSError, ValueError, IndexError) as exc:
+        raise HostTierError(f'host_tier_mib "auto" needs the available memory from {meminfo} ({exc}); '
+                            f"set host_tier_mib to a size in MiB") from None
+    return int(kib / 1024 * share / max(tp_size, 1))
 
 
 def host_slots_for(host_tier_mib: int, bytes_per_block: int) -> int:

@@ -2,7 +2,8 @@
 
 Pure (no clock, no I/O): the scheduler half feeds it observations and asks it for decisions.
 
-* Each holder, per tier (``(node_id, tier)``; today every location is ``"device"``), has a small
+* Each holder, per tier (``(node_id, tier)``: ``"device"`` for KV cache blocks, ``"host"`` for a
+  chunk its host tier serves; one holder's two tiers are measured apart), has a small
   window of its completed loads as this reader saw them: (bytes, seconds from handing the load to
   the workers to vLLM being told it finished). A line ``seconds = latency + bytes * s_per_byte``
   is fitted to them; when every load had about the same size the latency cannot be told apart
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 DEVICE_TIER = "device"
+HOST_TIER = "host"
 HolderKey = tuple[str, str]  # (node id, tier)
 
 LOAD, PARTIAL, RECOMPUTE = "load", "partial", "recompute"

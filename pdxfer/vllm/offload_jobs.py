@@ -18,6 +18,7 @@ from pdxfer.vllm.metadata import OffloadJob
 class JobState:
     key: bytes
     job: OffloadJob
+    queued_at: float  # monotonic
     sent_at: float | None = None  # monotonic; None while queued
     done: int = 0  # ranks that reported the copy complete
 
@@ -27,6 +28,7 @@ class JobOutcome:
     key: bytes
     job: OffloadJob
     why: str = ""  # empty: complete on every rank
+    seconds: float = 0.0  # from queued to this outcome
 
 
 class OffloadJobs:
@@ -42,12 +44,13 @@ class OffloadJobs:
         self._jobs: dict[int, JobState] = {}
         self._queued: list[int] = []
 
-    def queue(self, key: bytes, device_blocks: tuple[int, ...], host_slots: tuple[int, ...]) -> OffloadJob:
+    def queue(self, key: bytes, device_blocks: tuple[int, ...], host_slots: tuple[int, ...],
+              now: float | None = None) -> OffloadJob:
         if len(device_blocks) != len(host_slots) or not device_blocks:
             raise ValueError(f"an offload copies one block per slot: {len(device_blocks)} blocks, "
                              f"{len(host_slots)} slots")
         job = OffloadJob(next(self._ids), tuple(device_blocks), tuple(host_slots))
-        self._jobs[job.job_id] = JobState(key, job)
+        self._jobs[job.job_id] = JobState(key, job, time.monotonic() if now is None else now)
         self._queued.append(job.job_id)
         return job
 
@@ -63,15 +66,16 @@ class OffloadJobs:
         self._queued = []
         return out
 
-    def answer(self, worker_meta: Any) -> list[JobOutcome]:
+    def answer(self, worker_meta: Any, now: float | None = None) -> list[JobOutcome]:
         """Jobs a step's (aggregated) worker metadata ended: complete or failed."""
         out: list[JobOutcome] = []
         if worker_meta is None:
             return out
+        now = time.monotonic() if now is None else now
         for jid, why in dict(getattr(worker_meta, "offloads_failed", None) or {}).items():
             st = self._jobs.pop(int(jid), None)
             if st is not None:
-                out.append(JobOutcome(st.key, st.job, str(why) or "failed"))
+                out.append(JobOutcome(st.key, st.job, str(why) or "failed", now - st.queued_at))
         for jid, n in dict(getattr(worker_meta, "offloads_done", None) or {}).items():
             st = self._jobs.get(int(jid))
             if st is None:
@@ -79,7 +83,7 @@ class OffloadJobs:
             st.done += int(n)
             if st.done >= self.tp_size:
                 del self._jobs[int(jid)]
-                out.append(JobOutcome(st.key, st.job))
+                out.append(JobOutcome(st.key, st.job, seconds=now - st.queued_at))
         return out
 
     def expire(self, now: float | None = None) -> list[JobOutcome]:
@@ -91,7 +95,7 @@ class OffloadJobs:
         for jid in late:
             st = self._jobs.pop(jid)
             out.append(JobOutcome(st.key, st.job, f"no answer from every TP rank within {self.answer_bound_s:g} s "
-                                                  f"({st.done}/{self.tp_size} done)"))
+                                                  f"({st.done}/{self.tp_size} done)", now - st.queued_at))
         return out
 
     def drop_all(self) -> list[JobOutcome]:

@@ -175,7 +175,14 @@ class ReaderPath:
                                                         local, res, answered_at))
                 self.stats.publish_hint_waits += 1
                 return None, False
+        # The hit funnel (exists -> visible -> selected; loaded is the workers' count): where a
+        # prompt's held tokens stop counting says why this request did not hit.
+        visible_end = (first + min(res.hit_chunks, len(keys) - first)) * C
+        if tail is not None and res.hit_chunks == len(want):
+            visible_end = num_tokens
+        exists_end = max(visible_end, min(hinted, num_tokens))
         if res.hit_chunks == 0 or res.lock_id is None:
+            self._count_funnel(req_id, local, last, exists_end, visible_end, local)
             return 0, False
         lk = _Lookup(res.lock_id, local, first, 0, list(res.locations), dict(res.nodes),
                      answered_at + res.lock_ttl_s, looked_up_at=answered_at, epochs=dict(res.epochs or {}),
@@ -184,9 +191,10 @@ class ReaderPath:
         pieces = None
         if self.gate is not None and usable:
             tail_n = num_tokens - len(keys) * C if tail is not None else 0
-            pieces = self.gate.pieces(lk.locations[:usable], local, first, C, tail_n, len(keys), last)
+            pieces = self.gate.pieces(lk.locations[:usable], lk.nodes, local, first, C, tail_n, len(keys), last)
             usable = self.gate.decide(req_id, pieces).chunks
             if usable == 0:
+                self._count_funnel(req_id, local, last, exists_end, visible_end, local)
                 self._release_async(res.lock_id)
                 return 0, False
         hit_end = (first + min(usable, len(keys) - first)) * C
@@ -199,6 +207,7 @@ class ReaderPath:
             hit_end -= hit_end % self.block_size  # only whole local blocks can be filled
         lk.locations = lk.locations[:usable]
         hit_end = self._exact_end(lk, local, hit_end)
+        self._count_funnel(req_id, local, last, exists_end, visible_end, max(hit_end, local))
         if hit_end <= local:
             self._release_async(res.lock_id)
             return 0, False
@@ -207,8 +216,19 @@ class ReaderPath:
         if pieces is not None:
             assert self.gate is not None
             self.gate.planned(req_id, pieces[:usable])
-        self.stats.lookup_hit_tokens += hit_end - local
         return hit_end - local, True
+
+    def _count_funnel(self, req_id: str, local: int, last: int, exists_end: int, visible_end: int,
+                      selected_end: int) -> None:
+        """One request's hit funnel, in tokens beyond its local prefix and short of its last
+        token (always computed here): published as far as this reader can know (its prefill's
+        hint, or the master's answer), visible in the master's answer, selected to load."""
+        exists, visible, selected = (max(min(e, last) - local, 0) for e in (exists_end, visible_end, selected_end))
+        self.stats.hit_exists_tokens += exists
+        self.stats.hit_visible_tokens += visible
+        self.stats.lookup_hit_tokens += selected
+        log.debug("pdxfer: %s: hit funnel: %d tokens published, %d visible at the master, %d selected to "
+                  "load (%d local of %d)", req_id, exists, visible, selected, local, last + 1)
 
     def _hinted_keys(self, hinted: int, first: int, n_full: int, tail_hinted: bool) -> int:
         """Keys of a lookup (full chunks from ``first``, then the tail) that the hint covers.

@@ -20,7 +20,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdxfer.vllm.load_benefit import LOAD, PARTIAL, RECOMPUTE, BenefitModel, Decision, Piece, holder_key
+from pdxfer.vllm.host_slots import serves_from_host
+from pdxfer.vllm.load_benefit import (DEVICE_TIER, HOST_TIER, LOAD, PARTIAL, RECOMPUTE, BenefitModel, Decision, Piece,
+                                       holder_key)
 
 log = logging.getLogger("pdxfer.vllm")
 
@@ -47,16 +49,20 @@ class LoadGate:
 
     # ------------------------------------------------------------------ decisions
 
-    def pieces(self, locations: Sequence[Any], local: int, first_chunk: int, chunk_tokens: int,
-               tail_tokens: int, n_full: int, last: int) -> list[Piece]:
-        """Each usable chunk of a hit as it would be loaded: holder, its tokens in ``[local,
+    def pieces(self, locations: Sequence[Any], nodes: Mapping[str, Any], local: int, first_chunk: int,
+               chunk_tokens: int, tail_tokens: int, n_full: int, last: int) -> list[Piece]:
+        """Each usable chunk of a hit as it would be loaded: holder and tier (``nodes``: the
+        lookup's node info, whose layout tells host slots apart), its tokens in ``[local,
         last)`` (the last prompt token is always computed here), bytes."""
         out = []
         for i, loc in enumerate(locations):
             c = first_chunk + i
             end = (c + 1) * chunk_tokens if c < n_full else c * chunk_tokens + tail_tokens
             tokens = max(min(end, last) - max(c * chunk_tokens, local), 0)
-            out.append(Piece(holder_key(loc.node_id), tokens, tokens * self.bytes_per_token))
+            node = nodes.get(loc.node_id)
+            host = node is not None and serves_from_host(loc.block_ids, node.layout)
+            out.append(Piece(holder_key(loc.node_id, HOST_TIER if host else DEVICE_TIER), tokens,
+                             tokens * self.bytes_per_token))
         return out
 
     def decide(self, req_id: str, pieces: Sequence[Piece]) -> Decision:

@@ -14,7 +14,9 @@ log = logging.getLogger("pdxfer.vllm.scheduler")
 @dataclass
 class SchedulerStats:
     lookups: int = 0
-    lookup_hit_tokens: int = 0
+    lookup_hit_tokens: int = 0  # the hit funnel's "selected": tokens a lookup chose to load
+    hit_exists_tokens: int = 0  # ... "exists": published (the prefill's hint or the answer)
+    hit_visible_tokens: int = 0  # ... "visible": in the master's answer
     master_errors: int = 0
     published_chunks: int = 0
     freed_chunks: int = 0
@@ -35,9 +37,19 @@ class SchedulerStats:
     host_moves: int = 0  # chunks whose master entry moved to the host copy (device blocks freed)
     host_evictions: int = 0  # host-only chunks unpublished to make room in the host pool
     phases: PhaseTimes = field(default_factory=PhaseTimes)  # not a counter: taken, not diffed
+    # Host-tier copies, seconds from queued to complete on every rank (taken, not diffed).
+    offload_s: list[float] = field(default_factory=list)
 
     def counters(self) -> dict[str, int]:
         return {k: v for k, v in vars(self).items() if isinstance(v, int)}
+
+    def take_samples(self) -> dict[str, list[float]]:
+        """Every sample list since the last take, as connector-stats lists, cleared."""
+        # One swap: an append from the holder's thread lands in the list taken or in the new one.
+        taken, self.offload_s = self.offload_s, []
+        out = {"offload_s": taken} if taken else {}
+        out.update(self.phases.take())
+        return out
 
 
 class EpisodeLog:

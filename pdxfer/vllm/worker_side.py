@@ -31,7 +31,7 @@ from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.load_corruption import maybe_corrupt_load
 from pdxfer.vllm import repull as rp_plan
 from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
-from pdxfer.vllm.host_pool import HOST_LAYOUT_KEY, HostPool, host_slots_for
+from pdxfer.vllm.host_pool import AUTO_HOST_SHARE, HOST_LAYOUT_KEY, HostPool, auto_host_tier_mib, host_slots_for
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
 from pdxfer.layout import Region
 from pdxfer.vllm.phase_times import PhaseTimes
@@ -213,7 +213,12 @@ class WorkerSide:
                    for r, t in zip(layout.regions, kv_bytes)]
         regions += [self._staging.region()] if self._staging.enabled else []
         layout_wire = layout.to_wire()
-        host_blocks = host_slots_for(self.cfg.host_tier_mib, layout.bytes_per_block)
+        host_mib = self.cfg.host_tier_mib
+        if host_mib is None:
+            host_mib = auto_host_tier_mib(self.tp_size)
+            log.info("pdxfer: node %s rank %d host tier auto: %d MiB (%.0f%% of the available memory over %d "
+                     "TP rank(s))", self.node_id, self.rank, host_mib, AUTO_HOST_SHARE * 100, self.tp_size)
+        host_blocks = host_slots_for(host_mib, layout.bytes_per_block)
         if host_blocks:
             placeholders = [Region(r.index, r.nbytes, r.device) for r in regions]
             self.host_pool = HostPool(layout, kv_bytes, host_blocks, placeholders, self._staging.ops)

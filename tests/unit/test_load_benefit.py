@@ -109,3 +109,37 @@ def test_bad_settings_are_refused_by_name():
         BenefitModel(margin=-0.1)
     with pytest.raises(ValueError, match="probe_every"):
         BenefitModel(probe_every=0)
+
+
+def test_a_holders_host_tier_is_measured_apart_from_its_kv_cache():
+    """A chunk a holder serves from host slots (block ids past its device block count) is a
+    piece of that holder's host tier: its cost is learnt on its own, so a fast KV cache does not
+    vouch for a slow host path, nor the other way round."""
+    from types import SimpleNamespace
+
+    from pdxfer.vllm.host_slots import HOST_LAYOUT_KEY
+    from pdxfer.vllm.reader_benefit import LoadGate
+    from pdxfer.vllm.scheduler_state import SchedulerStats
+
+    gate = LoadGate(margin=0.1, stats=SchedulerStats())
+    gate.bytes_per_token = MB // C
+    with_tier = SimpleNamespace(layout={"num_blocks": 48, "block_size": 16, HOST_LAYOUT_KEY: {}})
+    without_tier = SimpleNamespace(layout={"num_blocks": 48, "block_size": 16})
+    locs = [SimpleNamespace(node_id="a", block_ids=(3, 4)), SimpleNamespace(node_id="a", block_ids=(48, 49)),
+            SimpleNamespace(node_id="b", block_ids=(60, 61))]
+    pieces = gate.pieces(locs, {"a": with_tier, "b": without_tier}, local=0, first_chunk=0, chunk_tokens=C,
+                         tail_tokens=0, n_full=3, last=3 * C + 5)
+    assert [p.holder for p in pieces] == [("a", "device"), ("a", "host"), ("b", "device")]
+    assert [p.tokens for p in pieces] == [C, C, C]
+
+    for _ in range(4):
+        gate.model.observe_step(1000, 0.1)  # 10,000 tokens/s: a chunk recomputes in 25.6 ms
+    for _ in range(3):
+        gate.model.observe_load(("a", "device"), MB, 0.001)  # its KV cache: fast
+    host_hit = pieces[1:2]
+    d = gate.decide("r1", host_hit)
+    assert d.kind == LOAD and "never measured" in d.why  # the host path: measure it
+    for _ in range(3):
+        gate.model.observe_load(("a", "host"), MB, 0.5)  # its host path: far slower than computing
+    assert gate.decide("r2", host_hit).kind == RECOMPUTE
+    assert gate.decide("r3", pieces[:1]).kind == LOAD  # its KV cache still pays

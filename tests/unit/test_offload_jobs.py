@@ -40,3 +40,17 @@ def test_a_queued_job_never_expires_before_it_was_sent_and_bad_jobs_are_refused(
     assert jobs.expire(now=1e9) == [] and jobs.pending()
     with pytest.raises(ValueError, match="one block per slot"):
         jobs.queue(b"b", (1, 2), (0,))
+
+
+def test_an_outcome_carries_the_time_from_queueing_to_its_end():
+    """What vllm:pdxfer_offload_seconds shows: a copy queued behind steps that took their time is
+    timed from the queue, not from the step that sent it."""
+    jobs = OffloadJobs(tp_size=2, answer_bound_s=5.0)
+    done = jobs.queue(b"d", (1,), (0,), now=10.0)
+    late = jobs.queue(b"l", (2,), (1,), now=10.5)
+    jobs.take(now=12.0)
+    jobs.answer(PdxferWorkerMeta({done.job_id: 1}, {}), now=12.1)
+    out = jobs.answer(PdxferWorkerMeta({done.job_id: 1}, {}), now=12.25)
+    assert [(o.key, o.why, o.seconds) for o in out] == [(b"d", "", pytest.approx(2.25))]
+    (gone,) = jobs.expire(now=17.5)
+    assert gone.key == b"l" and gone.why and gone.seconds == pytest.approx(7.0)

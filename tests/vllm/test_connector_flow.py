@@ -585,6 +585,47 @@ def _measured_load(node: Node, rid: str, toks: list[int]) -> int:
     return ext
 
 
+def _funnel(node: Node) -> tuple[int, int, int, int]:
+    st = node.sched.stats
+    return st.hit_exists_tokens, st.hit_visible_tokens, st.lookup_hit_tokens, node.worker.stats.tokens_loaded
+
+
+def test_the_hit_funnel_says_where_a_requests_held_tokens_stopped(pair, tmp_path, monkeypatch):
+    """Exists -> visible -> selected -> loaded, in prompt tokens beyond the local prefix and
+    short of the last token: each stage that falls short of the one before names why a request
+    did not hit."""
+    holder, reader = pair(publish_hint_wait_s=0, load_benefit=True)
+    toks = _tokens(2 * C + 3, 90)
+    holder.run_request("p0", toks)
+    assert _measured_load(reader, "d0", toks) == len(toks) - 1
+    n = len(toks) - 1
+    assert _funnel(reader) == (n, n, n, n)
+    # Announced by its prefill's hint, never published: it exists, the master has none of it.
+    gone = _tokens(2 * C + 3, 91)
+    assert reader.sched.get_num_new_matched_tokens("d1", gone, len(gone), 0, None, hinted_tokens=len(gone)) == (0, False)
+    assert _funnel(reader) == (2 * n, n, n, n)
+    # Visible, not selected: the load gate finds it faster to compute (a holder slowed to 0.3 s
+    # a read, measured on one load, against a prefill of 400,000 tokens/s here).
+    (tmp_path / "read_delay_s").write_text("0.3")
+    monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
+    slow = _tokens(2 * C + 3, 92)
+    holder.run_request("p2", slow)
+    assert _measured_load(reader, "d2", slow) == n
+    assert _funnel(reader) == (3 * n, 2 * n, 2 * n, 2 * n)
+    _steps(reader, 4, 4000, 0.01)
+    declined = _tokens(2 * C + 3, 93)
+    holder.run_request("p3", declined)
+    assert reader.sched.get_num_new_matched_tokens("d3", declined, len(declined), 0, None) == (0, False)
+    assert _funnel(reader) == (4 * n, 3 * n, 2 * n, 2 * n)
+    # Past the local prefix only: 2 chunks already local leave the tail's 3 tokens, 2 of them held
+    # here (the last is computed).
+    again = _tokens(2 * C + 3, 94)
+    holder.run_request("p4", again)
+    reader.sched.get_num_new_matched_tokens("d4", again, len(again), 2 * C, None)
+    assert _funnel(reader)[:2] == (4 * n + 2, 3 * n + 2)
+    reader.sched.reader.drop_lookup("d4")
+
+
 def test_the_load_gate_computes_a_hit_that_would_load_slower(pair, master, tmp_path, monkeypatch):
     holder, reader = pair(load_benefit=True)
     stats = reader.sched.stats

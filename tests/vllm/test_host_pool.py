@@ -11,7 +11,8 @@ import torch
 
 from pdxfer.device import CpuStandIn, device_ops_for
 from pdxfer.layout import LayoutError, Region, describe_kv_caches
-from pdxfer.vllm.host_pool import HostPool, HostTierError, host_layout, host_slots_for
+from pdxfer.vllm.config import ConnectorConfigError, parse_extra_config
+from pdxfer.vllm.host_pool import HostPool, HostTierError, auto_host_tier_mib, host_layout, host_slots_for
 from pdxfer.vllm.metadata import OffloadJob
 from pdxfer.vllm.worker_staging import region_tensors
 
@@ -73,6 +74,25 @@ def test_slot_count_from_the_size_and_a_size_that_holds_no_block_is_refused():
     assert host_slots_for(1, 4096) == 256
     with pytest.raises(HostTierError, match="holds no KV block"):
         host_slots_for(1, 2 << 20)
+
+
+def test_auto_size_is_a_quarter_of_the_available_memory_over_the_tp_ranks(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       33554432 kB\nMemFree:         1048576 kB\n"
+                       "MemAvailable:   16777216 kB\nBuffers:           10000 kB\n")
+    # 16 GiB available: a quarter is 4 GiB, 2 GiB each for 2 ranks (available, not free, counts).
+    assert auto_host_tier_mib(1, str(meminfo)) == 4096
+    assert auto_host_tier_mib(2, str(meminfo)) == 2048
+    assert 0 < auto_host_tier_mib(1) < 1 << 30  # this host's own /proc/meminfo
+    meminfo.write_text("MemTotal:       33554432 kB\n")
+    with pytest.raises(HostTierError, match=f"from {meminfo}.*no MemAvailable.*size in MiB"):
+        auto_host_tier_mib(1, str(meminfo))
+    with pytest.raises(HostTierError, match="missing"):
+        auto_host_tier_mib(1, str(tmp_path / "missing"))
+    assert parse_extra_config({"master": "m:1", "host_tier_mib": "auto"}).host_tier_mib is None
+    assert parse_extra_config({"master": "m:1"}).host_tier_mib == 0  # off unless asked for
+    with pytest.raises(ConnectorConfigError, match='host_tier_mib must be an int >= 0 or "auto"'):
+        parse_extra_config({"master": "m:1", "host_tier_mib": "lots"})
 
 
 @pytest.mark.parametrize("ops", [None, CpuStandIn(asynchronous=True, delay_s=0.01)], ids=["sync", "async"])

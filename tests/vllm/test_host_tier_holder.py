@@ -101,6 +101,7 @@ def test_a_finished_chunk_is_copied_then_moves_to_host_when_retention_ends(host_
     assert h.master_blocks(toks) == [ids[0:2], ids[2:3]]
     h.answer(done=jobs)
     assert not h.sched.has_pending_push_work() and h.sched.stats.offloads_completed == 2
+    assert len(h.sched.stats.offload_s) == 2 and min(h.sched.stats.offload_s) >= 0  # timed for /metrics
     wait_until(lambda: h.sched.holder.host_chunks == 2, "the chunks never moved to the host tier", 5)
     assert h.master_blocks(toks) == _host_ids(jobs)
     wait_until(lambda: not h.sched.held_chunks, "device blocks still held after the move", 5)

@@ -45,9 +45,14 @@ def test_a_prompt_released_from_the_gpu_is_loaded_from_the_host_tier(pair, n_tok
     time.sleep(RETENTION_S)
     m = _prefill_metrics_after_moves(pair, before + chunks)
     assert m.get("vllm:pdxfer_host_moves_total", 0.0) - before >= chunks, m
+    # Each copy was timed from its queueing to every rank's answer.
+    assert m.get("vllm:pdxfer_offload_seconds_count", 0.0) >= chunks and m["vllm:pdxfer_offload_seconds_sum"] > 0, m
     # The decode has never seen the prompt, and the prefill no longer holds its GPU blocks for
     # readers: every prompt token but the last must come from the prefill's host copy.
     got = ask(pair.decode_port, prompt, MAX_TOKENS)
     assert_decode_right(pair, got, ref, loaded=n_tokens - 1)
     d = metrics(pair.decode_port)
     assert d.get("vllm:pdxfer_host_tier_tokens_loaded_total", 0.0) >= n_tokens - 1, d
+    # The hit funnel saw the prompt at every stage (exists, visible, selected; loaded above).
+    for stage in ("hit_exists_tokens", "hit_visible_tokens", "lookup_hit_tokens"):
+        assert d.get(f"vllm:pdxfer_{stage}_total", 0.0) >= n_tokens - 1, (stage, d)
