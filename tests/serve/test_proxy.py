@@ -283,6 +283,10 @@ def test_launch_readiness_waits_until_the_proxy_has_every_instance_back_in(insta
         _wait(lambda: http_ok(ready), "ready once the health check put the prefill back in")
         doc = json.loads(urllib.request.urlopen(ready, timeout=5).read())
         assert doc["status"] == "ok" and doc["prefill"][0]["healthy"] is True
+        # A readiness probe with a typo must not read as ready (nor as a proxy outage).
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(px.url + "/health?require=al", timeout=5)
+        assert e.value.code == 400 and "require='al'" in e.value.read().decode()
 
 
 def _wait(done, what: str, timeout: float = 5.0) -> None:
