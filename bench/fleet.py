@@ -85,7 +85,13 @@ def make_conversations(args: argparse.Namespace, vocab: int) -> list[Conversatio
 
 def schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
     """(user, turn) in the order sent: each round every active user takes a turn, and
-    ``--arrivals`` new users join per round (so histories of different lengths interleave)."""
+    ``--arrivals`` new users join per round (so histories of different lengths interleave).
+
+    ``--order shuffled`` (the default) sends each round's turns in a seeded random order, as
+    users who answer at their own pace do. ``lockstep`` keeps user order in every round: with
+    an even number of turns per round, a round-robin proxy then sends every turn of a user to
+    the same instance, a stickiness real traffic does not have."""
+    rng = random.Random(args.seed + 1)
     out = []
     r = 0
     while True:
@@ -93,6 +99,8 @@ def schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
                       if 0 <= r - u // args.arrivals < args.turns]
         if not this_round and r > args.users // args.arrivals + args.turns:
             return out
+        if args.order == "shuffled":
+            rng.shuffle(this_round)
         out += this_round
         r += 1
 
@@ -153,12 +161,15 @@ def stream_completion(proxy_url: str, model: str, prompt: list[int], max_tokens:
 
 def start(name: str, model_dir: Path, log_dir: Path, args: argparse.Namespace) -> Fleet:
     vargs = ["--dtype", args.dtype]
+    if args.gpu_blocks:
+        vargs += ["--num-gpu-blocks-override", str(args.gpu_blocks), "--max-model-len", str(args.max_model_len)]
     if name in ("routed", "rr"):
         proxy_args = ["--policy", "round_robin"]
+        extra = {"host_tier_mib": args.host_mib} if args.host_mib else None
         stack, proxy = start_fleet(model_dir, log_dir / name, n_prefill=2, n_decode=2,
-                                   kv_cache_gib=args.kv_cache_gib, vllm_args=vargs,
-                                   index_routing=(name == "routed"), proxy_args=proxy_args,
-                                   die_with_parent=True)
+                                   chunk_tokens=args.chunk_tokens, kv_cache_gib=args.kv_cache_gib, vllm_args=vargs,
+                                   connector_extra=extra, index_routing=(name == "routed"),
+                                   proxy_args=proxy_args, die_with_parent=True)
         inst = [c.url for c in stack.components if c.name.startswith(("prefill", "decode"))]
         dec = [c.url for c in stack.components if c.name.startswith("decode")]
         return Fleet(name, stack, proxy, inst, dec)
@@ -272,7 +283,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--system-tokens", type=int, default=600)
     ap.add_argument("--message-tokens", default="60,180", help="range of a user message's length")
     ap.add_argument("--answer-tokens", type=int, default=24, help="max_tokens of each answer")
+    ap.add_argument("--order", choices=("shuffled", "lockstep"), default="shuffled",
+                    help="each round's turns in a seeded random order, or in user order")
     ap.add_argument("--kv-cache-gib", type=int, default=1)
+    ap.add_argument("--gpu-blocks", type=int, default=0,
+                    help="KV cache blocks per instance (0: what --kv-cache-gib holds)")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="with --gpu-blocks")
+    ap.add_argument("--host-mib", type=int, default=0, help="host tier per pdxfer instance (0: off)")
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="pdxfer's chunk size (default: the master's)")
     add_run_args(ap)
     args = ap.parse_args(argv)
     args.configs = parse_configs(ap, args.configs, CONFIGS)
