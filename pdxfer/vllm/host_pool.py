@@ -31,7 +31,6 @@ from pdxfer.vllm.metadata import OffloadJob
 log = logging.getLogger("pdxfer.vllm.worker")
 
 
-
 class HostTierError(RuntimeError):
     """The host tier cannot be set up as configured; the message names the size and why."""
 
