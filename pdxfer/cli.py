@@ -63,6 +63,9 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="after readiness send a few prompts, print outputs and stats, then exit")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every `vllm serve` (repeatable, e.g. --vllm-arg=--max-model-len=4096)")
+    p.add_argument("--kv-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a kv_connector_extra_config entry for every instance (repeatable, e.g. "
+                        "--kv-config publish_hint_wait_s=1); VALUE is read as JSON when it parses")
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `pdxfer proxy` (repeatable, e.g. --proxy-arg=--skip-prefill-tokens=0)")
 

@@ -34,6 +34,7 @@ from pdxfer.procs import (
 from pdxfer.serve.launch_status import ProcStatus, StatusDisplay, observe
 from pdxfer.serve.serve_shim import served_model_name, start_vllm
 from pdxfer.serve.tiny_model import make_tiny_model
+from pdxfer.vllm.spin import ENV as SPIN_ENV
 
 if TYPE_CHECKING:
     import argparse
@@ -55,6 +56,7 @@ class Stack:
 
     components: list[Component] = field(default_factory=list)
     _rows: dict[str, ProcStatus] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # settings chosen for the user, to print
 
     def add(self, comp: Component) -> Component:
         self.components.append(comp)
@@ -191,6 +193,56 @@ def split_cores_among(n: int, cores: Sequence[int] | None = None) -> list[str]:
     return out
 
 
+def parse_core_list(spec: str) -> set[int]:
+    """The cores of a VLLM_CPU_OMP_THREADS_BIND value: ``0``, ``0-3``, ``0,2``, TP ranks
+    separated by ``|``. ValueError naming the part that is not a core or range."""
+    out: set[int] = set()
+    for part in spec.replace("|", ",").split(","):
+        part = part.strip()
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise ValueError(f"core list {spec!r}: {part!r} is not a core or a range of cores") from None
+        if first < 0 or last < first:
+            raise ValueError(f"core list {spec!r}: {part!r} is not a core or a range of cores")
+        out.update(range(first, last + 1))
+    return out
+
+
+def instances_share_cores(core_lists: Sequence[str | None]) -> bool:
+    """Whether two instances may run on the same core (None: vLLM chooses, i.e. any core)."""
+    if len(core_lists) > 1 and any(c is None for c in core_lists):
+        return True
+    seen: set[int] = set()
+    for spec in core_lists:
+        if spec is None:
+            continue
+        cores = parse_core_list(spec)
+        if cores & seen:
+            return True
+        seen |= cores
+    return False
+
+
+# Instances that share cores: vLLM's busy-wait sleeps this long instead of yielding (see
+# pdxfer/vllm/spin.py). Without it a decode waiting for its load starved the holder sharing its
+# core: the holder's first handshake came after connect_timeout_s, its publish after the decode's
+# hint wait, and both loads were recomputed.
+SHARED_CORES_SPIN_SLEEP_US = "200"
+
+
+def shared_cores_env(core_lists: Sequence[str | None], connector: bool,
+                     environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the instances' environment gets so that instances sharing cores do not starve each
+    other: nothing without the connector (it applies the setting), when no core is shared, or
+    when the user set it."""
+    environ = os.environ if environ is None else environ
+    if not connector or SPIN_ENV in environ or not instances_share_cores(core_lists):
+        return {}
+    return {SPIN_ENV: SHARED_CORES_SPIN_SLEEP_US}
+
+
 def split_cores(cores: Sequence[int] | None = None) -> tuple[str, str]:
     """Disjoint core lists for one prefill and one decode: halves of the allowed cores (with a
     single core both share it)."""
@@ -204,6 +256,38 @@ def split_cores(cores: Sequence[int] | None = None) -> tuple[str, str]:
 def instance_names(role: str, n: int) -> list[str]:
     """Component names: "prefill" for a lone one, else "prefill-0", "prefill-1", ..."""
     return [role] if n == 1 else [f"{role}-{i}" for i in range(n)]
+
+
+# Set by `pdxfer launch` itself, from its own flags and each instance's address.
+_LAUNCH_OWNED_KEYS = {"master": "--master", "transport": "--transport", "chunk_tokens": "--chunk-tokens",
+                      "serve_url": "(each instance's own address)"}
+
+
+def parse_kv_config_args(items: Sequence[str]) -> dict[str, object]:
+    """``KEY=VALUE`` items of ``--kv-config`` as kv_connector_extra_config entries. VALUE is JSON
+    when it parses as JSON (``2.5``, ``true``, ``"auto"``), else the string as given. Raises
+    ValueError naming the item: not KEY=VALUE, a key launch sets itself, or a key or value the
+    connector would refuse at start (found here, before minutes of model loading)."""
+    from pdxfer.vllm.config import ConnectorConfigError, parse_extra_config
+
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--kv-config {item!r}: expected KEY=VALUE")
+        if key in _LAUNCH_OWNED_KEYS:
+            raise ValueError(f"--kv-config {item!r}: {key} is set by launch itself; use "
+                             f"{_LAUNCH_OWNED_KEYS[key]}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    try:
+        parse_extra_config({"master": "127.0.0.1:1", **out}, env={})
+    except ConnectorConfigError as exc:
+        raise ValueError(f"--kv-config: {exc}") from exc
+    return out
 
 
 def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode: int = 1,
@@ -237,6 +321,12 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
     stack = Stack()
     try:
         env_extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        spin_env = shared_cores_env(p_cpus + d_cpus, connector)
+        if spin_env:
+            env_extra.update(spin_env)
+            stack.notes.append(f"instances share cores: {SPIN_ENV}={spin_env[SPIN_ENV]} (vLLM's "
+                               f"busy-wait sleeps instead of yielding, so no instance starves another; "
+                               f"set {SPIN_ENV} yourself to choose)")
         level_args = ["--log-level", log_level] if log_level else []
         if log_level:
             env_extra["VLLM_LOGGING_LEVEL"] = log_level
@@ -298,6 +388,9 @@ def read_prom_counter(base_url: str, name: str, timeout: float = 5) -> float:
 
 
 TRANSFER_COUNTER = "vllm:external_prefix_cache_hits_total"
+# What the connector loaded and validated. vLLM's external hits count what the connector offered
+# when the request was scheduled, a load that then failed and was recomputed included.
+LOADED_COUNTER = "vllm:pdxfer_tokens_loaded_total"
 
 _DEMO_WORDS = ("the data block cache token layer chunk read write key value model prefix decode "
                "prefill kari tomu sena lovi peda").split()
@@ -317,19 +410,29 @@ def demo_prompts(seed: int = 1) -> list[tuple[str, str]]:
     return [("short", text(40)), ("~3 chunks", text(650)), ("~8 chunks", text(1750))]
 
 
+# Decode-side counters that say why a prompt routed through a prefill loaded less than it could.
+_SHORTFALL_COUNTERS = (("vllm:pdxfer_publish_hint_timeouts_total",
+                        "its prefill's publish reached the master after the decode's wait "
+                        "(publish_hint_wait_s)"),
+                       ("vllm:pdxfer_loads_failed_total", "a load failed and was recomputed (see the decode log)"))
+
+
 def run_demo(proxy_url: str, decode_url: str | Sequence[str], model: str, connector: bool,
              out: Callable[[str], None] = print) -> bool:
     """Send the demo prompts through the proxy; print outputs, routes and decode-side transfers
-    (summed over every decode instance given)."""
+    (summed over every decode instance given), and why a prompt loaded nothing when the decode
+    counters say."""
     decode_urls = [decode_url] if isinstance(decode_url, str) else list(decode_url)
 
-    def loaded() -> float:
-        return sum(read_prom_counter(u, TRANSFER_COUNTER) for u in decode_urls)
+    def count(name: str) -> float:
+        return sum(read_prom_counter(u, name) for u in decode_urls)
 
+    loaded_counter = LOADED_COUNTER if connector else TRANSFER_COUNTER
     ok = True
     total_transferred = 0.0
     for label, prompt in demo_prompts():
-        before = loaded()
+        before = count(loaded_counter)
+        causes_before = [count(name) for name, _ in _SHORTFALL_COUNTERS] if connector else []
         body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
         req = urllib.request.Request(proxy_url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -353,12 +456,15 @@ def run_demo(proxy_url: str, decode_url: str | Sequence[str], model: str, connec
         deadline = time.monotonic() + 2
         while transferred == before and time.monotonic() < deadline:
             time.sleep(0.1)
-            transferred = loaded()
+            transferred = count(loaded_counter)
         total_transferred += transferred - before
         out(f"  {label}: {data['usage']['prompt_tokens']} prompt tokens, "
             f"{ms:.0f} ms (prefill step {prefill_ms:.0f} ms), decode loaded "
             f"{transferred - before:.0f} tokens from the fleet")
         out(f"      route {route}")
+        for (name, why), was in zip(_SHORTFALL_COUNTERS, causes_before):
+            if count(name) > was:
+                out(f"      not all loaded: {why}")
         out(f"      -> {data['choices'][0]['text']!r}")
     if connector and total_transferred == 0:
         out("  no tokens were transferred to a decode instance: check the logs")
@@ -385,6 +491,15 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
     else:
         print("pdxfer launch: give MODEL_DIR or --make-tiny-model DIR", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        connector_extra = parse_kv_config_args(args.kv_config)
+    except ValueError as e:
+        print(f"pdxfer launch: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if connector_extra and args.no_connector:
+        print("pdxfer launch: --kv-config configures the connector, which --no-connector leaves out",
+              file=sys.stderr)
+        return EXIT_USAGE
     log_dir = args.log_dir or default_run_dir() / time.strftime("launch-%Y%m%d-%H%M%S")
     log_dir = Path(log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -405,7 +520,7 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
             prefill_cpus=args.prefill_cpus or None, decode_cpus=args.decode_cpus or None,
             proxy_port=args.port, kv_cache_gib=args.kv_cache_gib,
             vllm_args=args.vllm_arg, proxy_args=args.proxy_arg, die_with_parent=True,
-            log_level=args.log_level)
+            log_level=args.log_level, connector_extra=connector_extra)
         display = StatusDisplay(sys.stdout, tty)
 
         took = stack.wait_ready(args.ready_timeout, display.update)
@@ -413,6 +528,8 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
         mode = "no connector (decode recomputes)" if args.no_connector else \
             f"pdxfer connector, transport {args.transport}"
         print(f"ready in {took:.0f} s: {mode}")
+        for note in stack.notes:
+            print(f"  {note}")
         for c in stack.components:
             print(f"  {c.name:8s} pid {c.proc.pid:<7d} {c.url or '':28s} log {c.proc.log_path}")
         print(f"\nOpenAI endpoint: {proxy_url}/v1\nexample:\n  curl -s {proxy_url}/v1/completions "

@@ -4,13 +4,15 @@ Process control: tests/unit/test_procs.py."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from pdxfer.serve.launch import instance_names, pdxfer_kv_config, split_cores, split_cores_among, start_fleet
+from pdxfer.serve.launch import (instance_names, instances_share_cores, parse_core_list, parse_kv_config_args,
+                                 pdxfer_kv_config, shared_cores_env, split_cores, split_cores_among, start_fleet)
 from pdxfer.serve.serve_shim import vllm_serve_argv, vllm_serve_env
 from pdxfer.serve.tiny_model import make_tiny_model
 
@@ -103,3 +105,57 @@ def test_launch_rejects_bad_model_dir(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "pdxfer.cli", "launch"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--make-tiny-model" in r.stderr
+
+
+def test_kv_config_items_become_typed_connector_settings() -> None:
+    assert parse_kv_config_args(["publish_hint_wait_s=2.5", "load_benefit=true", "host_tier_mib=auto",
+                                 'listen_host="0.0.0.0"']) == {
+        "publish_hint_wait_s": 2.5, "load_benefit": True, "host_tier_mib": "auto", "listen_host": "0.0.0.0"}
+    assert parse_kv_config_args([]) == {}
+
+
+@pytest.mark.parametrize("item, says", [
+    ("publish_hint_wait_s", "expected KEY=VALUE"),
+    ("=3", "expected KEY=VALUE"),
+    ("master=10.0.0.1:7000", "use --master"),
+    ("chunk_tokens=128", "use --chunk-tokens"),
+    ("serve_url=http://x:1", "set by launch itself"),
+    ("publish_hint_wait_s=soon", "publish_hint_wait_s must be a number"),
+    ("publish_hint_wait=1", "unknown kv_connector_extra_config key(s) ['publish_hint_wait']"),
+])
+def test_a_bad_kv_config_item_is_refused_naming_it(item: str, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        parse_kv_config_args(["retention_s=30", item])
+
+
+def test_launch_refuses_a_bad_kv_config_before_starting_anything(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "pdxfer.cli", "launch", str(tmp_path), "--log-dir",
+                        str(tmp_path / "logs"), "--kv-config", "lock_ttl=5"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "['lock_ttl']" in r.stderr, r.stderr
+    assert not (tmp_path / "logs").exists()  # refused before any process or log
+    r = subprocess.run([sys.executable, "-m", "pdxfer.cli", "launch", str(tmp_path), "--no-connector",
+                        "--kv-config", "lock_ttl_s=5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--no-connector" in r.stderr, r.stderr
+
+
+def test_core_lists_in_vllm_bind_syntax() -> None:
+    assert parse_core_list("3") == {3}
+    assert parse_core_list("0-2,5") == {0, 1, 2, 5}
+    assert parse_core_list("0,1|2,3") == {0, 1, 2, 3}  # TP ranks
+    for bad in ("", "a", "3-1", "-1", "0,,1"):
+        with pytest.raises(ValueError, match="not a core or a range"):
+            parse_core_list(bad)
+
+
+def test_instances_that_share_a_core_get_the_spin_sleep_unless_the_user_chose() -> None:
+    # More instances than cores: split_cores_among shares round-robin (a 2x1 fleet on 2 cores).
+    shared = split_cores_among(3, cores=[0, 1])
+    assert instances_share_cores(shared) and not instances_share_cores(split_cores_among(2, cores=[0, 1]))
+    assert instances_share_cores(["0-3", "3-5"]) and not instances_share_cores(["0-3", "4-5"])
+    assert instances_share_cores(["0", None]) and not instances_share_cores([None])
+    assert shared_cores_env(shared, connector=True, environ={}) == {"PDXFER_VLLM_SPIN_SLEEP_US": "200"}
+    assert shared_cores_env(["0", "1"], connector=True, environ={}) == {}
+    assert shared_cores_env(shared, connector=False, environ={}) == {}  # nothing applies it
+    assert shared_cores_env(shared, connector=True, environ={"PDXFER_VLLM_SPIN_SLEEP_US": "50"}) == {}
