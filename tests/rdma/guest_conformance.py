@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from pdxfer.probe.pattern import mismatches, scattered_plan
+from pdxfer.transport.base import ReadState
 from tests.transport.conftest import (HOLDER_SIZES, REPO, Holder, MiB, SharedPeers, child_env, read_line,
                                       start_holder, stop)
 from tests.transport.conftest import reader_factory  # noqa: F401  (the same fixture, outside its conftest)
@@ -19,9 +23,12 @@ from tests.transport.test_conformance import (  # noqa: F401  (collected here, w
     test_single_run_exact,
 )
 
-from .conftest import HOLDER_DEV, HOLDER_PREFIX, NOT_RDMA, READER_DEV, START_S, guest_bound, ucx_lane_lines
+from .conftest import (HOLDER_DEV, HOLDER_PREFIX, NOT_RDMA, READ_WAIT_S, READER_DEV, START_S, guest_bound,
+                       ucx_lane_lines)
 
 KINDS_OVER_RXE = ("nixl",)
+# A stall a real fabric shows a live holder (a link flap, a switch port reset, a congested queue).
+STALL_S = 2.0
 
 
 @pytest.fixture(scope="module", params=KINDS_OVER_RXE)
@@ -89,3 +96,34 @@ def test_ucx_carried_the_reads_over_rc_verbs_on_rxe(tmp_path):
             assert f"rma(rc_verbs/{dev}:1)" in ln, f"{side}: RMA lane is not rc_verbs on {dev}: {ln}"
             for tl in NOT_RDMA:
                 assert f"({tl}/" not in ln, f"{side}: UCX fell back to {tl}: {ln}"
+
+
+def _netdev_of(rdma_dev: str) -> str:
+    """The network device an rxe device sends through."""
+    return (Path("/sys/class/infiniband") / rdma_dev / "parent").read_text().strip()
+
+
+def test_live_holder_survives_a_network_stall(kind, holder_factory, reader_factory):
+    """RC retries that bound how long a dead holder holds a read also decide when a live one is
+    given up on. Every packet the holder sends is dropped for STALL_S while a read is in flight;
+    the read must then finish with the right bytes, not fail as if the holder had died."""
+    holder = holder_factory(kind)
+    reader = reader_factory(kind)
+    peer = reader.t.connect(holder.meta, timeout=guest_bound(30))
+    plan = scattered_plan(32 << 10, 64, HOLDER_SIZES[0], reader.dst.nbytes, seed=5)
+    assert reader.t.read(peer, plan).wait(READ_WAIT_S) is ReadState.DONE  # connected and warm
+    netdev = _netdev_of(HOLDER_DEV)
+    drop = ["tc", "qdisc", "add", "dev", netdev, "root", "netem", "loss", "100%"]
+    subprocess.run(drop, check=True, timeout=30)
+    try:
+        reader.dst[:] = 0
+        h = reader.t.read(peer, plan)
+        time.sleep(STALL_S)
+        state = h.poll()
+        assert state is not ReadState.DONE, f"the read finished while {netdev} dropped every packet: no stall met it"
+        assert state is ReadState.PENDING, \
+            f"the read {state.value} in a {STALL_S} s stall: a live holder was given up on as dead"
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", netdev, "root"], check=True, timeout=30)
+    assert h.wait(READ_WAIT_S) is ReadState.DONE
+    assert mismatches(plan, {0: reader.dst}, dict(enumerate(HOLDER_SIZES)), seed=0) == []

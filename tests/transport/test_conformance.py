@@ -225,7 +225,9 @@ def _kill_during_a_long_read(kind, holder_factory, reader_factory) -> None:
     finally:
         killer.wait(whole + 10)
     holder.proc.wait(10)
-    assert time.monotonic() - t0 < whole / 10 + DEATH_BOUND_S
+    took = time.monotonic() - t0
+    print(f"holder killed {whole / 10:.2f} s into a {whole:.2f} s read: typed error {took:.2f} s after the post")
+    assert took < whole / 10 + DEATH_BOUND_S
 
 
 def test_cancel_is_bounded_and_transport_stays_usable(kind, holder_factory, reader_factory, freeze_holds_reads):

@@ -9,7 +9,8 @@ export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 fail() { echo "softroce-setup: $*"; echo 120 >"$RUN/rc"; exit 120; }
 
 # crc32_generic must be loaded by hand, or 'rdma link add' fails (rxe's ICRC needs crc32).
-for m in crc32_generic veth rdma_rxe rdma_ucm ib_uverbs; do
+# sch_netem lets a test drop the holder's packets for a while (tc qdisc ... netem loss 100%).
+for m in crc32_generic veth rdma_rxe rdma_ucm ib_uverbs sch_netem; do
   modprobe "$m" || fail "modprobe $m failed (kernel modules under /lib/modules/$(uname -r)?)"
 done
 ip link set lo up
