@@ -99,6 +99,8 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
                     return "hole 6: freed by the holder's own lock-TTL bound while a longer lock held it"
                 if why == "master_lost":
                     return "force-freed ('master lost') while the master still served it"
+                if why == "moved":
+                    return "a move's old block freed while the master still served it (the move was not accepted)"
         return "unknown"
 
     for r in recs:
@@ -285,9 +287,12 @@ def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int
     publishes that timed out on the holder (a link delay beyond the client timeout), holders
     displaced by a second process of their node id and publishes that process got through, and
     slow readers' validated long locks under which a holder asked to unpublish their key and was
-    told it was still locked."""
+    told it was still locked; moves by outcome, and validated reads of a key's old block under a
+    lock that made the master refuse that key's move."""
     out = {"link_delays_beyond_timeout": 0, "publishes_timed_out": 0, "holders_superseded": 0,
-           "clash_publishes": 0, "long_locks_met_unpublish": 0}
+           "clash_publishes": 0, "long_locks_met_unpublish": 0, "moves_moved": 0, "moves_refused": 0,
+           "moves_unknown": 0, "locks_met_move": 0}
+    refused_moves: dict[tuple[str, str], list[tuple[float, int]]] = {}  # (node, key) -> (time, old block)
     hi_of: dict[str, tuple[int, int]] = {}
     node_of: dict[str, str] = {}
     refused: dict[tuple[str, str], list[float]] = {}  # (node, key) -> times an unpublish found it locked
@@ -307,6 +312,17 @@ def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int
         elif op == "unpublish" and r["ok"]:
             for k in set(r["keys"]) - set(r["gone"]):
                 refused.setdefault((node_of.get(r["proc"], ""), k), []).append(r["t1"])
+        elif op == "move":
+            out[f"moves_{r['outcome']}"] += 1
+            if r["outcome"] == "refused":
+                refused_moves.setdefault((r["node"], r["key"]), []).append((r["t1"], r["old"][0]))
+    for r in recs:
+        if r["op"] != "read" or not r["release"]["valid"] or r["read"]["err"]:
+            continue
+        a, b = r["lookup_t0"], r["release"]["t1"]
+        if any(a <= t <= b and old == blocks[0] for key, node, blocks in r["locations"]
+               for t, old in refused_moves.get((node, key), [])):
+            out["locks_met_move"] += 1
     for r in recs:
         if r["op"] != "read" or r.get("kind") != "long_ttl" or not r["release"]["valid"] or r["read"]["err"]:
             continue

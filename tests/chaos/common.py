@@ -52,6 +52,13 @@ class ChaosConfig:
     io_timeout_s: float = 2.0
     stale_floor_s: float = 60.0  # the real holder's floor for "never confirmed unpublished"
     unsafe_free: bool = False  # deliberately broken holder: frees published blocks early
+    # A holder moves a held chunk to a copy in its host blocks (ids blocks.., as the real holder
+    # publishes host slots after its device blocks) with this probability per loop turn;
+    # unsafe_move frees the old block even when the master refused the move (a reader's lock pins
+    # it): the checker must find stale reads.
+    move_p: float = 0.15
+    host_blocks: int = 24  # per holder
+    unsafe_move: bool = False
     faults: list[str] = field(default_factory=list)  # kinds to inject ([] = all for the variant)
     fault_gap_s: tuple[float, float] = (0.3, 1.2)
     # Below master_timeout_s a request always lands before its call gives up; beyond it a call can

