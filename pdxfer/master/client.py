@@ -383,14 +383,15 @@ class MasterClient:
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, lock_ttl_s: float = 10.0,
                         parties: int = 1, *, skip: Mapping[str, int] | None = None,
-                        transport: str | None = None) -> LookupResult:
+                        transport: str | None = None, prefer_tier: str | None = None) -> LookupResult:
         """The longest held prefix of ``keys``, locked. The lock's TTL is ``lock_ttl_s`` capped by
         the master's ``max_lock_ttl_s``: the result's ``lock_ttl_s`` is the one granted.
         ``parties``: how many ``release`` calls the lock waits for before its entries are
         unpinned (one per TP rank that reads under it; each release says whether the lock was
         valid when it arrived). ``skip`` (node id -> epoch; 0: every registration of the node) and
         ``transport``: holders this reader cannot use, never chosen (the result's ``epochs``
-        names each holder's registration)."""
+        names each holder's registration). ``prefer_tier`` (pdxfer.master.tiers): where several
+        holders hold a chunk, one holding it in this tier is chosen (the hit is as long either way)."""
         keys = list(keys)
         if not keys:
             return LookupResult(None, 0, [], {}, lock_ttl_s)
@@ -398,7 +399,8 @@ class MasterClient:
         for attempt in range(2):
             with self._lock:
                 have = dict(self._have) if attempt == 0 else {}
-            reply = self._ask(ops.encode_lookup(joined, reader, lock_ttl_s, have, parties, dict(skip or {}), transport),
+            reply = self._ask(ops.encode_lookup(joined, reader, lock_ttl_s, have, parties, dict(skip or {}), transport,
+                                                prefer_tier),
                               ops.decode_lookup_reply, len(keys))
             try:
                 nodes = {nid: self._node_from(nid, epoch, info) for nid, (epoch, info) in reply.nodes.items()}

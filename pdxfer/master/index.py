@@ -17,7 +17,9 @@ Rules:
   id, one step per tie it breaks, a counter of the index): copies of the same prefix on several
   engines share its reads, and the choice is still deterministic for a given call sequence. Only holders the reader can use are candidates: a
   lookup names the registrations it cannot read (``skip``; epoch 0: any registration of the node)
-  and its transport, so an unreadable holder's longer run never hides a readable one.
+  and its transport, so an unreadable holder's longer run never hides a readable one. A lookup
+  may name a preferred tier (``prefer_tier``): candidates holding chunk i in that tier come first,
+  each for as far as its run stays in it (``_in_tier``); the hit's length never depends on it.
 - ``release`` is True only if the lock was still valid when the release arrived.
 - ``unpublish_if_unlocked`` removes an entry only when no valid lock pins it, and reports every
   key the node no longer publishes (removed now, or never/no longer there): those blocks are free
@@ -44,6 +46,8 @@ from pdxfer.master.index_records import (
     SupersededError,
     UnknownNodeError,
 )
+from pdxfer.master.protocol import unpack_u32_array
+from pdxfer.master.tiers import DEVICE_TIER, tier_of
 
 INF = math.inf
 EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's bound of 2**62
@@ -79,10 +83,12 @@ class ChunkIndex:
 
     # ---- membership ---------------------------------------------------------------------------
 
-    def register(self, node_id: str, info_json: str, ttl: float, now: float, transport: str | None = None) -> int:
+    def register(self, node_id: str, info_json: str, ttl: float, now: float, transport: str | None = None,
+                 host_base: int | None = None) -> int:
+        """``host_base``: the node's first host-tier block id (None: no host tier)."""
         if node_id in self.nodes:
             self._drop_node(node_id, "re-registered")
-        node = Node(node_id, info_json, ttl, now + ttl, next(self._epochs), transport)
+        node = Node(node_id, info_json, ttl, now + ttl, next(self._epochs), transport, host_base)
         self.nodes[node_id] = node
         return node.epoch
 
@@ -257,10 +263,14 @@ class ChunkIndex:
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, ttl: float, now: float,
                         parties: int = 1, skip: Mapping[str, int] | None = None,
-                        transport: str | None = None) -> LookupOutcome:
+                        transport: str | None = None, prefer_tier: str | None = None) -> LookupOutcome:
         """``parties``: how many releases the lock expects (one per TP rank reading under it).
         ``skip`` (node id -> epoch, 0 = every registration) and ``transport``: holders the reader
-        cannot use; none of them is chosen, as if it did not hold the chunks."""
+        cannot use; none of them is chosen, as if it did not hold the chunks. ``prefer_tier``
+        (pdxfer.master.tiers; None: no preference): the tier this reader measured faster; where
+        several holders hold chunk i, one holding it in that tier is taken, for as far as its run
+        stays in the tier. The hit is as long either way (it ends where no usable holder holds a
+        chunk); only where its chunks are read from changes."""
         c = self.counters
         usable = self._usable_filter(skip, transport)
         c.lookups += 1
@@ -288,6 +298,8 @@ class ChunkIndex:
             else:
                 # Only live candidates are measured: each one's run holds only its own entries.
                 measured = [(self._run(keys, i, nd, now), nd.node_id, nd) for nd in live]
+                if prefer_tier is not None:
+                    measured = self._in_tier(measured, prefer_tier)
                 longest = max(len(r) for r, _, _ in measured)
                 tied = sorted((nid, r, nd) for r, nid, nd in measured if len(r) == longest)
                 if len(tied) == 1:
@@ -327,6 +339,25 @@ class ChunkIndex:
             b"".join(map(_BLOCKS, chosen)),
             nodes,
         )
+
+    @staticmethod
+    def _in_tier(measured: list[tuple[list[Entry], str, Node]], tier: str) -> list[tuple[list[Entry], str, Node]]:
+        """The candidates whose run starts in ``tier``, each run cut where it leaves the tier;
+        all of them unchanged when none does (the chunk is not held in that tier)."""
+        out = []
+        for run, nid, nd in measured:
+            base = nd.host_base
+            if base is None:
+                n = len(run) if tier == DEVICE_TIER else 0
+            else:
+                n = 0
+                for e in run:
+                    if tier_of(unpack_u32_array(e.blocks), base) != tier:
+                        break
+                    n += 1
+            if n:
+                out.append((run[:n], nid, nd))
+        return out or measured
 
     def peek(self, keys: Sequence[bytes], now: float, skip: Mapping[str, int] | None = None,
              transport: str | None = None) -> PeekOutcome:

@@ -44,12 +44,14 @@ class FencedError(ValueError):
 
 class Node:
     __slots__ = ("node_id", "info_json", "ttl", "expires_at", "epoch", "entries", "locks", "fence_seq",
-                 "transport", "hold_floor", "per", "held_blocks")
+                 "transport", "hold_floor", "per", "held_blocks", "host_base")
 
     def __init__(self, node_id: str, info_json: str, ttl: float, expires_at: float, epoch: int,
-                 transport: str | None = None) -> None:
+                 transport: str | None = None, host_base: int | None = None) -> None:
         self.node_id = node_id
         self.transport = transport  # what it serves over; None: not said (a reader's filter lets it by)
+        # Its first host-tier block id (pdxfer.master.tiers); None: it has no host tier.
+        self.host_base = host_base
         self.info_json = info_json  # pre-encoded JSON object sent with every lookup that hits it
         self.ttl = ttl
         self.expires_at = expires_at

@@ -22,6 +22,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 from pdxfer.keys import KEY_BYTES
 from pdxfer.master import protocol as P
 from pdxfer.master.records import NodeInfo, RankEndpoint, Registration
+from pdxfer.master.tiers import TIERS
 
 MAX_TTL_S = 3600.0  # node leases and reader locks
 MAX_RETENTION_S = 30 * 24 * 3600.0
@@ -357,11 +358,12 @@ class LookupRequest:
     # and the reader's transport (None: any): the master chooses no such holder.
     skip: dict[str, int] = field(default_factory=dict)
     transport: str | None = None
+    prefer_tier: str | None = None  # the tier the reader measured faster (pdxfer.master.tiers)
 
 
 def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict[str, int],
                   parties: int = 1, skip: dict[str, int] | None = None,
-                  transport: str | None = None) -> Request:
+                  transport: str | None = None, prefer_tier: str | None = None) -> Request:
     """``joined_keys``: ``protocol.join_keys(keys)`` (the caller may retry with the same bytes)."""
     doc: dict[str, Any] = {"n": len(joined_keys) // KEY_BYTES, "reader": reader, "ttl": float(lock_ttl_s),
                            "have": have, "parties": int(parties)}
@@ -369,6 +371,8 @@ def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict
         doc["skip"] = {str(k): int(v) for k, v in skip.items()}
     if transport is not None:
         doc["transport"] = transport
+    if prefer_tier is not None:
+        doc["tier"] = prefer_tier
     return Request(P.OP_LOOKUP, doc, joined_keys)
 
 
@@ -389,8 +393,11 @@ def decode_lookup(doc: dict[str, Any], blob: bytes | memoryview) -> LookupReques
     parties = P.get_int(doc, "parties", 1, MAX_TP) if "parties" in doc else 1
     skip = _get_skip(doc)
     transport = P.get_str(doc, "transport", optional=True)
+    tier = P.get_str(doc, "tier", optional=True)
+    if tier is not None and tier not in TIERS:
+        raise _malformed(f"field 'tier' must be one of {', '.join(TIERS)}, got {tier[:32]!r}")
     # "have" only saves bytes: anything unusable means "send every description".
-    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {}, parties, skip, transport)
+    return LookupRequest(keys, reader, ttl, have if isinstance(have, dict) else {}, parties, skip, transport, tier)
 
 
 def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tuple[str, int]],

@@ -29,6 +29,7 @@ from pdxfer.master.index import (
 )
 from pdxfer.master.metrics_export import MasterMetrics, scrape_values
 from pdxfer.master.service_stats import health, stats, status_reply
+from pdxfer.master.tiers import host_block_base
 
 log = logging.getLogger("pdxfer.master")
 
@@ -246,7 +247,8 @@ class MasterService:
         t0 = time.perf_counter()
         req = ops.decode_lookup(doc, blob)
         ttl = min(req.ttl, self.max_lock_ttl_s)
-        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now, req.parties, req.skip, req.transport)
+        out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now, req.parties, req.skip, req.transport,
+                                         req.prefer_tier)
         nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
         head = ops.encode_lookup_reply(out.lock_id, out.hit, ttl, out.runs, out.counts, nodes, req.have)
         self.lookup_seconds += time.perf_counter() - t0
@@ -292,7 +294,7 @@ class MasterService:
 
     def _register(self, doc: dict[str, Any], blob: memoryview, now: float) -> dict[str, Any]:
         req = ops.decode_register(doc, blob)
-        epoch = self.index.register(req.node_id, "", req.ttl, now, req.transport)
+        epoch = self.index.register(req.node_id, "", req.ttl, now, req.transport, host_block_base(req.layout))
         info_json = ops.encode_node_description(req, epoch)
         self.index.nodes[req.node_id].info_json = info_json
         self.coord.node_registered(req.node_id, req.ttl, info_json)

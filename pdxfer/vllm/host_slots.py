@@ -10,17 +10,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-# The key under which a rank's layout (wire form) carries its host pool's layout: readers that
-# predate the tier ignore it (and read no host ids: those are outside their device layout).
-HOST_LAYOUT_KEY = "host_tier"
+from pdxfer.master.tiers import HOST_TIER, host_block_base, tier_of
 
 
 def serves_from_host(block_ids: Sequence[int], holder_layout: Mapping[str, Any]) -> bool:
     """Whether a location names host slots of its holder: host slot s is block id N + s at the
     master, N the holder's device block count (its layout's ``num_blocks``)."""
-    if HOST_LAYOUT_KEY not in holder_layout or not block_ids:
-        return False
-    return max(block_ids) >= int(holder_layout["num_blocks"])
+    return tier_of(block_ids, host_block_base(holder_layout)) == HOST_TIER
 
 
 class HostSlotError(ValueError):

@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-DEVICE_TIER = "device"
-HOST_TIER = "host"
+from pdxfer.master.tiers import DEVICE_TIER, HOST_TIER
+
 HolderKey = tuple[str, str]  # (node id, tier)
 
 LOAD, PARTIAL, RECOMPUTE = "load", "partial", "recompute"
@@ -159,6 +159,28 @@ class BenefitModel:
         self.rate.add(tokens, seconds)
 
     # ------------------------------------------------------------------ decisions
+
+    def faster_tier(self) -> str | None:
+        """The tier whose best measured holder would load a typical load of this reader (the mean
+        size of its measured loads) sooner by more than ``margin``; None until both tiers are
+        measured, or when neither is clearly faster."""
+        sizes = [b for cost in self.holders.values() for b, _ in cost.samples]
+        if not sizes:
+            return None
+        typical = sum(sizes) // len(sizes)
+        best: dict[str, float] = {}
+        for (_, tier), cost in self.holders.items():
+            t = cost.expected_s(typical)
+            if t is not None:
+                best[tier] = min(best.get(tier, t), t)
+        if DEVICE_TIER not in best or HOST_TIER not in best:
+            return None
+        device, host = best[DEVICE_TIER], best[HOST_TIER]
+        if host * (1 + self.margin) < device:
+            return HOST_TIER
+        if device * (1 + self.margin) < host:
+            return DEVICE_TIER
+        return None
 
     def load_s(self, pieces: Sequence[Piece]) -> float | None:
         """Expected time of loading ``pieces`` (0 for none; None when a holder is unmeasured)."""

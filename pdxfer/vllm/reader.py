@@ -259,7 +259,8 @@ class ReaderPath:
         res = None
         for attempt in range(2):
             res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl, parties=self.tp_size,
-                                            skip=self._skip(), transport=self.cfg.transport)
+                                            skip=self._skip(), transport=self.cfg.transport,
+                                            prefer_tier=self.gate.preferred_tier if self.gate is not None else None)
             if attempt or res.lock_id is None or not self._learn_unusable(res):
                 return res
             self._release_async(res.lock_id)

@@ -42,6 +42,9 @@ class LoadGate:
         self.bytes_per_token = 0  # this engine's KV bytes per token (all ranks); 0: unknown yet
         self._pending: dict[str, _Pending] = {}
         self._step: tuple[float, int] | None = None  # (built at, tokens) of a prefill step in flight
+        # The tier this reader measured faster (None: no preference): what its lookups ask the
+        # master to prefer. Set on the scheduler thread, read by the lookup poller's.
+        self.preferred_tier: str | None = None
 
     def set_bytes_per_token(self, layouts: Iterable[Any], block_size: int) -> None:
         """From the workers' layouts (``KVLayout`` per rank): what one token of KV is here."""
@@ -120,6 +123,11 @@ class LoadGate:
             for holder, nbytes in p.per_holder.items():
                 # Reads from several holders run side by side: each took at most the load's time.
                 self.model.observe_load(holder, nbytes, now - p.posted_at)
+            tier = self.model.faster_tier()
+            if tier != self.preferred_tier:
+                log.info("pdxfer: lookups now prefer holders' %s tier (measured loads: %s)",
+                         tier or "no", self.model.snapshot().get("holders"))
+                self.preferred_tier = tier
 
 
 def _ms(s: float | None) -> str:

@@ -32,7 +32,7 @@ from pdxfer.vllm.load_corruption import maybe_corrupt_load
 from pdxfer.vllm import repull as rp_plan
 from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.host_pool import AUTO_HOST_SHARE, HostPool, auto_host_tier_mib, host_slots_for
-from pdxfer.vllm.host_slots import HOST_LAYOUT_KEY
+from pdxfer.master.tiers import HOST_LAYOUT_KEY
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
 from pdxfer.layout import Region
 from pdxfer.vllm.phase_times import PhaseTimes

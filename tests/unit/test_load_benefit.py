@@ -117,7 +117,7 @@ def test_a_holders_host_tier_is_measured_apart_from_its_kv_cache():
     vouch for a slow host path, nor the other way round."""
     from types import SimpleNamespace
 
-    from pdxfer.vllm.host_slots import HOST_LAYOUT_KEY
+    from pdxfer.master.tiers import HOST_LAYOUT_KEY
     from pdxfer.vllm.reader_benefit import LoadGate
     from pdxfer.vllm.scheduler_state import SchedulerStats
 
@@ -143,3 +143,33 @@ def test_a_holders_host_tier_is_measured_apart_from_its_kv_cache():
         gate.model.observe_load(("a", "host"), MB, 0.5)  # its host path: far slower than computing
     assert gate.decide("r2", host_hit).kind == RECOMPUTE
     assert gate.decide("r3", pieces[:1]).kind == LOAD  # its KV cache still pays
+
+
+def test_faster_tier_is_the_one_measured_clearly_faster_for_a_typical_load():
+    """What this reader's lookups ask the master to prefer: unknown until both tiers are measured,
+    and a tier only when its best holder beats the other tier's best by more than the margin."""
+    m = BenefitModel(margin=0.25)
+    assert m.faster_tier() is None
+    for _ in range(3):
+        m.observe_load(("a", "device"), MB, 0.010)
+    assert m.faster_tier() is None  # the host tier never measured
+    m.observe_load(("b", "host"), MB, 0.009)
+    assert m.faster_tier() is None  # 10% apart: inside the margin
+    m.observe_load(("c", "host"), MB, 0.004)
+    assert m.faster_tier() == "host"  # c's host tier is the best: 4 ms vs 10 ms
+    m.observe_load(("d", "device"), MB, 0.001)
+    assert m.faster_tier() == "device"
+
+
+def test_the_gate_tells_lookups_which_tier_to_prefer_once_measured():
+    from pdxfer.vllm.reader_benefit import LoadGate
+    from pdxfer.vllm.scheduler_state import SchedulerStats
+
+    gate = LoadGate(margin=0.1, stats=SchedulerStats())
+    assert gate.preferred_tier is None
+    for i, (holder, s) in enumerate([(("a", "device"), 0.02), (("b", "host"), 0.005)]):
+        req = f"r{i}"
+        gate.planned(req, [Piece(holder, C, MB)])
+        gate.step_built(None, [req], now=10.0 * i)
+        gate.step_output([req], now=10.0 * i + s)
+    assert gate.preferred_tier == "host"
