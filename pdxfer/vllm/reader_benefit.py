@@ -116,6 +116,7 @@ class LoadGate:
             built_at, tokens = self._step
             self.model.observe_step(tokens, now - built_at)
             self._step = None
+        observed = False
         for req_id in finished_recving or ():
             p = self._pending.pop(req_id, None)
             if p is None or p.posted_at is None:
@@ -123,10 +124,13 @@ class LoadGate:
             for holder, nbytes in p.per_holder.items():
                 # Reads from several holders run side by side: each took at most the load's time.
                 self.model.observe_load(holder, nbytes, now - p.posted_at)
+                observed = True
+        if observed:
             tier = self.model.faster_tier()
             if tier != self.preferred_tier:
-                log.info("pdxfer: lookups now prefer holders' %s tier (measured loads: %s)",
-                         tier or "no", self.model.snapshot().get("holders"))
+                what = f"prefer holders' {tier} tier" if tier else "prefer no tier"
+                log.info("pdxfer: lookups now %s (measured loads, latency s and s/byte per holder/tier: %s)",
+                         what, self.model.snapshot().get("holders"))
                 self.preferred_tier = tier
 
 
