@@ -434,7 +434,7 @@ class MasterClient:
                 nodes = {nid: self._node_from(nid, epoch, info) for nid, (epoch, info) in reply.nodes.items()}
             except _StaleNodeCache:
                 continue  # evicted meanwhile (another thread): ask again with full descriptions
-            return PeekResult(reply.hit, dict(reply.prefix_by_node), nodes)
+            return PeekResult(reply.hit, dict(reply.prefix_by_node), nodes, dict(reply.device_prefix_by_node))
         raise MasterProtocolError("peek reply referenced node descriptions the client does not have")
 
     def nodes(self) -> list[NodeInfo]:

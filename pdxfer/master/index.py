@@ -362,8 +362,9 @@ class ChunkIndex:
     def peek(self, keys: Sequence[bytes], now: float, skip: Mapping[str, int] | None = None,
              transport: str | None = None) -> PeekOutcome:
         """What ``lookup_and_lock`` with the same ``skip`` and ``transport`` would hit now, and
-        how far each usable holder of key 0 holds the keys on its own. Read-only: no lock, no
-        pin, no lease or entry is changed (an expired node is left for the reaper)."""
+        how far each usable holder of key 0 holds the keys on its own (and, where its host tier
+        holds some of them, how far its device tier does). Read-only: no lock, no pin, no lease
+        or entry is changed (an expired node is left for the reaper)."""
         self.counters.peeks += 1
         usable = self._usable_filter(skip, transport)
         entries = self.entries
@@ -397,7 +398,24 @@ class ChunkIndex:
             hit += 1
         for nid in active:
             prefix[nid] = hit
-        return PeekOutcome(hit, prefix, {nid: self.nodes[nid] for nid in prefix})
+        device: dict[str, int] = {}
+        for nid, n in prefix.items():
+            node = self.nodes[nid]
+            if node.host_base is not None:
+                d = self._device_run(keys, n, node)
+                if d < n:
+                    device[nid] = d
+        return PeekOutcome(hit, prefix, {nid: self.nodes[nid] for nid in prefix}, device)
+
+    @staticmethod
+    def _device_run(keys: Sequence[bytes], n: int, node: Node) -> int:
+        """How many of ``keys[:n]`` (all held by ``node``) it holds in its device tier, from key 0."""
+        base = node.host_base
+        for i in range(n):
+            e = node.entries.get(keys[i])
+            if e is None or tier_of(unpack_u32_array(e.blocks), base) != DEVICE_TIER:
+                return i
+        return n
 
     def live_nodes(self, now: float) -> list[Node]:
         """The registrations whose lease has not run out (read-only, like ``peek``)."""

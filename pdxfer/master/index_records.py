@@ -3,7 +3,7 @@ lookup returns. Plain data with slots: millions of entries live in memory at onc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class UnknownNodeError(KeyError):
@@ -110,6 +110,9 @@ class PeekOutcome:
     hit: int
     prefix_by_node: dict[str, int]  # node id -> leading keys it holds contiguously from key 0 (> 0)
     nodes: dict[str, Node]  # the nodes in prefix_by_node
+    # node id -> how many of those leading keys it holds in its device tier (KV cache), for the
+    # nodes where that is fewer (their host tier holds the rest); absent: all of them
+    device_prefix_by_node: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -513,9 +513,14 @@ def _splice_nodes(nodes: Iterable[tuple[str, int, str]], have: dict[str, int]) -
 
 
 def encode_peek_reply(hit: int, prefix_by_node: dict[str, int], nodes: Iterable[tuple[str, int, str]],
-                      have: dict[str, int]) -> bytes:
-    """The reply's JSON part; ``nodes`` as in ``encode_lookup_reply`` (every node in the prefix map)."""
-    head = json.dumps({"hit": hit, "prefix": prefix_by_node}, separators=(",", ":"))
+                      have: dict[str, int], device_prefix_by_node: dict[str, int] | None = None) -> bytes:
+    """The reply's JSON part; ``nodes`` as in ``encode_lookup_reply`` (every node in the prefix map).
+    ``device_prefix_by_node``: only nodes whose device tier holds fewer leading keys than their
+    prefix (sent as "device"; absent when none)."""
+    doc: dict[str, Any] = {"hit": hit, "prefix": prefix_by_node}
+    if device_prefix_by_node:
+        doc["device"] = device_prefix_by_node
+    head = json.dumps(doc, separators=(",", ":"))
     return (head[:-1] + ',"nodes":{' + _splice_nodes(nodes, have) + "}}").encode()
 
 
@@ -524,6 +529,8 @@ class PeekReply:
     hit: int
     prefix_by_node: dict[str, int]
     nodes: dict[str, tuple[int, NodeInfo | None]]  # node id -> (epoch, description or None)
+    # node id -> leading keys in its device tier, for every node in prefix_by_node
+    device_prefix_by_node: dict[str, int] = field(default_factory=dict)
 
 
 def decode_peek_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: int) -> PeekReply:
@@ -532,10 +539,15 @@ def decode_peek_reply(doc: dict[str, Any], blob: bytes | memoryview, asked: int)
     if (not isinstance(prefix, dict)
             or not all(isinstance(k, str) and type(v) is int and 0 < v <= hit for k, v in prefix.items())):
         raise _malformed(f"field 'prefix' must map node ids to leading chunk counts in [1, {hit}]")
+    device = doc.get("device", {})
+    if (not isinstance(device, dict)
+            or not all(k in prefix and type(v) is int and 0 <= v < prefix[k] for k, v in device.items())):
+        raise _malformed("field 'device' must map nodes named in 'prefix' to fewer leading chunks than there")
     raw_nodes = doc.get("nodes")
     if not isinstance(raw_nodes, dict) or not prefix.keys() <= raw_nodes.keys():
         raise _malformed("field 'nodes' must describe every node named in 'prefix'")
-    return PeekReply(hit, prefix, {nid: decode_node_description(nid, d) for nid, d in raw_nodes.items()})
+    return PeekReply(hit, prefix, {nid: decode_node_description(nid, d) for nid, d in raw_nodes.items()},
+                     {nid: device.get(nid, n) for nid, n in prefix.items()})
 
 
 # ---- nodes (live registrations) -------------------------------------------------------------------

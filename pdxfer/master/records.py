@@ -79,6 +79,9 @@ class PeekResult:
     # usable holders only, and only those holding key 0 (every value > 0)
     prefix_by_node: dict[str, int]
     nodes: dict[str, NodeInfo]  # descriptions of the nodes in prefix_by_node
+    # node id -> how many of its leading keys its device tier (KV cache) holds: fewer than in
+    # prefix_by_node where its host tier holds the rest; what its own prefix cache can hit
+    device_prefix_by_node: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -258,7 +258,7 @@ class MasterService:
         req = ops.decode_peek(doc, blob)
         out = self.index.peek(req.keys, now, req.skip, req.transport)
         nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
-        return ops.encode_peek_reply(out.hit, out.prefix_by_node, nodes, req.have), b""
+        return ops.encode_peek_reply(out.hit, out.prefix_by_node, nodes, req.have, out.device_prefix_by_node), b""
 
     def _nodes(self, doc: dict[str, Any], blob: memoryview, now: float) -> tuple[bytes, bytes]:
         return ops.encode_nodes_reply(n.info_json for n in self.index.live_nodes(now)), b""

@@ -36,7 +36,9 @@ class IndexUnavailable(Exception):
 class Holding:
     prompt_tokens: int
     held_tokens: int  # leading prompt tokens the live fleet holds (all holders together)
-    by_url: dict[str, int] = field(default_factory=dict)  # serve_url -> leading tokens it alone holds
+    # serve_url -> leading tokens that instance's own KV cache holds: a prefix cache hit there. A
+    # prefix its host tier holds is left out: that copy serves other readers, not the instance.
+    by_url: dict[str, int] = field(default_factory=dict)
 
 
 def held_tokens(keys_held: int, full_chunks: int, chunk_tokens: int, prompt_tokens: int) -> int:
@@ -132,9 +134,10 @@ class IndexView:
                 held = held_tokens(res.hit, n_full, chunk, len(tokens))
                 by_url = dict(best.by_url)
                 for node_id, n_keys in res.prefix_by_node.items():
+                    n_keys = res.device_prefix_by_node.get(node_id, n_keys)
                     info = res.nodes.get(node_id)
                     url = getattr(info, "serve_url", "") if info is not None else ""
-                    if url:
+                    if url and n_keys > 0:
                         url = url.rstrip("/")
                         by_url[url] = max(by_url.get(url, 0),
                                           held_tokens(n_keys, n_full, chunk, len(tokens)))

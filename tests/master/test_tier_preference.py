@@ -104,3 +104,21 @@ def test_the_client_sends_the_tier_only_when_asked(tier):
     req = ops.encode_lookup(b"".join(keys_for("t", 1)), "r", 5.0, {}, prefer_tier=tier)
     assert req.doc.get("tier") == tier and ("tier" in req.doc) == (tier is not None)
     assert ops.decode_lookup(req.doc, req.blob).prefer_tier == tier
+
+
+def test_peek_says_how_far_each_holders_kv_cache_holds_a_prefix(address, masters):
+    """A router sends work to the instance whose own cache holds the prefix: a prefix that a
+    holder's host tier holds is held for other readers, not a hit in that holder's KV cache."""
+    c = masters.client(address, timeout_s=5.0)
+    keys = keys_for("tier-peek", 4)
+    c.register_node(holder("gpu", host_tier=False), 30)
+    c.register_node(holder("mixed", host_tier=True), 30)
+    c.register_node(holder("moved", host_tier=True), 30)
+    c.register_node(holder("kept", host_tier=True), 30)
+    c.publish("gpu", [(k, [i]) for i, k in enumerate(keys)])
+    c.publish("mixed", [(k, [i if i < 2 else DEVICE_BLOCKS + i]) for i, k in enumerate(keys)])
+    c.publish("moved", [(k, [DEVICE_BLOCKS + i]) for i, k in enumerate(keys[:3])])
+    c.publish("kept", [(k, [i]) for i, k in enumerate(keys[:3])])  # a host tier, nothing moved yet
+    p = c.peek(keys)
+    assert p.hit == 4 and p.prefix_by_node == {"gpu": 4, "mixed": 4, "moved": 3, "kept": 3}
+    assert p.device_prefix_by_node == {"gpu": 4, "mixed": 2, "moved": 0, "kept": 3}

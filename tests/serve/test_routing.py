@@ -58,16 +58,21 @@ class Fleet:
         return s
 
     def hold(self, inst: StandIn, tokens: list[int], n_keys: int | None = None,
-             role: str = "kv_producer") -> None:
-        """``inst`` publishes the first ``n_keys`` lookup keys of ``tokens`` (all: None)."""
+             role: str = "kv_producer", in_host_tier: bool = False) -> None:
+        """``inst`` publishes the first ``n_keys`` lookup keys of ``tokens`` (all: None), in its
+        KV cache or (``in_host_tier``) as host slots after its 100 device blocks."""
         node_id = f"{inst.name}-{len(self.nodes)}-{time.monotonic_ns()}"
-        info = NodeInfo(node_id, 0, "tcp", b"meta", {"v": 1, "block_size": C}, "fp-test",
+        layout: dict[str, Any] = {"v": 1, "block_size": C}
+        if in_host_tier:
+            layout.update(num_blocks=100, host_tier={})
+        info = NodeInfo(node_id, 0, "tcp", b"meta", layout, "fp-test",
                         serve_url=inst.url, namespace=ROOT.hex(), chunk_tokens=C, role=role)
         self.client.register_node(info, 60)
         self.nodes.append(node_id)
         keys, _ = lookup_keys(tokens, C, ROOT)
         keys = keys if n_keys is None else keys[:n_keys]
-        assert self.client.publish(node_id, [(k, [i]) for i, k in enumerate(keys)]) == len(keys)
+        first = 100 if in_host_tier else 0
+        assert self.client.publish(node_id, [(k, [first + i]) for i, k in enumerate(keys)]) == len(keys)
 
     def proxy(self, prefill: list[StandIn], decode: list[StandIn], **route: Any) -> RunningProxy:
         px = RunningProxy(PDProxy([p.url for p in prefill], [d.url for d in decode],
@@ -139,6 +144,21 @@ def test_the_prefill_goes_to_the_instance_holding_the_longest_prefix(fleet) -> N
     assert len(p2.received) == 3 and not p0.received and not p1.received
     assert metric(px, "pdxfer_proxy_routes_total", decision="prefill+decode",
                   reason="prefill-holder") == 3
+
+
+def test_a_prefix_in_an_instances_host_tier_counts_as_held_but_not_as_its_own_cache(fleet) -> None:
+    """P0 holds 10 chunks only in its host tier: other readers can load them (held=160), but P0's
+    own prefix cache has none of them, so the prefill goes to P1, whose KV cache holds 6."""
+    p0, p1, d = fleet.instance("P0"), fleet.instance("P1"), fleet.instance("D")
+    t = tokens_of(PROMPT)
+    fleet.hold(p0, t, 10, in_host_tier=True)
+    fleet.hold(p1, t, 6)
+    px = fleet.proxy([p0, p1], [d], skip_prefill_tokens=32)
+    for _ in range(2):
+        route, reason, _ = route_of(px, {"prompt": PROMPT})
+        assert route == f"prefill={p1.url} decode={d.url}", reason
+        assert reason.startswith("prefill-holder; decode=least-loaded; held=160/200")
+    assert not p0.received
 
 
 def test_a_prompt_the_fleet_holds_skips_the_prefill_on_the_holding_decode(fleet, caplog) -> None:
