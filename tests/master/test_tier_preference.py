@@ -122,3 +122,17 @@ def test_peek_says_how_far_each_holders_kv_cache_holds_a_prefix(address, masters
     p = c.peek(keys)
     assert p.hit == 4 and p.prefix_by_node == {"gpu": 4, "mixed": 4, "moved": 3, "kept": 3}
     assert p.device_prefix_by_node == {"gpu": 4, "mixed": 2, "moved": 0, "kept": 3}
+
+
+@pytest.mark.parametrize("device", [{"ghost": 0}, {"a": 3}, {"a": -1}, {"a": "1"}, ["a"]])
+def test_a_peek_reply_with_a_bad_device_map_is_refused_by_name(device):
+    """A reply naming a node outside 'prefix', or not fewer chunks than its prefix, is malformed."""
+    from pdxfer.master import protocol_ops as ops
+
+    doc = {"hit": 3, "prefix": {"a": 3}, "device": device, "nodes": {"a": {"epoch": 1}}}
+    with pytest.raises(P.ProtocolError, match="'device'"):
+        ops.decode_peek_reply(doc, b"", 3)
+    ok = dict(doc, device={"a": 1})
+    assert ops.decode_peek_reply(ok, b"", 3).device_prefix_by_node == {"a": 1}
+    assert ops.decode_peek_reply({k: v for k, v in doc.items() if k != "device"}, b"", 3
+                                 ).device_prefix_by_node == {"a": 3}
