@@ -287,12 +287,13 @@ def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int
     publishes that timed out on the holder (a link delay beyond the client timeout), holders
     displaced by a second process of their node id and publishes that process got through, and
     slow readers' validated long locks under which a holder asked to unpublish their key and was
-    told it was still locked; moves by outcome, and validated reads of a key's old block under a
-    lock that made the master refuse that key's move."""
+    told it was still locked; moves by outcome, and validated reads of a key's old block whose
+    lock overlapped a move of that key the master refused because a lock pinned it."""
     out = {"link_delays_beyond_timeout": 0, "publishes_timed_out": 0, "holders_superseded": 0,
-           "clash_publishes": 0, "long_locks_met_unpublish": 0, "moves_moved": 0, "moves_refused": 0,
-           "moves_unknown": 0, "locks_met_move": 0}
-    refused_moves: dict[tuple[str, str], list[tuple[float, int]]] = {}  # (node, key) -> (time, old block)
+           "clash_publishes": 0, "long_locks_met_unpublish": 0, "moves_moved": 0, "moves_pinned": 0,
+           "moves_failed": 0, "moves_unknown": 0, "locks_met_move": 0}
+    # (node, key) -> (sent, answered, old block) of each move refused under a lock
+    pinned_moves: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
     hi_of: dict[str, tuple[int, int]] = {}
     node_of: dict[str, str] = {}
     refused: dict[tuple[str, str], list[float]] = {}  # (node, key) -> times an unpublish found it locked
@@ -314,14 +315,15 @@ def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int
                 refused.setdefault((node_of.get(r["proc"], ""), k), []).append(r["t1"])
         elif op == "move":
             out[f"moves_{r['outcome']}"] += 1
-            if r["outcome"] == "refused":
-                refused_moves.setdefault((r["node"], r["key"]), []).append((r["t1"], r["old"][0]))
+            if r["outcome"] == "pinned":
+                pinned_moves.setdefault((r["node"], r["key"]), []).append((r["t0"], r["t1"], r["old"][0]))
     for r in recs:
         if r["op"] != "read" or not r["release"]["valid"] or r["read"]["err"]:
             continue
         a, b = r["lookup_t0"], r["release"]["t1"]
-        if any(a <= t <= b and old == blocks[0] for key, node, blocks in r["locations"]
-               for t, old in refused_moves.get((node, key), [])):
+        # The refusal happened between the move's send and answer, while the lock was valid.
+        if any(a < t1 and t0 < b and old == blocks[0] for key, node, blocks in r["locations"]
+               for t0, t1, old in pinned_moves.get((node, key), [])):
             out["locks_met_move"] += 1
     for r in recs:
         if r["op"] != "read" or r.get("kind") != "long_ttl" or not r["release"]["valid"] or r["read"]["err"]:

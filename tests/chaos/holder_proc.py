@@ -223,19 +223,20 @@ class Holder:
         reg = self.hot.registration(self.node_id)
         epoch = reg.epoch if reg is not None else None
         t = Timed()
-        accepted, outcome = 0, "refused"
+        outcome, err = "failed", None
         with self.pub_lock:
             try:
                 self.hot.fence(self.node_id, epoch=epoch)
                 accepted = self.hot.publish(self.node_id, [(self.key(k), [new_block])], retention_s=retain,
                                             seq=self.hot.next_publish_seq(self.node_id), epoch=epoch)
-                outcome = "moved" if accepted else "refused"
-            except MasterUnavailable:
-                outcome = "unknown"  # may have been applied: both blocks stay held until unpublished
-            except MasterError:
-                outcome = "refused"  # answered: nothing applied
+                # Answered with nothing accepted: a reader's lock pins the old location.
+                outcome = "moved" if accepted else "pinned"
+            except MasterUnavailable as exc:
+                outcome, err = "unknown", repr(exc)[:200]  # may have been applied: both blocks stay held
+            except MasterError as exc:
+                outcome, err = "failed", repr(exc)[:200]  # answered with an error: nothing applied
         self.log.write("move", key=k, node=self.node_id, old=[old_block, old_gen], new=[new_block, new_gen],
-                       outcome=outcome, **t.fields())
+                       outcome=outcome, err=err, **t.fields())
         with self.lock:
             h2 = self.held.get(k)
             if h2 is not h:  # released meanwhile (superseded): its blocks, spare included, went back

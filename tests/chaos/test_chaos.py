@@ -51,10 +51,10 @@ def assert_clean(report: dict[str, Any]) -> None:
 
 
 def assert_moves_met_the_work(r: dict[str, Any]) -> None:
-    """Chunks moved to fresh copies during the run, and some move met a reader's lock on the old
-    location (refused by the master), under which that reader was validated on the old block."""
+    """Chunks moved to host blocks during the run, and some moves were refused under readers'
+    locks on the old location."""
     fx = r["fault_effects"]
-    assert fx["moves_moved"] > 0 and fx["moves_refused"] > 0 and fx["locks_met_move"] > 0, fx
+    assert fx["moves_moved"] > 0 and fx["moves_pinned"] > 0, fx
 
 
 @pytest.mark.parametrize("seed", [11])
@@ -90,6 +90,16 @@ def test_checker_catches_a_holder_that_frees_published_blocks(tmp_path) -> None:
     assert r["violations_by_kind"].get("entries_mismatch", 0) == 1  # freed without unpublish: left at the master
 
 
+def test_a_chunk_moved_while_a_reader_holds_its_old_location_is_read_correctly(tmp_path) -> None:
+    """Readers that hold their locks a while before reading (long_ttl) make the master refuse the
+    moves of the chunks they locked; they are then validated on the old blocks, which the holder
+    kept. Reads are milliseconds long, so without the wait hardly any lock meets a move."""
+    r = chaos(tmp_path, seed=33, duration_s=10, holders=2, readers=3, move_p=0.3, faults=["link_cut"],
+              fault_gap_s=(1000, 1000), long_ttl_p=0.3, long_ttl_s=3.0, long_ttl_sleep_s=0.5)
+    assert_clean_of(r)
+    assert r["fault_effects"]["locks_met_move"] > 0, r["fault_effects"]
+
+
 def test_checker_catches_a_holder_that_frees_a_refused_moves_old_block(tmp_path) -> None:
     """--unsafe-move: the old block of a move the master refused (a reader's lock pins it) is
     reused anyway, while the master still serves it. Moves are the only fault: if this passes with
@@ -97,7 +107,7 @@ def test_checker_catches_a_holder_that_frees_a_refused_moves_old_block(tmp_path)
     # Few device blocks, so a freed one is soon reused for another key; host room for every move.
     r = chaos(tmp_path, seed=32, duration_s=12, holders=2, readers=3, unsafe_move=True, move_p=0.5, blocks=8,
               host_blocks=200, faults=["link_cut"], fault_gap_s=(1000, 1000))
-    assert r["fault_effects"]["moves_refused"] > 0, r["fault_effects"]
+    assert r["fault_effects"]["moves_pinned"] > 0, r["fault_effects"]
     assert r["violations_by_kind"].get("stale", 0) > 0, r["violations_by_kind"]
     assert any(s.startswith("a move's old block") for s in r["violation_suspects"]), r["violation_suspects"]
 

@@ -87,7 +87,8 @@ class _FakeMaster:
         self.answer: LookupResult | None = None
         self.released: list[str] = []
 
-    def lookup_and_lock(self, keys, reader, lock_ttl_s=None, parties=1, *, skip=None, transport=None):
+    def lookup_and_lock(self, keys, reader, lock_ttl_s=None, parties=1, *, skip=None, transport=None,
+                        prefer_tier=None):
         assert self.answer is not None
         res, self.answer = self.answer, None
         assert res.hit_chunks <= len(keys)
