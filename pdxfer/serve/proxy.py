@@ -161,10 +161,10 @@ class PDProxy:
         for b in self.prefill.backends + self.decode.backends:
             self.metrics.healthy.labels(b.role, b.url).set(1)
         self.health = HealthChecker((self.prefill, self.decode), health_interval, health_timeout,
-                                    self.metrics.backend_changed)
+                                    self._backend_changed)
         self.discovery = (Discovery((self.prefill, self.decode), p_dns + d_dns, discovery_interval,
                                     discovery_timeout, self.metrics.backend_added,
-                                    self.metrics.backend_removed)
+                                    self._backend_removed)
                           if p_dns or d_dns else None)
         self._session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -209,7 +209,16 @@ class PDProxy:
         b.errors += 1
         if b.mark_down(f"unreachable: {e.__class__.__name__}: {e}"):
             log.warning("%s instance %s taken out: %s", b.role, b.url, b.down_reason)
-            self.metrics.backend_changed(b, False)
+            self._backend_changed(b, False)
+
+    def _backend_changed(self, b: Backend, healthy: bool) -> None:
+        self.metrics.backend_changed(b, healthy)
+        if not healthy:
+            self.router.forget(b)
+
+    def _backend_removed(self, b: Backend) -> None:
+        self.metrics.backend_removed(b)
+        self.router.forget(b)
 
     @staticmethod
     def _no_healthy(pool: BackendPool) -> web.Response:
@@ -560,7 +569,8 @@ def run_proxy_cli(args: argparse.Namespace) -> int:
         route = RouteConfig(skip_prefill_tokens=args.skip_prefill_tokens,
                             skip_prefill_fraction=args.skip_prefill_fraction,
                             index_timeout_s=args.index_timeout,
-                            holder_max_extra_load=args.holder_max_extra_load)
+                            holder_max_extra_load=args.holder_max_extra_load,
+                            recent_prompt_tokens=args.recent_prompt_tokens)
         proxy = PDProxy(prefill, decode, policy=args.policy, timeout=args.timeout,
                         connect_timeout=args.connect_timeout, handoff=args.handoff,
                         prefill_failure=args.prefill_failure, master=args.master,

@@ -3,7 +3,8 @@
 With an index view (the master's read-only index) the router learns how many leading prompt
 tokens the fleet already holds and where:
 
-- **skip the prefill** when what is left to compute (prompt minus what a decode can load) is at
+- **skip the prefill** when what is left to compute (prompt minus what the chosen decode can load
+  or already holds in its own prefix cache) is at
   most ``skip_prefill_tokens`` or ``skip_prefill_fraction`` of the prompt: the decode loads the
   held prefix and computes the rest itself (reason ``skip-prefill``; ``short-prompt`` when nothing
   is held and the whole prompt is that short);
@@ -15,6 +16,11 @@ tokens the fleet already holds and where:
   with none healthy, one that is out is tried all the same (``last-resort``): a slow health check
   must not turn every request away, and an instance that is really gone is named in the error.
 
+"Holding" counts two sources: the index (exact, whole chunks only, what any reader can load) and
+the prompts recently routed to each instance (recent_prompts.py: an estimate of its own prefix
+cache, block by block). The second is what sends a conversation's next turn to the instance that
+served its last one, when several hold only its shared system prompt in whole chunks.
+
 Without an index, or when it cannot answer in time, the request is routed as if nothing were held
 and the reason says why (``no-index``, ``index-down``, ``tokenize-failed``, ...). No healthy prefill
 instance: the decode computes the prompt (``no-prefill``).
@@ -25,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import aiohttp
 
 from pdxfer.serve.backends import Backend, BackendPool
 from pdxfer.serve.index_view import Holding, IndexUnavailable, IndexView
+from pdxfer.serve.recent_prompts import RecentPrompts
 from pdxfer.serve.tokenize import TokenizeError, prompt_tokens, single_prompt
 
 log = logging.getLogger("pdxfer.proxy")
@@ -48,6 +55,10 @@ class RouteConfig:
     # the least loaded healthy instance of its role: reuse must not pile a hot prefix's whole
     # traffic onto one instance while the others idle.
     holder_max_extra_load: int = 2
+    # Per instance, how many tokens of recently routed prompts count as held by its own prefix
+    # cache (0: only the index counts), and at what block granularity.
+    recent_prompt_tokens: int = 1 << 20
+    recent_block_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.skip_prefill_tokens < 0:
@@ -58,6 +69,10 @@ class RouteConfig:
             raise ValueError(f"index_timeout_s must be positive, got {self.index_timeout_s}")
         if self.holder_max_extra_load < 0:
             raise ValueError(f"holder_max_extra_load must not be negative, got {self.holder_max_extra_load}")
+        if self.recent_prompt_tokens < 0:
+            raise ValueError(f"recent_prompt_tokens must not be negative, got {self.recent_prompt_tokens}")
+        if self.recent_block_tokens <= 0:
+            raise ValueError(f"recent_block_tokens must be positive, got {self.recent_block_tokens}")
 
 
 @dataclass
@@ -121,6 +136,11 @@ class Router:
         self.decode = decode
         self.index = index
         self.cfg = cfg or RouteConfig()
+        self.recent = RecentPrompts(self.cfg.recent_prompt_tokens, self.cfg.recent_block_tokens)
+
+    def forget(self, b: Backend) -> None:
+        """``b`` was taken out: it may come back restarted, its prefix cache empty."""
+        self.recent.forget(b.url)
 
     def _least_loaded_decode(self) -> tuple[Backend, str]:
         picked = self.decode.pick()
@@ -153,8 +173,8 @@ class Router:
         if "prompt_embeds" in body:
             return self._plain("unkeyable", "prompt embeddings have no token ids")
         try:
-            holding = await asyncio.wait_for(self._holding(session, path, body, headers),
-                                             self.cfg.index_timeout_s)
+            tokens, holding = await asyncio.wait_for(self._holding(session, path, body, headers),
+                                                     self.cfg.index_timeout_s)
         except asyncio.TimeoutError:
             return self._plain("index-timeout", f"no answer within {self.cfg.index_timeout_s:g} s")
         except TokenizeError as e:
@@ -164,34 +184,56 @@ class Router:
         except Exception as e:  # noqa: BLE001 - the index is advice: it never fails a request
             log.exception("asking the index failed unexpectedly")
             return self._plain("index-error", f"{e.__class__.__name__}: {e}")
-        return self.decide(holding)
+        chain = self.recent.chain(tokens)
+        route = self.decide(holding, chain)
+        self.recent.record(route.decode.url, chain)
+        if route.prefill is not None:
+            self.recent.record(route.prefill.url, chain)
+        return route
 
     async def _holding(self, session: aiohttp.ClientSession, path: str, body: Mapping[str, Any],
-                       headers: Mapping[str, str]) -> Holding:
+                       headers: Mapping[str, str]) -> tuple[list[int], Holding]:
         assert self.index is not None
         via = self.decode.pick() or self.prefill.pick()
         if via is None:
             raise TokenizeError("no healthy instance to tokenize with")
         tokens = await prompt_tokens(session, via.url, path, body, headers, self.cfg.index_timeout_s)
         # The master client blocks (bounded by its own timeout): off the event loop.
-        return await asyncio.to_thread(self.index.holding, tokens)
+        return list(tokens), await asyncio.to_thread(self.index.holding, tokens)
 
-    def decide(self, h: Holding) -> Route:
-        """The route for a prompt of which the fleet holds ``h``."""
-        decode_held = _holder(self.decode, h.by_url, self.cfg.holder_max_extra_load)
+    def _own_cache(self, pool: BackendPool, h: Holding, chain: Sequence[int]) -> dict[str, int]:
+        """url -> leading prompt tokens each healthy instance of ``pool`` holds itself: what the
+        index says, or what was recently routed there, whichever is longer."""
+        out: dict[str, int] = {}
+        for b in pool.healthy():
+            n = max(h.by_url.get(b.url, 0), self.recent.longest_prefix(b.url, chain))
+            if n > 0:
+                out[b.url] = min(n, h.prompt_tokens)
+        return out
+
+    def decide(self, h: Holding, chain: Sequence[int] = ()) -> Route:
+        """The route for a prompt of which the fleet holds ``h`` and whose block hashes (in
+        :class:`RecentPrompts`) are ``chain``."""
+        decode_own = self._own_cache(self.decode, h, chain)
+        decode_held = _holder(self.decode, decode_own, self.cfg.holder_max_extra_load)
         if decode_held is not None:
             decode, decode_reason = decode_held[0], "holder"
         else:
             decode, decode_reason = self._least_loaded_decode()
         P = h.prompt_tokens
-        # A decode loads at most all but the last prompt token (it samples from that one).
-        left = P - min(h.held_tokens, P - 1)
+        # What the decode need not compute: what it can load, or already holds itself. At most
+        # all but the last prompt token (it samples from that one).
+        ready = max(h.held_tokens, decode_own.get(decode.url, 0))
+        left = P - min(ready, P - 1)
         route = Route(decode, None, "", decode_reason, P, h.held_tokens)
+        if ready > h.held_tokens:
+            route.detail = f"own={ready}"
         if left <= self.cfg.skip_prefill_tokens or left <= self.cfg.skip_prefill_fraction * P:
-            route.reason = "skip-prefill" if h.held_tokens > 0 else "short-prompt"
-            route.detail = f"left={left}"
+            route.reason = "skip-prefill" if ready > 0 else "short-prompt"
+            route.detail = "; ".join(filter(None, (route.detail, f"left={left}")))
             return route
-        holder = _holder(self.prefill, h.by_url, self.cfg.holder_max_extra_load)
+        holder = _holder(self.prefill, self._own_cache(self.prefill, h, chain),
+                         self.cfg.holder_max_extra_load)
         if holder is not None:
             route.prefill, route.reason = holder[0], "prefill-holder"
             return route

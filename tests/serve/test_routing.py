@@ -26,7 +26,7 @@ from pdxfer.serve.router import RouteConfig
 
 from .stand_ins import ROOT as REPO_ROOT
 from .stand_ins import StandIn, stand_in_tokens
-from .test_fleet_proxy import metric, post
+from .test_fleet_proxy import health, metric, post, wait_for
 
 C = 16
 NS = Namespace("tiny", "content-fp", C)
@@ -74,9 +74,14 @@ class Fleet:
         first = 100 if in_host_tier else 0
         assert self.client.publish(node_id, [(k, [first + i]) for i, k in enumerate(keys)]) == len(keys)
 
-    def proxy(self, prefill: list[StandIn], decode: list[StandIn], **route: Any) -> RunningProxy:
+    def proxy(self, prefill: list[StandIn], decode: list[StandIn], health_interval: float = 2.0,
+              **route: Any) -> RunningProxy:
+        """A proxy routing from the index only, unless ``recent_prompt_tokens`` is given: a
+        stand-in has no prefix cache for the recent prompts to estimate."""
+        route.setdefault("recent_prompt_tokens", 0)
         px = RunningProxy(PDProxy([p.url for p in prefill], [d.url for d in decode],
-                                  master=self.address, route=RouteConfig(**route)))
+                                  master=self.address, route=RouteConfig(**route),
+                                  health_interval=health_interval, health_timeout=1.0))
         self.proxies.append(px)
         return px
 
@@ -195,6 +200,48 @@ def test_the_skip_threshold_in_tokens_and_as_a_fraction(fleet) -> None:
     # A short prompt nobody holds is computed by the decode too: a prefill would cost more.
     route, reason, _ = route_of(by_tokens_40, {"prompt": "short and new"})
     assert route == f"decode-only={d.url}" and reason.startswith("short-prompt")
+
+
+
+SYSTEM = "".join(f"s{i:02d} " for i in range(16))  # 64 tokens: 4 chunks, both decodes hold them
+
+
+def test_a_conversations_next_turn_goes_to_the_decode_that_served_its_last(fleet) -> None:
+    """Both decodes hold the system prompt's chunks, so the index ties them; only the one that
+    served turn 1 holds turn 1 in its own prefix cache. With recent prompts counted, turn 2 goes
+    there and, with little left to compute, skips the prefill; once that decode was taken out
+    (it may have restarted), nothing recent counts for it any more."""
+    p, d0, d1 = fleet.instance("P"), fleet.instance("D0"), fleet.instance("D1")
+    assert len(SYSTEM) == 64
+    for d in (d0, d1):
+        fleet.hold(d, tokens_of(SYSTEM), role="kv_consumer")
+    turn1 = SYSTEM + "u" * 100  # 164 tokens: 100 left after the system prompt
+    turn2 = turn1 + "a" * 20 + "v" * 20  # 204: turn 1's 10 whole blocks are 160 of them
+    turn3 = turn2 + "w" * 20
+    by_name = {d0.url: d0, d1.url: d1}
+
+    index_only = fleet.proxy([p], [d0, d1], skip_prefill_tokens=48)
+    route, reason, _ = route_of(index_only, {"prompt": turn1})
+    assert route.startswith(f"prefill={p.url}") and reason.startswith("least-loaded; decode=holder")
+    route, reason, _ = route_of(index_only, {"prompt": turn2})
+    assert route.startswith(f"prefill={p.url}"), reason  # 140 left by the index alone
+    assert reason.startswith("least-loaded; decode=holder; held=64/204")
+
+    px = fleet.proxy([p], [d0, d1], skip_prefill_tokens=48, recent_prompt_tokens=4096,
+                     health_interval=0.1)
+    route, reason, _ = route_of(px, {"prompt": turn1})
+    served = by_name[route.split("decode=")[1]]
+    route, reason, out = route_of(px, {"prompt": turn2})
+    assert route == f"decode-only={served.url}" and out["by"] == served.name
+    assert reason == "skip-prefill; decode=holder; held=64/204; own=160; left=44"
+
+    served.healthy = False
+    wait_for(lambda: not all(b["healthy"] for b in health(px)["decode"]), 5, "taken out")
+    served.healthy = True
+    wait_for(lambda: all(b["healthy"] for b in health(px)["decode"]), 5, "put back")
+    route, reason, _ = route_of(px, {"prompt": turn3})
+    assert route.startswith(f"prefill={p.url}"), reason  # the prefill still counts turn 1
+    assert reason == "prefill-holder; decode=holder; held=64/224"
 
 
 def test_a_chat_is_tokenized_with_its_template_fields(fleet) -> None:
