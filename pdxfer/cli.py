@@ -111,7 +111,7 @@ def _add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holder-max-extra-load", type=int, default=2,
                    help="prefer an instance holding the prompt's prefix only while it has at most "
                         "this many more requests in flight than the least loaded one")
-    p.add_argument("--recent-prompt-tokens", type=int, default=1 << 20,
+    p.add_argument("--recent-prompt-tokens", type=int, default=1 << 18,
                    help="per instance, how many tokens of the prompts recently routed to it count "
                         "as held by its own prefix cache, in 16-token blocks (0: only the index)")
     p.add_argument("--index-timeout", type=float, default=1.0,

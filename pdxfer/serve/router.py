@@ -57,7 +57,7 @@ class RouteConfig:
     holder_max_extra_load: int = 2
     # Per instance, how many tokens of recently routed prompts count as held by its own prefix
     # cache (0: only the index counts), and at what block granularity.
-    recent_prompt_tokens: int = 1 << 20
+    recent_prompt_tokens: int = 1 << 18
     recent_block_tokens: int = 16
 
     def __post_init__(self) -> None:
