@@ -116,6 +116,11 @@ def _add_proxy_args(p: argparse.ArgumentParser) -> None:
                         "as held by its own prefix cache, in 16-token blocks (0: only the index)")
     p.add_argument("--index-timeout", type=float, default=1.0,
                    help="bound of tokenizing and asking the index, seconds (then: route without it)")
+    p.add_argument("--load-cost-interval", type=float, default=5.0,
+                   help="with --master: seconds between reads of each decode instance's measured "
+                        "load and prefill costs from its /metrics (load_benefit on the decode), by "
+                        "which a prefix held only in host tiers counts as loadable or not (0: never "
+                        "read, it always counts)")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")
     add_log_level(p)
 

@@ -39,6 +39,15 @@ class Holding:
     # serve_url -> leading tokens that instance's own KV cache holds: a prefix cache hit there. A
     # prefix its host tier holds is left out: that copy serves other readers, not the instance.
     by_url: dict[str, int] = field(default_factory=dict)
+    # Leading held tokens some holder's device tier (KV cache) holds: the longest device prefix
+    # over the holders. The rest of ``held_tokens`` counts as held only in host tiers. None: all
+    # of them (no holder's host tier holds part of its prefix).
+    device_tokens: int | None = None
+
+    @property
+    def device_held(self) -> int:
+        """Leading held tokens a device tier holds somewhere."""
+        return self.held_tokens if self.device_tokens is None else min(self.device_tokens, self.held_tokens)
 
 
 def held_tokens(keys_held: int, full_chunks: int, chunk_tokens: int, prompt_tokens: int) -> int:
@@ -128,11 +137,21 @@ class IndexView:
             if not groups:
                 raise IndexUnavailable("index-empty", "no live instance announced its namespace")
             best = Holding(len(tokens), 0, {})
+            device, in_host = 0, False
             for root, chunk in groups:
                 keys, n_full = lookup_keys(tokens, chunk, root)
                 res = client.peek(keys)
                 held = held_tokens(res.hit, n_full, chunk, len(tokens))
                 by_url = dict(best.by_url)
+                if res.device_prefix_by_node:
+                    # Some holder's host tier holds part of its prefix: how far a device tier goes
+                    # (a holder without host part holds all of its prefix in its device tier).
+                    in_host = True
+                    device = max([device] + [
+                        held_tokens(res.device_prefix_by_node.get(n, k), n_full, chunk, len(tokens))
+                        for n, k in res.prefix_by_node.items()])
+                else:
+                    device = max(device, held)
                 for node_id, n_keys in res.prefix_by_node.items():
                     n_keys = res.device_prefix_by_node.get(node_id, n_keys)
                     info = res.nodes.get(node_id)
@@ -142,7 +161,8 @@ class IndexView:
                         by_url[url] = max(by_url.get(url, 0),
                                           held_tokens(n_keys, n_full, chunk, len(tokens)))
                 best = Holding(len(tokens), max(best.held_tokens, held), by_url)
-            return best
+            return Holding(best.prompt_tokens, best.held_tokens, best.by_url,
+                           device if in_host else None)
         except MasterError as e:
             with self._lock:
                 self._down_until = time.monotonic() + self.backoff_s

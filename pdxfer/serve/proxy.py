@@ -53,6 +53,7 @@ from pdxfer.serve.backends import Backend, BackendPool, HealthChecker, load_back
 from pdxfer.serve.discovery import Discovery, split_specs
 from pdxfer.serve.http_headers import request_headers, response_headers
 from pdxfer.serve.index_view import IndexView
+from pdxfer.serve.load_costs import LoadCostScraper
 from pdxfer.serve.proxy_metrics import ProxyMetrics
 from pdxfer.serve.router import NoHealthyInstance, Route, RouteConfig, Router
 from pdxfer.vllm.publish_hint import merge_hints
@@ -134,9 +135,12 @@ class PDProxy:
                  prefill_failure: str = "decode", master: str | None = None,
                  master_token: str | None = None, route: RouteConfig | None = None,
                  health_interval: float = 2.0, health_timeout: float = 2.0,
-                 discovery_interval: float = 5.0, discovery_timeout: float = 2.0) -> None:
+                 discovery_interval: float = 5.0, discovery_timeout: float = 2.0,
+                 load_cost_interval: float = 5.0) -> None:
         """``prefill``/``decode``: instance URLs, or ``dns+http://NAME:PORT`` for every address
-        NAME resolves to, resolved again every ``discovery_interval`` seconds (discovery.py)."""
+        NAME resolves to, resolved again every ``discovery_interval`` seconds (discovery.py).
+        ``load_cost_interval``: seconds between reads of each decode instance's measured load
+        costs from its /metrics (load_costs.py; 0: never, every held token counts)."""
         if handoff not in HANDOFFS:
             raise ValueError(f"unknown handoff {handoff!r}; known: {', '.join(HANDOFFS)}")
         if prefill_failure not in PREFILL_FAILURE:
@@ -144,6 +148,8 @@ class PDProxy:
                              f"{', '.join(PREFILL_FAILURE)}")
         if timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if load_cost_interval < 0:
+            raise ValueError(f"load_cost_interval must not be negative, got {load_cost_interval}")
         p_urls, p_dns = split_specs("prefill", prefill)
         d_urls, d_dns = split_specs("decode", decode)
         self.prefill = BackendPool.from_urls("prefill", p_urls, policy, allow_empty=bool(p_dns))
@@ -156,7 +162,11 @@ class PDProxy:
         # NixlConnector moves block ids from a prefill it ran: a decode-only route has none.
         self.index = (IndexView(master, master_token, timeout_s=route.index_timeout_s)
                       if master and handoff == "none" else None)
-        self.router = Router(self.prefill, self.decode, self.index, route)
+        # Only the index's routing weighs tiers: without it, nothing to read costs for.
+        self.load_costs = (LoadCostScraper(self.decode, load_cost_interval, health_timeout,
+                                           keep_s=max(60.0, 6 * load_cost_interval))
+                           if self.index is not None and load_cost_interval > 0 else None)
+        self.router = Router(self.prefill, self.decode, self.index, route, self.load_costs)
         self.metrics = ProxyMetrics()
         for b in self.prefill.backends + self.decode.backends:
             self.metrics.healthy.labels(b.role, b.url).set(1)
@@ -189,11 +199,15 @@ class PDProxy:
             await self.discovery.refresh()
             self.discovery.start()
         self.health.start(self._session)
+        if self.load_costs is not None:
+            self.load_costs.start(self._session)
 
     async def _cleanup(self, app: web.Application) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.health.stop()
+        if self.load_costs is not None:
+            await self.load_costs.stop()
         if self._session is not None:
             await self._session.close()
         if self.index is not None:
@@ -219,6 +233,8 @@ class PDProxy:
     def _backend_removed(self, b: Backend) -> None:
         self.metrics.backend_removed(b)
         self.router.forget(b)
+        if self.load_costs is not None:
+            self.load_costs.forget(b.url)
 
     @staticmethod
     def _no_healthy(pool: BackendPool) -> web.Response:
@@ -246,11 +262,16 @@ class PDProxy:
         doc: dict[str, Any] = {
             "status": status,
             "prefill": [b.as_dict() for b in self.prefill.backends],
-            "decode": [b.as_dict() for b in self.decode.backends],
+            "decode": [self._decode_dict(b) for b in self.decode.backends],
         }
         if self.discovery is not None:
             doc["dns"] = self.discovery.describe()
         return web.json_response(doc, status=200 if ok else 503)
+
+    def _decode_dict(self, b: Backend) -> dict[str, Any]:
+        """A decode instance in /health, with the load costs the router weighs tiers by."""
+        costs = self.load_costs.get(b.url) if self.load_costs is not None else None
+        return {**b.as_dict(), **({"load_costs": costs.as_dict()} if costs is not None else {})}
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
@@ -577,7 +598,8 @@ def run_proxy_cli(args: argparse.Namespace) -> int:
                         master_token=_read_token(args.master_token_file), route=route,
                         health_interval=args.health_interval, health_timeout=args.health_timeout,
                         discovery_interval=args.discovery_interval,
-                        discovery_timeout=args.discovery_timeout)
+                        discovery_timeout=args.discovery_timeout,
+                        load_cost_interval=args.load_cost_interval)
     except ValueError as e:
         raise SystemExit(f"pdxfer proxy: {e}") from e
     asyncio.run(_serve_forever(proxy, args.host, args.port, args.port_file))

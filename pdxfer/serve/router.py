@@ -21,6 +21,11 @@ the prompts recently routed to each instance (recent_prompts.py: an estimate of 
 cache, block by block). The second is what sends a conversation's next turn to the instance that
 served its last one, when several hold only its shared system prompt in whole chunks.
 
+Tiers: the held tokens past the longest prefix some holder's KV cache (device tier) holds are held
+only in host tiers. They count as loadable only while the chosen decode did not measure loads
+from a host tier to be slower per token than its own prefill (load_costs.py: what its load gate
+exports); else they count as left to compute (``host=<tokens> recompute`` in the reason).
+
 Without an index, or when it cannot answer in time, the request is routed as if nothing were held
 and the reason says why (``no-index``, ``index-down``, ``tokenize-failed``, ...). No healthy prefill
 instance: the decode computes the prompt (``no-prefill``).
@@ -37,6 +42,7 @@ import aiohttp
 
 from pdxfer.serve.backends import Backend, BackendPool
 from pdxfer.serve.index_view import Holding, IndexUnavailable, IndexView
+from pdxfer.serve.load_costs import LoadCostScraper
 from pdxfer.serve.recent_prompts import RecentPrompts
 from pdxfer.serve.tokenize import TokenizeError, prompt_tokens, single_prompt
 
@@ -131,11 +137,14 @@ def _holder(pool: BackendPool, by_url: Mapping[str, int], max_extra_load: int) -
 
 class Router:
     def __init__(self, prefill: BackendPool, decode: BackendPool, index: IndexView | None,
-                 cfg: RouteConfig | None = None) -> None:
+                 cfg: RouteConfig | None = None, costs: LoadCostScraper | None = None) -> None:
+        """``costs``: each decode instance's measured load and prefill costs (None: none known,
+        every held token counts, whatever its tier)."""
         self.prefill = prefill
         self.decode = decode
         self.index = index
         self.cfg = cfg or RouteConfig()
+        self.costs = costs
         self.recent = RecentPrompts(self.cfg.recent_prompt_tokens, self.cfg.recent_block_tokens)
 
     def forget(self, b: Backend) -> None:
@@ -221,11 +230,19 @@ class Router:
         else:
             decode, decode_reason = self._least_loaded_decode()
         P = h.prompt_tokens
+        own = decode_own.get(decode.url, 0)
         # What the decode need not compute: what it can load, or already holds itself. At most
-        # all but the last prompt token (it samples from that one).
-        ready = max(h.held_tokens, decode_own.get(decode.url, 0))
-        left = P - min(ready, P - 1)
+        # all but the last prompt token (it samples from that one). What only host tiers hold it
+        # loads only while that was not measured slower than computing it (its load gate
+        # declines such a load too: counting it would skip a prefill the decode then does).
         route = Route(decode, None, "", decode_reason, P, h.held_tokens)
+        loadable = h.held_tokens
+        host = h.held_tokens - max(h.device_held, own)  # held only in host tiers, not here
+        if host > 0 and self._host_slower(decode):
+            loadable = h.device_held
+            route.detail = f"host={host} recompute"
+        ready = max(loadable, own)
+        left = P - min(ready, P - 1)
         if ready > h.held_tokens:
             route.detail = f"own={ready}"
         if left <= self.cfg.skip_prefill_tokens or left <= self.cfg.skip_prefill_fraction * P:
@@ -240,3 +257,9 @@ class Router:
         route.prefill = self.prefill.pick()
         route.reason = "least-loaded" if route.prefill is not None else "no-prefill"
         return route
+
+    def _host_slower(self, decode: Backend) -> bool:
+        """Whether ``decode`` measured loading from a host tier slower per token than computing
+        (False when it measured nothing: as without measurements, every held token counts)."""
+        c = self.costs.get(decode.url) if self.costs is not None else None
+        return c is not None and c.host_slower_than_compute() is True

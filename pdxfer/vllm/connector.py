@@ -95,7 +95,7 @@ class PdxferConnector(KVConnectorBase_V1):
                 total_kv_heads=total_heads, block_size=self.block_size,
                 producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer), tp_size=tp_size)
             self._sched_stats_sent = self.scheduler_side.stats.counters()
-            self._gauges_sent: dict[str, int] = {}
+            self._gauges_sent: dict[str, float] = {}
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

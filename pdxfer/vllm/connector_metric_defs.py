@@ -7,6 +7,7 @@ latest values; histograms take every sample."""
 
 from __future__ import annotations
 
+from pdxfer.master.tiers import TIERS
 from pdxfer.metric_defs import MetricDef
 from pdxfer.vllm.phase_times import PHASES
 
@@ -82,6 +83,22 @@ _GAUGE_HELP = (
 COUNTER_KEYS = tuple(k for k, _ in _COUNTER_HELP)
 GAUGE_KEYS = tuple(k for k, _ in _GAUGE_HELP)
 
+# What the load gate (load_benefit) measured, per prompt token: seconds, so float gauges (the
+# held_* ones above are counts). 0 means not measured (yet): load_benefit off, no load from that
+# tier, too few prefill steps, or the instance restarted; a router must read 0 as "unknown".
+# Stats key per tier, and the key of this instance's own prefill cost.
+LOAD_COST_KEYS = {tier: f"load_benefit_{tier}_s_per_token" for tier in TIERS}
+COMPUTE_COST_KEY = "load_benefit_compute_s_per_token"
+COST_KEYS = (*LOAD_COST_KEYS.values(), COMPUTE_COST_KEY)
+LOAD_COST = MetricDef("vllm:pdxfer_load_benefit_load_seconds_per_token", "gauge",
+                      "Load gate (load_benefit): expected seconds per prompt token of a typical load "
+                      "of this reader (the mean size of its measured loads) from the best holder it "
+                      "measured in that tier (device: KV cache, host: host tier); 0 until measured",
+                      LABELS + ("tier",))
+COMPUTE_COST = MetricDef("vllm:pdxfer_load_benefit_compute_seconds_per_token", "gauge",
+                         "Load gate (load_benefit): seconds this instance takes to prefill one prompt "
+                         "token (1 / its measured prefill throughput); 0 until measured", LABELS)
+
 LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
@@ -97,5 +114,6 @@ PHASE_SECONDS = {p: MetricDef(f"vllm:pdxfer_phase_{p}_seconds", "histogram",
                               f"Time of a decode load's '{p}' phase (phases in docs/metrics.md)", LABELS)
                  for p in PHASES}
 
-CONNECTOR_METRICS: tuple[MetricDef, ...] = (COUNTERS + GAUGES + (LOAD_SECONDS, OFFLOAD_SECONDS)
+CONNECTOR_METRICS: tuple[MetricDef, ...] = (COUNTERS + GAUGES + (LOAD_COST, COMPUTE_COST)
+                                             + (LOAD_SECONDS, OFFLOAD_SECONDS)
                                              + tuple(PHASE_SECONDS.values()))

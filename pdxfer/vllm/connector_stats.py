@@ -8,16 +8,22 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from pdxfer.vllm.connector_metric_defs import (COUNTERS, COUNTER_KEYS, GAUGE_KEYS, GAUGES, LOAD_SECONDS,
+from pdxfer.vllm.connector_metric_defs import (COMPUTE_COST, COMPUTE_COST_KEY, COST_KEYS, COUNTERS, COUNTER_KEYS,
+                                               GAUGE_KEYS, GAUGES, LOAD_COST, LOAD_COST_KEYS, LOAD_SECONDS,
                                                LOAD_SECONDS_BUCKETS, OFFLOAD_SECONDS, OFFLOAD_SECONDS_BUCKETS,
                                                PHASE_BUCKETS, PHASE_SECONDS)
 from pdxfer.vllm.phase_times import PHASES, stats_key
 
 # Counters summed across workers and the scheduler; gauges latest-wins (only the scheduler sends
-# them, and only when they changed); lists concatenated.
+# them, and only when they changed): counts as ints, the load gate's per-token costs as floats;
+# lists concatenated.
 _COUNTERS = COUNTER_KEYS
-_GAUGES = GAUGE_KEYS
+_GAUGES = GAUGE_KEYS + COST_KEYS
 _LISTS = ("transfer_s", "offload_s") + tuple(stats_key(p) for p in PHASES)
+
+
+def _gauge(key: str, v: Any) -> int | float:
+    return float(v) if key in COST_KEYS else int(v)
 
 
 @dataclass
@@ -28,7 +34,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
         self.data = {k: int(data.get(k, 0)) for k in _COUNTERS}
         self.data.update({k: list(data.get(k, [])) for k in _LISTS})
         # A gauge is absent when it did not change: absent must not read as 0.
-        self.data.update({k: int(data[k]) for k in _GAUGES if data.get(k) is not None})
+        self.data.update({k: _gauge(k, data[k]) for k in _GAUGES if data.get(k) is not None})
 
     def reset(self) -> None:
         self.data = {}
@@ -41,7 +47,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             elif k in _COUNTERS:
                 self.data[k] = self.data.get(k, 0) + int(v)
             elif k in _GAUGES and v is not None:
-                self.data[k] = int(v)  # ``other`` is the newer report
+                self.data[k] = _gauge(k, v)  # ``other`` is the newer report
         return self
 
     def is_empty(self) -> bool:
@@ -89,10 +95,19 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
             c = self._counter_cls(name=d.name, documentation=d.help, labelnames=names)
             self.counters[key] = create_metric_per_engine(c, per_engine_labelvalues)
         self.gauges: dict[str, dict[int, Any]] = {}
-        for key, d in zip(_GAUGES, GAUGES):
+        for key, d in zip(GAUGE_KEYS, GAUGES):
             g = self._gauge_cls(name=d.name, documentation=d.help, labelnames=names,
                                 multiprocess_mode="mostrecent")
             self.gauges[key] = create_metric_per_engine(g, per_engine_labelvalues)
+        # The load gate's costs (0 until measured), one gauge per stats key: per tier a child of
+        # the tier-labelled one.
+        g = self._gauge_cls(name=LOAD_COST.name, documentation=LOAD_COST.help,
+                            labelnames=[*names, "tier"], multiprocess_mode="mostrecent")
+        for tier, key in LOAD_COST_KEYS.items():
+            self.gauges[key] = {idx: g.labels(*values, tier) for idx, values in per_engine_labelvalues.items()}
+        g = self._gauge_cls(name=COMPUTE_COST.name, documentation=COMPUTE_COST.help, labelnames=names,
+                            multiprocess_mode="mostrecent")
+        self.gauges[COMPUTE_COST_KEY] = create_metric_per_engine(g, per_engine_labelvalues)
         h = self._histogram_cls(name=LOAD_SECONDS.name, documentation=LOAD_SECONDS.help, labelnames=names,
                                 buckets=list(LOAD_SECONDS_BUCKETS))
         self.load_seconds = create_metric_per_engine(h, per_engine_labelvalues)
@@ -114,7 +129,7 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self.gauges.items():
             v = transfer_stats_data.get(key)
             if v is not None:
-                per_engine[engine_idx].set(int(v))
+                per_engine[engine_idx].set(_gauge(key, v))
         for t in transfer_stats_data.get("transfer_s", []) or []:
             self.load_seconds[engine_idx].observe(t)
         for t in transfer_stats_data.get("offload_s", []) or []:

@@ -160,19 +160,43 @@ class BenefitModel:
 
     # ------------------------------------------------------------------ decisions
 
-    def faster_tier(self) -> str | None:
-        """The tier whose best measured holder would load a typical load of this reader (the mean
-        size of its measured loads) sooner by more than ``margin``; None until both tiers are
-        measured, or when neither is clearly faster."""
+    def _best_by_tier(self) -> tuple[int, dict[str, float]]:
+        """(a typical load of this reader: the mean size of its measured loads, in bytes; tier ->
+        the expected seconds of such a load from that tier's best measured holder)."""
         sizes = [b for cost in self.holders.values() for b, _ in cost.samples]
         if not sizes:
-            return None
+            return 0, {}
         typical = sum(sizes) // len(sizes)
         best: dict[str, float] = {}
         for (_, tier), cost in self.holders.items():
             t = cost.expected_s(typical)
             if t is not None:
                 best[tier] = min(best.get(tier, t), t)
+        return typical, best
+
+    def load_s_per_token(self, bytes_per_token: int) -> dict[str, float]:
+        """tier -> expected seconds per prompt token of a typical load (as in :meth:`faster_tier`)
+        from that tier's best measured holder: what a router compares with
+        :meth:`compute_s_per_token`. A tier never measured is absent, and so is every tier while
+        the KV bytes per token or the typical load's size is unknown (0)."""
+        typical, best = self._best_by_tier()
+        if bytes_per_token <= 0 or typical <= 0:
+            return {}
+        tokens = typical / bytes_per_token
+        return {tier: s / tokens for tier, s in best.items()}
+
+    def compute_s_per_token(self) -> float | None:
+        """Seconds this instance takes to prefill one prompt token (1 / its measured throughput);
+        None until ``min_steps`` prefill steps were seen."""
+        assert self.rate is not None
+        tps = self.rate.tokens_per_s()
+        return 1.0 / tps if tps else None
+
+    def faster_tier(self) -> str | None:
+        """The tier whose best measured holder would load a typical load of this reader (the mean
+        size of its measured loads) sooner by more than ``margin``; None until both tiers are
+        measured, or when neither is clearly faster."""
+        _, best = self._best_by_tier()
         if DEVICE_TIER not in best or HOST_TIER not in best:
             return None
         device, host = best[DEVICE_TIER], best[HOST_TIER]

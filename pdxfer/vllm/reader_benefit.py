@@ -9,6 +9,9 @@ Measured where vLLM tells the scheduler, so every number includes what a user wa
   steps that computed more than one token for some request count (a decode-only step says
   nothing about prefill speed).
 
+What it measured is exported too, per prompt token (``gauges``: a typical load from each tier's
+best holder, this instance's prefill), for the proxy's router to weigh tiers the same way.
+
 Off unless ``load_benefit`` is set: then every hit is loaded, as before.
 """
 
@@ -20,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdxfer.vllm.connector_metric_defs import COMPUTE_COST_KEY, COST_KEYS, LOAD_COST_KEYS
 from pdxfer.vllm.host_slots import serves_from_host
 from pdxfer.vllm.load_benefit import (DEVICE_TIER, HOST_TIER, LOAD, PARTIAL, RECOMPUTE, BenefitModel, Decision, Piece,
                                        holder_key)
@@ -45,6 +49,9 @@ class LoadGate:
         # The tier this reader measured faster (None: no preference): what its lookups ask the
         # master to prefer. Set on the scheduler thread, read by the lookup poller's.
         self.preferred_tier: str | None = None
+        # What the gate measured, per prompt token, as the vllm:pdxfer_load_benefit_*_per_token
+        # gauges (stats key -> seconds; 0: not measured): a router weighs tiers by them.
+        self.costs: dict[str, float] = dict.fromkeys(COST_KEYS, 0.0)
 
     def set_bytes_per_token(self, layouts: Iterable[Any], block_size: int) -> None:
         """From the workers' layouts (``KVLayout`` per rank): what one token of KV is here."""
@@ -116,6 +123,8 @@ class LoadGate:
             built_at, tokens = self._step
             self.model.observe_step(tokens, now - built_at)
             self._step = None
+            # Cheap (a sum over a short window), so fresh after every prefill step.
+            self.costs[COMPUTE_COST_KEY] = self.model.compute_s_per_token() or 0.0
         observed = False
         for req_id in finished_recving or ():
             p = self._pending.pop(req_id, None)
@@ -132,6 +141,15 @@ class LoadGate:
                 log.info("pdxfer: lookups now %s (measured loads, latency s and s/byte per holder/tier: %s)",
                          what, self.model.snapshot().get("holders"))
                 self.preferred_tier = tier
+            # Here, not per step: fitting every holder's line is the costly part, and it changes
+            # only with a load.
+            per_token = self.model.load_s_per_token(self.bytes_per_token)
+            for t, key in LOAD_COST_KEYS.items():
+                self.costs[key] = per_token.get(t, 0.0)
+
+    def gauges(self) -> dict[str, float]:
+        """The measured costs (COST_KEYS -> seconds per prompt token; 0: not measured)."""
+        return dict(self.costs)
 
 
 def _ms(s: float | None) -> str:

@@ -85,14 +85,16 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ setup
 
-    def gauges(self) -> dict[str, int]:
-        """What this instance holds for readers now (vllm:pdxfer_held_*); zeros if it never publishes."""
+    def gauges(self) -> dict[str, float]:
+        """What this instance holds for readers now (vllm:pdxfer_held_*; zeros if it never
+        publishes) and, with load_benefit, what its load gate measured (per-token costs)."""
+        gate = self.reader.gate.gauges() if self.reader.gate is not None else {}
         if not self.publishes:
             return {"held_blocks": 0, "held_chunks": 0, "held_blocks_cap": 0, "host_chunks": 0,
-                    "host_slots_used": 0}
+                    "host_slots_used": 0, **gate}
         return {"held_blocks": self.holder.held_blocks, "held_chunks": self.holder.held_chunks,
                 "held_blocks_cap": self.holder.held_blocks_cap, "host_chunks": self.holder.host_chunks,
-                "host_slots_used": self.holder.host_slots_used}
+                "host_slots_used": self.holder.host_slots_used, **gate}
 
     def bind_block_pool(self, pool: Any) -> None:
         self.holder.bind_block_pool(pool)

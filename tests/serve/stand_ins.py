@@ -1,5 +1,5 @@
 """Stand-ins for vLLM instances behind the proxy: real aiohttp servers on real sockets, with the
-endpoints the proxy uses (/health, /tokenize, /v1/completions, /v1/chat/completions).
+endpoints the proxy uses (/health, /metrics, /tokenize, /v1/completions, /v1/chat/completions).
 
 In-process (:class:`StandIn`, served from a thread, its state readable by the test) or as a child
 process (``python -m tests.serve.stand_ins``) that a test can SIGKILL.
@@ -33,9 +33,29 @@ def stand_in_tokens(body: dict[str, Any]) -> list[int]:
     return list(prompt) if isinstance(prompt, list) else list(str(prompt).encode())
 
 
+def load_cost_page(host: float = 0.0, device: float = 0.0, compute: float = 0.0, engines: int = 1) -> str:
+    """What a decode's /metrics shows of its load gate's costs (seconds per prompt token; 0: not
+    measured), rendered by prometheus_client as vLLM renders it, amid metrics of vLLM's own."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    from pdxfer.vllm.connector_metric_defs import COMPUTE_COST, LABELS, LOAD_COST
+
+    reg = CollectorRegistry()
+    Counter("vllm:prompt_tokens", "Prompt tokens", LABELS, registry=reg).labels("tiny", "0").inc(5)
+    load = Gauge(LOAD_COST.name, LOAD_COST.help, LOAD_COST.labels, registry=reg)
+    comp = Gauge(COMPUTE_COST.name, COMPUTE_COST.help, COMPUTE_COST.labels, registry=reg)
+    for e in range(engines):
+        load.labels("tiny", str(e), "host").set(host)
+        load.labels("tiny", str(e), "device").set(device)
+        comp.labels("tiny", str(e)).set(compute)
+    return generate_latest(reg).decode()
+
+
 class StandInApp:
     """The endpoints and what they saw. ``delay``: seconds before a completion answers (before
-    its first byte); ``gate``: a streamed answer waits for it between its first and second event."""
+    its first byte); ``gate``: a streamed answer waits for it between its first and second event;
+    ``metrics_text``/``metrics_status``/``metrics_delay``: what GET /metrics answers (a vLLM
+    instance's page), and after how long."""
 
     def __init__(self, name: str, delay: float = 0.0) -> None:
         self.name = name
@@ -45,8 +65,13 @@ class StandInApp:
         self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.tokenized: list[dict[str, Any]] = []
         self.health_checks = 0
+        self.metrics_text = ""
+        self.metrics_status = 200
+        self.metrics_delay = 0.0
+        self.metrics_scrapes = 0
         self.app = web.Application()
         self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_post("/tokenize", self._tokenize)
         self.app.router.add_post("/v1/completions", self._complete)
         self.app.router.add_post("/v1/chat/completions", self._complete)
@@ -54,6 +79,13 @@ class StandInApp:
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_scrapes += 1
+        if self.metrics_delay:
+            await asyncio.sleep(self.metrics_delay)
+        return web.Response(status=self.metrics_status, text=self.metrics_text,
+                            content_type="text/plain")
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()

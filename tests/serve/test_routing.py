@@ -25,7 +25,7 @@ from pdxfer.serve.proxy import PDProxy, RunningProxy
 from pdxfer.serve.router import RouteConfig
 
 from .stand_ins import ROOT as REPO_ROOT
-from .stand_ins import StandIn, stand_in_tokens
+from .stand_ins import StandIn, load_cost_page, stand_in_tokens
 from .test_fleet_proxy import health, metric, post, wait_for
 
 C = 16
@@ -164,6 +164,69 @@ def test_a_prefix_in_an_instances_host_tier_counts_as_held_but_not_as_its_own_ca
         assert route == f"prefill={p1.url} decode={d.url}", reason
         assert reason.startswith("prefill-holder; decode=least-loaded; held=160/200")
     assert not p0.received
+
+
+def _costs_read(px: RunningProxy, d: StandIn) -> bool:
+    """The proxy read ``d``'s /metrics (measured or not) since the stand-in last changed it."""
+    (entry,) = [b for b in health(px)["decode"] if b["url"] == d.url]
+    return "load_costs" in entry
+
+
+@pytest.mark.parametrize("page, skips", [
+    ({"host": 2e-3, "device": 1e-5, "compute": 1e-4}, False),  # host loads 20x slower than computing
+    ({"host": 2e-5, "device": 1e-5, "compute": 1e-4}, True),  # ... 5x faster
+    ({}, True),  # load_benefit off (or nothing measured yet): every gauge 0, as without them
+    (None, True),  # a /metrics without pdxfer's gauges at all
+], ids=["host-slower", "host-faster", "unmeasured", "no-gauges"])
+def test_a_prefix_only_a_host_tier_holds_counts_as_held_only_where_loading_it_pays(
+        fleet, caplog, page, skips) -> None:
+    """P holds the whole prompt in its host tier only. The decode that measured host loads
+    slower per token than its own prefill would decline that load and compute the prompt, so
+    the router does not skip the prefill for it; measured faster, or not measured, it does."""
+    caplog.set_level(logging.INFO, "pdxfer.proxy")
+    p, d = fleet.instance("P"), fleet.instance("D")
+    if page is not None:
+        d.metrics_text = load_cost_page(**page)
+    t = tokens_of(PROMPT)
+    fleet.hold(p, t, in_host_tier=True)
+    px = fleet.proxy([p], [d], skip_prefill_tokens=32)
+    wait_for(lambda: _costs_read(px, d), 10, "the decode's load costs read")
+    route, reason, _ = route_of(px, {"prompt": PROMPT})
+    if skips:
+        assert route == f"decode-only={d.url}"
+        assert reason == "skip-prefill; decode=least-loaded; held=200/200; left=1"
+    else:
+        assert route == f"prefill={p.url} decode={d.url}"
+        assert reason == "least-loaded; decode=least-loaded; held=200/200; host=200 recompute"
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route ")]
+        assert logged == [f"route /v1/completions prefill={p.url} decode={d.url}; {reason}"]
+
+
+def test_a_host_only_rest_past_a_device_prefix_is_left_to_compute_where_host_loads_are_slow(fleet) -> None:
+    """P1's KV cache holds 6 chunks (96 tokens), P0's host tier the whole prompt: with host loads
+    measured slow, 104 tokens are left (prefill on P1, which holds the 96); with a threshold above
+    that the decode loads the 96 and computes the rest. Each decode is judged by its own costs."""
+    p0, p1 = fleet.instance("P0"), fleet.instance("P1")
+    slow, fast = fleet.instance("Dslow"), fleet.instance("Dfast")
+    slow.metrics_text = load_cost_page(host=2e-3, device=1e-5, compute=1e-4, engines=2)
+    fast.metrics_text = load_cost_page(host=2e-5, device=1e-5, compute=1e-4)
+    t = tokens_of(PROMPT)
+    fleet.hold(p0, t, in_host_tier=True)
+    fleet.hold(p1, t, 6)
+    tight = fleet.proxy([p0, p1], [slow], skip_prefill_tokens=32)
+    loose = fleet.proxy([p0, p1], [slow], skip_prefill_tokens=104)
+    other = fleet.proxy([p0, p1], [fast], skip_prefill_tokens=32)
+    for px, d in ((tight, slow), (loose, slow), (other, fast)):
+        wait_for(lambda px=px, d=d: _costs_read(px, d), 10, "the decode's load costs read")
+    route, reason, _ = route_of(tight, {"prompt": PROMPT})
+    assert route == f"prefill={p1.url} decode={slow.url}"
+    assert reason == "prefill-holder; decode=least-loaded; held=200/200; host=104 recompute"
+    route, reason, _ = route_of(loose, {"prompt": PROMPT})
+    assert route == f"decode-only={slow.url}"
+    assert reason == "skip-prefill; decode=least-loaded; held=200/200; host=104 recompute; left=104"
+    route, reason, _ = route_of(other, {"prompt": PROMPT})
+    assert route == f"decode-only={fast.url}"
+    assert reason == "skip-prefill; decode=least-loaded; held=200/200; left=1"
 
 
 def test_a_prompt_the_fleet_holds_skips_the_prefill_on_the_holding_decode(fleet, caplog) -> None:

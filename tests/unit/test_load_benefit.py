@@ -173,3 +173,53 @@ def test_the_gate_tells_lookups_which_tier_to_prefer_once_measured():
         gate.step_built(None, [req], now=10.0 * i)
         gate.step_output([req], now=10.0 * i + s)
     assert gate.preferred_tier == "host"
+
+
+def test_per_token_costs_are_a_typical_load_from_each_tiers_best_holder():
+    """What the gate exports for a router (vllm:pdxfer_load_benefit_*_seconds_per_token): per
+    tier, a typical load's expected time from its best measured holder over the tokens it
+    carries; per instance, 1 / prefill throughput. Nothing until measured."""
+    m = BenefitModel()
+    tok = MB // C  # KV bytes per token: a chunk is 1 MiB
+    assert m.load_s_per_token(tok) == {} and m.compute_s_per_token() is None
+    m.observe_load(("a", "device"), MB, 0.010)
+    m.observe_load(("b", "host"), MB, 0.040)
+    m.observe_load(("c", "host"), MB, 0.020)  # the better host holder is the one that counts
+    costs = m.load_s_per_token(tok)
+    assert costs == pytest.approx({"device": 0.010 / C, "host": 0.020 / C})
+    assert m.load_s_per_token(0) == {}  # the KV bytes per token not known yet: no guess
+    # A typical load is the mean of the measured sizes (here 1.75 MiB): latency is spread over it.
+    m.observe_load(("a", "device"), 4 * MB, 0.010)
+    lat, spb = m.holders[("a", "device")].fit()
+    typical = (MB * 3 + 4 * MB) // 4
+    assert m.load_s_per_token(tok)["device"] == pytest.approx((lat + spb * typical) / (typical / tok))
+    for _ in range(3):
+        m.observe_step(1000, 0.1)
+    assert m.compute_s_per_token() is None  # 3 of min_steps=4 prefill steps
+    m.observe_step(1000, 0.1)
+    assert m.compute_s_per_token() == pytest.approx(1e-4)  # 10,000 tokens/s
+
+
+def test_the_gate_sets_its_cost_gauges_when_it_measures():
+    """The gauges start at 0 (not measured), the compute cost follows prefill steps, the load
+    costs follow loads; a host tier measured slower per token than computing reads so."""
+    from pdxfer.vllm.connector_metric_defs import COMPUTE_COST_KEY, COST_KEYS, LOAD_COST_KEYS
+    from pdxfer.vllm.reader_benefit import LoadGate
+    from pdxfer.vllm.scheduler_state import SchedulerStats
+
+    gate = LoadGate(margin=0.1, stats=SchedulerStats())
+    gate.bytes_per_token = MB // C
+    assert gate.gauges() == dict.fromkeys(COST_KEYS, 0.0)
+    for i in range(4):  # prefill steps of 1000 tokens in 0.1 s: 1e-4 s per token
+        gate.step_built({"p": 1000}, [], now=float(i))
+        gate.step_output(None, now=i + 0.1)
+    assert gate.gauges()[COMPUTE_COST_KEY] == pytest.approx(1e-4)
+    assert gate.gauges()[LOAD_COST_KEYS["host"]] == 0.0
+    for i, (holder, s) in enumerate([(("a", "device"), 0.001), (("b", "host"), 0.5)]):
+        gate.planned(f"r{i}", [Piece(holder, C, MB)])
+        gate.step_built(None, [f"r{i}"], now=10.0 + i)
+        gate.step_output([f"r{i}"], now=10.0 + i + s)
+    g = gate.gauges()
+    assert g[LOAD_COST_KEYS["device"]] == pytest.approx(0.001 / C)
+    assert g[LOAD_COST_KEYS["host"]] == pytest.approx(0.5 / C)
+    assert g[LOAD_COST_KEYS["host"]] > g[COMPUTE_COST_KEY] > g[LOAD_COST_KEYS["device"]]
