@@ -7,6 +7,8 @@ other positions than the read it replaces.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -65,3 +67,35 @@ def first_written(read: NodeRead, block_ids: Sequence[int], block_size: int) -> 
         return read.start
     pos = {int(b): i for i, b in enumerate(block_ids)}
     return min(pos[int(b)] for b in read.local_blocks) * block_size
+
+
+def split_by_tier(read: NodeRead, host_base: int) -> list[tuple[bool, NodeRead]]:
+    """``read`` as reads that each stay in one tier of its holder, as (on the host tier, the
+    read): each tier is planned against its own layout, so host slot ids (block ids from
+    ``host_base`` on) become slot numbers. A block-for-block read splits into its device pairs
+    and its host pairs. A token-range read splits into maximal runs of holder blocks of one
+    tier, each clipped to the tokens of the whole read its blocks hold; a run holding none of
+    them is left out. The reader side (blocks, first token) stays the whole read's: a staged
+    piece finds its reader blocks from its tokens, so the parts write exactly what the whole
+    read would."""
+    if not read.remote_block_size:
+        out = []
+        for host in (False, True):
+            pairs = [(b, lb) for b, lb in zip(read.remote_blocks, read.local_blocks) if (b >= host_base) == host]
+            if pairs:
+                base = host_base if host else 0
+                out.append((host, dataclasses.replace(read, remote_blocks=tuple(b - base for b, _ in pairs),
+                                                      local_blocks=tuple(lb for _, lb in pairs))))
+        return out
+    hb, end = read.remote_block_size, read.start + read.num_tokens
+    out, at = [], 0
+    for host, run in itertools.groupby(read.remote_blocks, key=lambda b: b >= host_base):
+        ids = tuple(run)
+        first = read.remote_first_token + at * hb
+        at += len(ids)
+        s, e = max(read.start, first), min(end, first + len(ids) * hb)
+        if s < e:
+            base = host_base if host else 0
+            out.append((host, dataclasses.replace(read, remote_blocks=tuple(b - base for b in ids),
+                                                  remote_first_token=first, start=s, num_tokens=e - s)))
+    return out

@@ -32,6 +32,7 @@ from pdxfer.vllm.load_corruption import maybe_corrupt_load
 from pdxfer.vllm import repull as rp_plan
 from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.host_pool import AUTO_HOST_SHARE, HostPool, auto_host_tier_mib, host_slots_for
+from pdxfer.vllm.load_plan import split_by_tier
 from pdxfer.master.tiers import HOST_LAYOUT_KEY
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
 from pdxfer.layout import Region
@@ -366,20 +367,9 @@ class WorkerSide:
                 self._post_host_read(inf, ref, route, r, peer, planner, *host)
                 return
             if isinstance(planner, ConvertingPlanner):  # READ into staging piece by piece, convert each
-                assert self._staging is not None
-                stream = self._staging.stream(planner, r, peer)
-                inf.staged.append(stream)
-                inf.stream_slots.append(len(inf.handles))
-                inf.handles.append(_NOT_POSTED)
-                inf.handle_nodes.append((ref.node_id, route.holder_rank))
-                self._post_piece(inf, len(inf.staged) - 1)
+                self._post_stream(inf, ref, route, planner, r, peer)
                 return
-            plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
-            inf.nbytes += plan.total_bytes
-            inf.handles.append(self.transport.read(peer, plan))
-            inf.handle_nodes.append((ref.node_id, route.holder_rank))
-            bound = self._read_bound(ref.node_id, plan.total_bytes)
-            inf.read_deadline = max(inf.read_deadline, time.monotonic() + bound)
+            self._post_direct(inf, ref, route, planner, r, peer)
         except Exception as exc:
             if isinstance(exc, StagingTooSmall):
                 self.stats.staging_full += 1
@@ -387,26 +377,46 @@ class WorkerSide:
                 inf.blame.add(ref.node_id)
             inf.error = f"{type(exc).__name__}: {exc}"
 
+    def _post_direct(self, inf: _Inflight, ref: HolderRef, route: Route, planner: PeerPlanner, r: Any,
+                     peer: str) -> None:
+        """One transport read of ``r``'s block pairs straight into place."""
+        plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
+        inf.nbytes += plan.total_bytes
+        inf.handles.append(self.transport.read(peer, plan))
+        inf.handle_nodes.append((ref.node_id, route.holder_rank))
+        bound = self._read_bound(ref.node_id, plan.total_bytes)
+        inf.read_deadline = max(inf.read_deadline, time.monotonic() + bound)
+
+    def _post_stream(self, inf: _Inflight, ref: HolderRef, route: Route, planner: ConvertingPlanner, r: Any,
+                     peer: str) -> None:
+        """A staged read of ``r``: its pieces are posted as the staging area has room."""
+        assert self._staging is not None
+        stream = self._staging.stream(planner, r, peer)
+        inf.staged.append(stream)
+        inf.stream_slots.append(len(inf.handles))
+        inf.handles.append(_NOT_POSTED)
+        inf.handle_nodes.append((ref.node_id, route.holder_rank))
+        self._post_piece(inf, len(inf.staged) - 1)
+
     def _post_host_read(self, inf: _Inflight, ref: HolderRef, route: Route, r: Any, peer: str,
                         planner: PeerPlanner | ConvertingPlanner, host_planner: PeerPlanner | ConvertingPlanner,
                         n_device: int) -> None:
         """A read naming some of the holder's host slots (block ids >= its device block count):
-        device and host blocks are planned against their own layouts, one transport read each."""
-        if isinstance(planner, ConvertingPlanner) or isinstance(host_planner, ConvertingPlanner) or r.remote_block_size:
-            raise NotReadable(f"holder {ref.node_id} serves these chunks from its host tier, which this "
-                              "version reads only block for block (same block size, format and heads)")
+        each tier's blocks are planned against its own layout (split_by_tier), and each part
+        goes the way its tier's planner says: straight into place, or staged and converted
+        (another block size, format or head split), so the two tiers may differ."""
         inf.host_reads = True
-        for part, offset in ((planner, 0), (host_planner, n_device)):
-            pairs = [(b - offset, l) for b, l in zip(r.remote_blocks, r.local_blocks)
-                     if (b >= n_device) == bool(offset)]
-            if not pairs:
-                continue
-            plan = part.plan([b for b, _ in pairs], [l for _, l in pairs])
-            inf.nbytes += plan.total_bytes
-            inf.handles.append(self.transport.read(peer, plan))
-            inf.handle_nodes.append((ref.node_id, route.holder_rank))
-            inf.read_deadline = max(inf.read_deadline,
-                                    time.monotonic() + self._read_bound(ref.node_id, plan.total_bytes))
+        for on_host, part in split_by_tier(r, n_device):
+            tier_planner = host_planner if on_host else planner
+            if isinstance(tier_planner, ConvertingPlanner):
+                self._post_stream(inf, ref, route, tier_planner, part, peer)
+            elif part.remote_block_size:  # the scheduler planned token ranges for blocks of our size
+                raise NotReadable(f"holder {ref.node_id} rank {route.holder_rank}: a token-range read of "
+                                  f"{part.remote_block_size}-token blocks from its "
+                                  f"{'host tier' if on_host else 'KV cache'}, whose blocks this rank reads "
+                                  "block for block")
+            else:
+                self._post_direct(inf, ref, route, tier_planner, part, peer)
 
     def _post_piece(self, inf: _Inflight, i: int) -> None:
         """Post stream ``i``'s next piece if the staging area has room; else wait (bounded by

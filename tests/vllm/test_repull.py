@@ -40,15 +40,15 @@ LOAD_TIMEOUT_S = 3.0
 class Reader:
     """One reader engine (TP 1): ReaderPath + WorkerSide over its own KV cache."""
 
-    def __init__(self, master: str, block: int) -> None:
-        self.side = kv.Side(CPU, block)
+    def __init__(self, master: str, block: int, kv_format: str = CPU) -> None:
+        self.side = kv.Side(kv_format, block)
         self.req_blocks = -(-(CHUNKS * C + 1) // block)
         self.phys, caches, layout = kv.new_cache(self.side, 2 * self.req_blocks + 2)
         self.cfg = ConnectorConfig(master=master, transport="tcp", chunk_tokens=C, lookup_timeout_s=1.0,
                                    load_timeout_s=LOAD_TIMEOUT_S, read_timeout_floor_s=0.5, connect_timeout_s=1.0,
                                    lock_ttl_s=20.0, publish_hint_wait_s=0.0, staging_mib=8)
         self.worker = WorkerSide(self.cfg, node_id="reader", rank=0, expected_fingerprint=layout.fingerprint(),
-                                 block_size=block, kv_format=CPU, tp_size=1, total_kv_heads=kv.HEADS)
+                                 block_size=block, kv_format=kv_format, tp_size=1, total_kv_heads=kv.HEADS)
         self.worker.register_kv_caches(caches)
         self.hot = MasterClient(master, timeout_s=1.0)
         self.bg = MasterClient(master, timeout_s=1.0)
@@ -74,7 +74,8 @@ class Reader:
     def load(self, req: str, blocks: list[int]) -> tuple[float, set[int]]:
         """Post the planned load, wait (bounded) until it ends: (seconds, blocks with load errors)."""
         t0 = time.monotonic()
-        self.worker.start_loads(self.path.take_metadata())
+        self.meta = self.path.take_metadata()  # what was posted, for tests to look at
+        self.worker.start_loads(self.meta)
         deadline = t0 + 4 * LOAD_TIMEOUT_S
         while req not in self.worker.get_finished():
             assert time.monotonic() < deadline, "the load never ended"
@@ -110,10 +111,10 @@ def master():
 def holders(master):
     procs: dict[str, subprocess.Popen] = {}
 
-    def start(node_id: str, block: int, prompts: list[int]) -> subprocess.Popen:
+    def start(node_id: str, block: int, prompts: list[int], *extra: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "tests.vllm.repull_holder", "--master", master.address, "--node-id", node_id,
                "--block", str(block), "--chunks", str(CHUNKS), "--chunk-tokens", str(C),
-               "--prompts", ",".join(map(str, prompts)), "--seed", str(SEED)]
+               "--prompts", ",".join(map(str, prompts)), "--seed", str(SEED), *extra]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                              env=child_env())
         procs[node_id] = p
@@ -129,8 +130,8 @@ def holders(master):
 def reader(master):
     made: list[Reader] = []
 
-    def make(block: int) -> Reader:
-        r = Reader(master.address, block)
+    def make(block: int, kv_format: str = CPU) -> Reader:
+        r = Reader(master.address, block, kv_format)
         made.append(r)
         return r
 
