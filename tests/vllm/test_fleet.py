@@ -7,6 +7,9 @@ against a plain `vllm serve` of the same model (no connector) computing every pr
 - a prompt the fleet already holds (a prefill computed it, no decode has it) skips the prefill:
   the route header and the proxy's metric say so, no prefill instance sees it, and the decode
   loads every prompt token but the last;
+- a prompt both prefill instances hold, asked while the holder the decode's lookup picks is frozen
+  (SIGSTOP): the decode re-pulls every chunk from the other prefill, the answer has the plain
+  instance's logprobs, every prompt token but the last is loaded and nothing is recomputed;
 - what a user of `pdxfer launch` sees: the printed endpoints and example, the demo's prompts
   (those routed through a prefill loaded but their last token, the short one computed by a
   decode), a streamed chat answer, and SIGTERM stopping every process it started.
@@ -31,8 +34,9 @@ from typing import Any, Iterator
 import pytest
 
 from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
-from pdxfer.serve.index_view import IndexView
-from pdxfer.serve.launch import TRANSFER_COUNTER, read_prom_counter, run_demo
+from pdxfer.master import MasterClient
+from pdxfer.serve.index_view import IndexView, lookup_keys
+from pdxfer.serve.launch import TRANSFER_COUNTER, proxy_ready_url, read_prom_counter, run_demo
 from pdxfer.serve.serve_shim import start_vllm
 from tests.vllm.conftest import (kill_process_groups, EXTERNAL_HITS, PAIR_VLLM_ARGS, READY_TIMEOUT_S, TOP_K, Answer,
                                  ask_url, check_logprobs, post_json, prompt_of)
@@ -249,6 +253,68 @@ def test_status_lists_every_instance_with_its_role_and_the_prefills_chunks(fleet
     for n in nodes:
         assert n["transport"] == "tcp" and n["endpoints"][0]["endpoint"], n
         assert n["layout"]["chunk_tokens"] == 256 and n["layout"]["namespace"], n
+
+
+REPULLS = "vllm:pdxfer_repulls_total"
+FAILED_LOADS = "vllm:pdxfer_loads_failed_total"
+
+
+def _next_tie_goes_to(client: MasterClient, keys: list[bytes], node_id: str) -> None:
+    """Make the master's next lookup of ``keys`` (held alike by several holders, whose ties it
+    breaks in turn) pick ``node_id``: lookups of our own (locked, then given back) until the one
+    after them is its turn. The decode's own lookup is then the next one."""
+    for _ in range(4):
+        res = client.lookup_and_lock(keys, reader="test-tie-probe", lock_ttl_s=5.0)
+        picked = set(res.nodes)
+        client.release(res.lock_id, all_parties=True)
+        assert res.hit_chunks == len(keys) and len(picked) == 1, (res.hit_chunks, picked)
+        if picked != {node_id}:  # two holders in turn: the next lookup is node_id's
+            return
+    raise AssertionError(f"the master never picked another holder than {node_id}")
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_a_frozen_holder_is_re_pulled_from_the_other_prefill_holding_the_same_chunks(
+        fleet: Fleet, plain: str) -> None:
+    view = IndexView(fleet.urls["master"], timeout_s=5.0)
+    client = MasterClient(fleet.urls["master"], timeout_s=5.0)
+    frozen_url, other_url = fleet.role("prefill")
+    pgid = next(int(pid) for name, pid, _ in _TABLE.findall(fleet.log.read_text()) if name == "prefill-0")
+    try:
+        prompt = prompt_of(700, seed=8300)  # two full chunks and a tail
+        ref = ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False)
+        for url in (frozen_url, other_url):  # both prefills hold it (the second loads, then publishes)
+            post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            wait_held(view, prompt, len(prompt), url)
+        by_url = {n.serve_url: n for n in client.nodes()}
+        frozen = by_url[frozen_url]
+        keys, _ = lookup_keys(prompt, frozen.chunk_tokens, bytes.fromhex(frozen.namespace))
+        before = {m: fleet.counter("decode", m) for m in (REPULLS, FAILED_LOADS, TRANSFER_COUNTER)}
+        _next_tie_goes_to(client, keys, frozen.node_id)
+        os.killpg(pgid, signal.SIGSTOP)  # its lease outlives the request: the master still names it
+        try:
+            answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        assert headers["x-pdxfer-route"].startswith("decode-only="), headers
+        check_logprobs(answer, ref)
+        assert answer.cached_tokens == len(prompt) - 1, headers
+        deadline = time.monotonic() + 10  # vLLM's counters move one engine step later
+        while (fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] < len(prompt) - 1
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        shown = fleet.connector_log()
+        assert fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] == len(prompt) - 1, shown
+        # Every chunk (two full ones and the tail) was read again from the other prefill; no load failed.
+        assert fleet.counter("decode", REPULLS) - before[REPULLS] == len(keys), shown
+        assert fleet.counter("decode", FAILED_LOADS) == before[FAILED_LOADS], shown
+        assert f"from holder(s) {by_url[other_url].node_id} instead of {frozen.node_id}" in shown, shown
+    finally:
+        client.close()
+        view.close()
+        # The next test needs every instance back in the proxy's rotation.
+        wait_http_ready(proxy_ready_url(fleet.proxy), 60)
 
 
 def _alive_in_group(pgid: int) -> list[int]:
