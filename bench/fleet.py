@@ -161,6 +161,8 @@ def stream_completion(proxy_url: str, model: str, prompt: list[int], max_tokens:
 
 def start(name: str, model_dir: Path, log_dir: Path, args: argparse.Namespace) -> Fleet:
     vargs = ["--dtype", args.dtype]
+    if args.block_size:
+        vargs += ["--block-size", str(args.block_size)]
     if args.gpu_blocks:
         vargs += ["--num-gpu-blocks-override", str(args.gpu_blocks), "--max-model-len", str(args.max_model_len)]
     if name in ("routed", "rr"):
@@ -285,6 +287,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--answer-tokens", type=int, default=24, help="max_tokens of each answer")
     ap.add_argument("--order", choices=("shuffled", "lockstep"), default="shuffled",
                     help="each round's turns in a seeded random order, or in user order")
+    ap.add_argument("--block-size", type=int, default=0,
+                    help="every instance's KV block size in tokens, all configurations alike (0: vLLM's "
+                         "default, 128 on CPU, whose attention takes multiples of 32; GPUs default to 16)")
     ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--gpu-blocks", type=int, default=0,
                     help="KV cache blocks per instance (0: what --kv-cache-gib holds)")
@@ -300,6 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--message-tokens must be 'LO,HI' with 0 < LO <= HI, got {args.message_tokens}")
     if min(args.users, args.turns, args.arrivals, args.system_prompts) < 1:
         ap.error("--users, --turns, --arrivals and --system-prompts must be at least 1")
+    if args.block_size < 0:
+        ap.error(f"--block-size must be positive (or 0: vLLM's default), got {args.block_size}")
     return args
 
 
