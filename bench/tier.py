@@ -5,6 +5,9 @@ skewed (Zipf) popularity through a prefill/decode pair, with the host tier off a
   off   the pair as shipped (host_tier_mib 0): a chunk lives while its KV cache blocks are held
   on    the same pair with a host tier on each instance (--host-mib): chunks whose blocks are
         given back move to host memory and stay readable
+  gated as 'on', with the reader's load-or-recompute rule (``load_benefit``): a decode loads only
+        the prefix of a hit it expects to arrive sooner than it would compute it, from the loads
+        and prefill steps it measured
 
 Both configurations get the same trace (same seed), one configuration at a time, the proxy
 routing from the master's index (a prompt the fleet holds skips the prefill). The KV cache is
@@ -17,7 +20,10 @@ request (vLLM's ``prompt_tokens_by_source{source="local_compute"}`` summed over 
 prefill steps included); next to it tokens loaded, the share of them read from a host tier,
 local prefix-cache hits, prefills skipped, chunks moved to host and evicted from it. TTFT (first
 streamed token at the client) is reported too; both instances share two cores here, so it is
-indicative only. The ratio printed is computed-per-request with the tier over without it.
+indicative only. The ratio printed is computed-per-request with the tier over without it. With
+'gated' in the run it also prints what the rule is for: its TTFT p99 over the trace against the
+p99 of 'off' (every hit the tier would add is recomputed there), and, request by request, how
+many were slower than the same request in 'off' by more than the noise floor (``--slower-ms``).
 
     PYTHONPATH=. .venv/bin/python bench/tier.py --json bench/results/tier.json
     PYTHONPATH=. .venv/bin/python bench/tier.py --configs off,on,off,on   # run twice, bracketed
@@ -45,10 +51,10 @@ from bench.pd_util import bench_model, med  # noqa: E402
 from pdxfer.procs import default_run_dir  # noqa: E402
 from pdxfer.serve.launch import read_prom_counter, start_pair  # noqa: E402
 
-CONFIGS = ("off", "on")
+CONFIGS = ("off", "on", "gated")
 PDXFER_COUNTERS = ("vllm:pdxfer_tokens_loaded_total", "vllm:pdxfer_host_tier_tokens_loaded_total",
                    "vllm:pdxfer_host_moves_total", "vllm:pdxfer_host_evictions_total",
-                   "vllm:pdxfer_loads_failed_total")
+                   "vllm:pdxfer_loads_failed_total", "vllm:pdxfer_load_benefit_declined_tokens_total")
 
 
 def zipf_trace(n_prefixes: int, requests: int, s: float, seed: int) -> list[int]:
@@ -90,8 +96,10 @@ def run_config(name: str, model_dir: Path, model: str, log_dir: Path, args: argp
     (log_dir / tag).mkdir(parents=True, exist_ok=True)
     print(f"\n== {tag}: starting (load avg {os.getloadavg()[0]:.2f})", flush=True)
     extra: dict[str, object] = {"retention_s": args.retention_s}
-    if name == "on":
+    if name in ("on", "gated"):
         extra["host_tier_mib"] = args.host_mib
+    if name == "gated":
+        extra["load_benefit"] = True
     vargs = ["--dtype", args.dtype, "--num-gpu-blocks-override", str(args.gpu_blocks),
              "--max-model-len", str(args.max_model_len)]
     stack, proxy = start_pair(model_dir, log_dir / tag, vllm_args=vargs, connector_extra=extra,
@@ -126,6 +134,7 @@ def run_config(name: str, model_dir: Path, model: str, log_dir: Path, args: argp
             "host_moves": int(px["vllm:pdxfer_host_moves_total"]),
             "host_evictions": int(px["vllm:pdxfer_host_evictions_total"]),
             "loads_failed": int(px["vllm:pdxfer_loads_failed_total"]),
+            "tokens_declined_per_request": round(px["vllm:pdxfer_load_benefit_declined_tokens_total"] / n, 1),
             "ttft_ms": {"p50": med(ttfts), "p99": round(sorted(ttfts)[min(n - 1, int(0.99 * n))], 2),
                         "samples": ttfts},
         }
@@ -141,6 +150,22 @@ def run_config(name: str, model_dir: Path, model: str, log_dir: Path, args: argp
         stack.stop()
 
 
+def gate_check(runs: dict[str, list[dict[str, Any]]], slower_ms: float) -> dict[str, Any] | None:
+    """With 'gated' and 'off' in the run: the rule's TTFT p99 over the trace against recomputing
+    (medians over repeated runs), and requests slower than the same request recomputed; None otherwise."""
+    if not runs.get("gated") or not runs.get("off"):
+        return None
+    gated_p99 = med([r["ttft_ms"]["p99"] for r in runs["gated"]])
+    off_p99 = med([r["ttft_ms"]["p99"] for r in runs["off"]])
+    # Request i of the trace in each configuration: the median of its TTFTs over repeated runs.
+    per = {name: [med(list(xs)) for xs in zip(*(r["ttft_ms"]["samples"] for r in runs[name]))]
+           for name in ("gated", "off")}
+    slower = sum(1 for g, o in zip(per["gated"], per["off"]) if g > o + slower_ms)
+    return {"gated_ttft_p99_ms": gated_p99, "off_ttft_p99_ms": off_p99,
+            "p99_ratio": round(gated_p99 / off_p99, 3) if off_p99 else None,
+            "slower_requests": slower, "requests": len(per["off"]), "slower_ms": slower_ms}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap, CONFIGS, "run these, in this order (repeats allowed)")
@@ -152,7 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--answer-tokens", type=int, default=4)
     ap.add_argument("--gpu-blocks", type=int, default=48, help="KV cache blocks per instance")
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--host-mib", type=int, default=128, help="host tier per instance (config 'on')")
+    ap.add_argument("--host-mib", type=int, default=128, help="host tier per instance (configs 'on', 'gated')")
+    ap.add_argument("--slower-ms", type=float, default=50.0,
+                    help="with 'gated': a request counts as slower than in 'off' only past this many ms")
     ap.add_argument("--retention-s", type=float, default=60.0)
     add_run_args(ap)
     args = ap.parse_args(argv)
@@ -191,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:4s} {s['computed_per_request']:8.1f}  TTFT p50 {s['ttft_p50_ms']} ms p99 {s['ttft_p99_ms']} ms")
     if ratio is not None:
         print(f"  tier on / off: {ratio}x")
+    gate = gate_check(runs, args.slower_ms)
+    if gate is not None:
+        print(f"  gated TTFT p99 {gate['gated_ttft_p99_ms']} ms vs off {gate['off_ttft_p99_ms']} ms "
+              f"({gate['p99_ratio']}x; target <= 1); requests slower than in 'off' by more than "
+              f"{args.slower_ms:g} ms: {gate['slower_requests']} of {gate['requests']}", flush=True)
     if args.json:
         argv_used = sys.argv if argv is None else [sys.argv[0], *argv]
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "tier", "command": " ".join(shlex.quote(a) for a in argv_used), "started_utc": started,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "cpu_count": os.cpu_count(), "load_avg_at_start": os.getloadavg(), "runs": runs,
-            "summary": summary, "computed_ratio_on_to_off": ratio,
+            "summary": summary, "computed_ratio_on_to_off": ratio, "gate_check": gate,
             "target": "with the tier, prompt tokens computed per request at most 0.5x without it",
         }, indent=1))
         print(f"wrote {args.json}")
