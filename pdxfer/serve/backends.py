@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import aiohttp
 
+from pdxfer.serve.periodic import start_periodic, stop_periodic
+
 log = logging.getLogger("pdxfer.proxy")
 
 POLICIES = ("round_robin", "least_loaded")
@@ -205,17 +207,7 @@ class HealthChecker:
         await asyncio.gather(*(self.check(session, b) for pool in self.pools for b in pool.backends))
 
     def start(self, session: aiohttp.ClientSession) -> None:
-        async def loop() -> None:
-            while True:
-                await self.check_all(session)
-                await asyncio.sleep(self.interval_s)
-
-        self._task = asyncio.get_running_loop().create_task(loop(), name="pdxfer-health")
+        self._task = start_periodic("pdxfer-health", self.interval_s, lambda: self.check_all(session))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_periodic(self._task)

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdxfer.master.tiers import HOST_TIER
 from pdxfer.serve.backends import Backend, BackendPool
+from pdxfer.serve.periodic import start_periodic, stop_periodic
 from pdxfer.vllm.connector_metric_defs import COMPUTE_COST, LOAD_COST
 
 log = logging.getLogger("pdxfer.proxy")
@@ -132,17 +133,7 @@ class LoadCostScraper:
             self.forget(url)
 
     def start(self, session: aiohttp.ClientSession) -> None:
-        async def loop() -> None:
-            while True:
-                await self.scrape_all(session)
-                await asyncio.sleep(self.interval_s)
-
-        self._task = asyncio.get_running_loop().create_task(loop(), name="pdxfer-load-costs")
+        self._task = start_periodic("pdxfer-load-costs", self.interval_s, lambda: self.scrape_all(session))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_periodic(self._task)
