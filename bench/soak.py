@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,15 @@ from bench.pd_util import post_json, scrape  # noqa: E402
 from bench.proc_fds import fd_targets, group_pids, kinds_by_group  # noqa: E402
 from pdxfer.master import MasterClient, NodeInfo, start_local_master  # noqa: E402
 from pdxfer.procs import free_port  # noqa: E402
-from pdxfer.serve.launch import Stack, start_pair  # noqa: E402
+from pdxfer.serve.launch import Stack, start_fleet  # noqa: E402
 from pdxfer.serve.serve_shim import served_model_name  # noqa: E402
 from pdxfer.serve.tiny_model import make_tiny_model  # noqa: E402
 
 # Allowed drift per hour, after warm-up: a series is flat when its fitted slope stays inside.
 TOLERANCE = {"rss_mib": ("relative", 0.05), "fds": ("absolute", 4.0), "threads": ("absolute", 4.0),
              "held_chunks": ("relative_or", 0.10, 8.0), "master_entries": ("relative_or", 0.10, 8.0),
-             "master_locks": ("absolute", 4.0), "master_nodes": ("absolute", 0.5)}
+             "master_locks": ("absolute", 4.0), "master_nodes": ("absolute", 0.5),
+             "recent_prompt_blocks": ("relative_or", 0.10, 8.0)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,6 +88,24 @@ def held_chunks(url: str) -> float | None:
         return scrape(url).get("vllm:pdxfer_held_chunks")
     except OSError:
         return None
+
+
+def proxy_sample(url: str) -> tuple[float | None, dict[str, float]]:
+    """The router's recent-prompt table size, and requests so far by route reason."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None, {}
+    blocks: float | None = None
+    routes: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pdxfer_proxy_recent_prompt_blocks "):
+            blocks = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdxfer_proxy_routes_total{") and 'reason="' in line:
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            routes[reason] = routes.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return blocks, routes
 
 
 def master_gauges(http_url: str) -> dict[str, float | None]:
@@ -204,7 +224,7 @@ class GhostLocker(threading.Thread):
 
 
 def sample_loop(groups: dict[str, int], holders: dict[str, str], master_http: str | None, minutes: float,
-                sample_s: float, on_tick: Any = None) -> list[dict[str, Any]]:
+                sample_s: float, on_tick: Any = None, proxy: str | None = None) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     t0 = time.monotonic()
     end = t0 + minutes * 60
@@ -219,6 +239,8 @@ def sample_loop(groups: dict[str, int], holders: dict[str, str], master_http: st
             row[f"{name}.held_chunks"] = held_chunks(url)
         if master_http is not None:
             row.update(master_gauges(master_http))
+        if proxy is not None:
+            row["proxy.recent_prompt_blocks"], row["routes"] = proxy_sample(proxy)
         samples.append(row)
         if on_tick is not None:
             on_tick(row)
@@ -282,9 +304,10 @@ def run_pair(model_dir: Path, model: str, vocab: int, log_dir: Path, args: argpa
         return start_local_master(workdir=log_dir, log_name="master.log", extra_args=margs, die_with_parent=True)
 
     master = new_master()
-    stack, proxy = start_pair(model_dir, log_dir, master=master.address, vllm_args=["--dtype", "float32"],
-                              connector_extra={"lock_ttl_s": args.lock_ttl_s, "retention_s": args.retention_s},
-                              prefill_cpus=None, decode_cpus=None, die_with_parent=True)
+    stack, proxy = start_fleet(model_dir, log_dir, master=master.address, vllm_args=["--dtype", "float32"],
+                               connector_extra={"lock_ttl_s": args.lock_ttl_s, "retention_s": args.retention_s},
+                               prefill_cpus=[None], decode_cpus=[None], die_with_parent=True,
+                               proxy_args=["--recent-prompt-tokens", str(args.recent_prompt_tokens)])
     restarts: list[float] = []
     try:
         stack.wait_ready(args.ready_timeout)
@@ -312,7 +335,8 @@ def run_pair(model_dir: Path, model: str, vocab: int, log_dir: Path, args: argpa
                 print(f"  master restarted at t={restarts[-1]}s", flush=True)
 
         groups["master"] = master.proc.pid
-        samples = sample_loop(groups, holders, f"http://127.0.0.1:{http_port}", args.minutes, args.sample_s, tick)
+        samples = sample_loop(groups, holders, f"http://127.0.0.1:{http_port}", args.minutes, args.sample_s, tick,
+                              proxy=proxy)
         traffic.stop.set()
         ghost.stop.set()
         traffic.join(70)
@@ -340,6 +364,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lock-ttl-s", type=float, default=10.0, help="the decode's lock TTL")
     p.add_argument("--retention-s", type=float, default=20.0, help="how long the prefill holds chunks")
     p.add_argument("--prefix-tokens", type=int, default=384, help="tokens of each shared prefix")
+    p.add_argument("--recent-prompt-tokens", type=int, default=8192,
+                   help="the proxy's recent-prompt table, per instance: small enough that this traffic "
+                        "fills it during warm-up (a bounded table filling is growth, not a leak; at the "
+                        "default size it would fill for hours)")
     p.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, default=None, help="write the result here")

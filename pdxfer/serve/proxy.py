@@ -168,6 +168,7 @@ class PDProxy:
                            if self.index is not None and load_cost_interval > 0 else None)
         self.router = Router(self.prefill, self.decode, self.index, route, self.load_costs)
         self.metrics = ProxyMetrics()
+        self.metrics.recent_blocks.set_function(self.router.recent.total_blocks)
         for b in self.prefill.backends + self.decode.backends:
             self.metrics.healthy.labels(b.role, b.url).set(1)
         self.health = HealthChecker((self.prefill, self.decode), health_interval, health_timeout,

@@ -20,11 +20,16 @@ TAKEN_OUT = MetricDef("pdxfer_proxy_instances_taken_out", "counter",
                       "Times an instance was taken out (failed health check or unreachable)", ("role",))
 HEALTHY = MetricDef("pdxfer_proxy_instance_healthy", "gauge",
                     "1 while an instance is in rotation, 0 while it is taken out", ("role", "url"))
+RECENT_BLOCKS = MetricDef("pdxfer_proxy_recent_prompt_blocks", "gauge",
+                          "Blocks in the router's table of prompts recently routed to each instance, all "
+                          "instances together (bounded by --recent-prompt-tokens per instance): it grows "
+                          "until full, then stays")
 REQUEST_SECONDS = MetricDef("pdxfer_proxy_request_seconds", "histogram",
                             "Time of one step at an instance, from sending it to the end of its answer "
                             "(a decode's includes its whole generation)", ("role", "backend"))
 
-PROXY_METRICS: tuple[MetricDef, ...] = (ROUTES, RETRIES, FAILURES, TAKEN_OUT, HEALTHY, REQUEST_SECONDS)
+PROXY_METRICS: tuple[MetricDef, ...] = (ROUTES, RETRIES, FAILURES, TAKEN_OUT, HEALTHY, RECENT_BLOCKS,
+                                        REQUEST_SECONDS)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -39,6 +44,7 @@ class ProxyMetrics:
         self.failures = Counter(FAILURES.name, FAILURES.help, FAILURES.labels, registry=r)
         self.taken_out = Counter(TAKEN_OUT.name, TAKEN_OUT.help, TAKEN_OUT.labels, registry=r)
         self.healthy = Gauge(HEALTHY.name, HEALTHY.help, HEALTHY.labels, registry=r)
+        self.recent_blocks = Gauge(RECENT_BLOCKS.name, RECENT_BLOCKS.help, registry=r)
         self.request_seconds = Histogram(REQUEST_SECONDS.name, REQUEST_SECONDS.help, REQUEST_SECONDS.labels,
                                          buckets=REQUEST_BUCKETS, registry=r)
 

@@ -78,3 +78,6 @@ class RecentPrompts:
 
     def blocks(self, url: str) -> int:
         return len(self._by_url.get(url, ()))
+
+    def total_blocks(self) -> int:
+        return sum(len(b) for b in self._by_url.values())

@@ -297,11 +297,15 @@ def test_a_conversations_next_turn_goes_to_the_decode_that_served_its_last(fleet
     route, reason, out = route_of(px, {"prompt": turn2})
     assert route == f"decode-only={served.url}" and out["by"] == served.name
     assert reason == "skip-prefill; decode=holder; held=64/204; own=160; left=44"
+    # The table's size: turn 1's 10 blocks at the prefill and at ``served``, which also has
+    # turn 2's 2 more.
+    assert metric(px, "pdxfer_proxy_recent_prompt_blocks") == 10 + 12
 
     served.healthy = False
     wait_for(lambda: not all(b["healthy"] for b in health(px)["decode"]), 5, "taken out")
     served.healthy = True
     wait_for(lambda: all(b["healthy"] for b in health(px)["decode"]), 5, "put back")
+    assert metric(px, "pdxfer_proxy_recent_prompt_blocks") == 10
     route, reason, _ = route_of(px, {"prompt": turn3})
     assert route.startswith(f"prefill={p.url}"), reason  # the prefill still counts turn 1
     assert reason == "prefill-holder; decode=holder; held=64/224"
