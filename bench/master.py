@@ -12,6 +12,11 @@ order alternates between client counts, so a drift in machine load hits both). A
 Prints a table; writes one JSON object (``--json``, default bench/results/master.json).
 
     python bench/master.py [--clients 1,4,16,64] [--iters 200] [--keys 512] [--json out.json]
+    python bench/master.py --clients 16 --server-cpus 0 --client-cpus 1
+
+With ``--server-cpus``, the server being measured (the master in its phase, etcd in its own) runs
+alone on those CPUs and the client processes on ``--client-cpus``: the load never takes the
+measured server's core, and both servers get the same one.
 """
 
 from __future__ import annotations
@@ -174,6 +179,25 @@ def _client_counts(text: str) -> list[int]:
     return counts
 
 
+def _cpu_list(text: str, flag: str) -> set[int]:
+    try:
+        cpus = {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: a comma-separated list of CPU numbers, e.g. 0 or 1,2") from None
+    if not cpus or not cpus <= os.sched_getaffinity(0):
+        raise SystemExit(f"{flag} {text!r}: CPUs must be among this process's {sorted(os.sched_getaffinity(0))}")
+    return cpus
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (etcd runs many) onto ``cpus``; threads it starts later inherit."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+
+
 def _round(d: dict) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
 
@@ -215,8 +239,16 @@ def main() -> None:
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "master.json"),
                     help="write the results here ('' for none)")
     ap.add_argument("--note", default="", help="recorded with the results (e.g. what else ran on the machine)")
+    ap.add_argument("--server-cpus", default="",
+                    help="pin the master and etcd (each in its own phase) to these CPUs, and the clients "
+                         "to --client-cpus: the server measured never shares a core with the load")
+    ap.add_argument("--client-cpus", default="", help="with --server-cpus: the clients' CPUs")
     args = ap.parse_args()
     counts = _client_counts(args.clients)
+    server_cpus = _cpu_list(args.server_cpus, "--server-cpus") if args.server_cpus else None
+    client_cpus = _cpu_list(args.client_cpus, "--client-cpus") if args.client_cpus else None
+    if (server_cpus is None) != (client_cpus is None) or (server_cpus and server_cpus & client_cpus):
+        raise SystemExit("--server-cpus and --client-cpus go together and must not share a CPU")
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from pdxfer.master import MasterClient, NodeInfo, start_local_master
@@ -229,6 +261,10 @@ def main() -> None:
     load_start = os.getloadavg()
     try:
         etcd.start()
+        if server_cpus is not None:
+            pin_process(master.proc.pid, server_cpus)
+            pin_process(etcd.proc.pid, server_cpus)
+            os.sched_setaffinity(0, client_cpus)  # the clients are spawned from here: they inherit it
         c = MasterClient(master.address, timeout_s=10)
         c.register_node(NodeInfo("bench-holder", 0, "nixl", b"x" * 550, _layout(), "fp"), lease_ttl_s=3600)
         prompts = max(counts)
@@ -247,6 +283,8 @@ def main() -> None:
         "dict_p50_ms": round(dict_floor(max(counts), args.keys, 2000), 4),
         "master_stats": {k: st[k] for k in ("lookups", "hit_chunks", "releases_ok", "releases_expired", "locks")},
         "cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
+        "server_cpus": sorted(server_cpus) if server_cpus else "any",
+        "client_cpus": sorted(client_cpus) if client_cpus else "any",
         "note": args.note,
     }
     at = next((r for r in runs if r["clients"] == args.target_clients), None)

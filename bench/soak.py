@@ -12,9 +12,12 @@ RSS slope is printed next to the pair's so a trend vLLM has anyway is told apart
 
   python bench/soak.py --minutes 30 --json bench/results/soak.json
 
-Traffic: one request at a time (no two measured processes compete for a core beyond what the
-pair itself does), prompts that share one of a few prefixes so the decode loads KV on most of
-them. Locks: a side client holds a node of its own with published keys and takes a lock on them
+Traffic: one request at a time at a fixed pace (no two measured processes compete for a core
+beyond what the pair itself does, and what is held does not follow the machine's speed), prompts
+that share one of a few prefixes; every other one has a long fresh tail, so it goes through the
+prefill and the decode reads it from there, the rest skip the prefill. An instance's held-chunk
+gauge moves only when its engine steps, so the prefill must keep working for its series to mean
+anything. The proxy's recent-prompt table is sized to fill during warm-up (--recent-prompt-tokens). Locks: a side client holds a node of its own with published keys and takes a lock on them
 every few seconds that it never releases (the master reaps it at its TTL). Restarts: SIGKILL, then
 a new master on the same ports; the instances re-register and re-publish on their own.
 
@@ -158,22 +161,33 @@ def judge(series: str, segments: list[list[tuple[float, float]]]) -> dict[str, A
 
 
 class Traffic(threading.Thread):
-    """One request at a time through ``url``: a shared prefix (one of ``prefixes``) and a fresh tail."""
+    """Requests through ``url`` one at a time at a fixed pace (``rate`` per second: what is held
+    then does not follow the machine's speed), each a shared prefix (one of a few) and a fresh
+    tail. Every ``long_every``-th tail is ``long_tail_tokens`` long, so more is left to compute
+    than the router's skip threshold: those go through the prefill, whose holder then publishes,
+    serves the decode's read and frees at retention, all soak long; the short ones skip it."""
 
-    def __init__(self, url: str, model: str, vocab: int, prefix_tokens: int, seed: int = 3) -> None:
+    def __init__(self, url: str, model: str, vocab: int, prefix_tokens: int, rate: float = 2.0,
+                 long_every: int = 2, long_tail_tokens: int = 300, seed: int = 3) -> None:
         super().__init__(daemon=True)
         self.url, self.model = url, model
         rng = random.Random(seed)
         self.rng = rng
         self.vocab = vocab
         self.prefixes = [[rng.randrange(16, vocab) for _ in range(prefix_tokens)] for _ in range(6)]
-        self.ok = self.failed = 0
+        self.period = 1.0 / rate
+        self.long_every, self.long_tail_tokens = long_every, long_tail_tokens
+        self.ok = self.failed = self.late = 0
         self.last_error = ""
         self.stop = threading.Event()
 
     def run(self) -> None:
+        n = 0
+        next_at = time.monotonic()
         while not self.stop.is_set():
-            prompt = self.rng.choice(self.prefixes) + [self.rng.randrange(16, self.vocab) for _ in range(24)]
+            n += 1
+            tail = self.long_tail_tokens if self.long_every and n % self.long_every == 0 else 24
+            prompt = self.rng.choice(self.prefixes) + [self.rng.randrange(16, self.vocab) for _ in range(tail)]
             try:
                 post_json(self.url + "/v1/completions",
                           {"model": self.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}, timeout=60)
@@ -182,7 +196,13 @@ class Traffic(threading.Thread):
                 self.failed += 1
                 self.last_error = str(exc)[:200]
                 self.stop.wait(1.0)
-            self.stop.wait(0.2)
+            next_at += self.period
+            wait = next_at - time.monotonic()
+            if wait < 0:
+                self.late += 1  # slower than the pace: start the next one now, without a burst
+                next_at = time.monotonic()
+            else:
+                self.stop.wait(wait)
 
 
 class GhostLocker(threading.Thread):
@@ -282,7 +302,7 @@ def run_baseline(model_dir: Path, model: str, vocab: int, log_dir: Path, args: a
         url = stack.add_vllm("plain", model_dir, log_dir, None, None, ["--dtype", "float32"],
                              {"VLLM_CPU_KVCACHE_SPACE": "1"}, die_with_parent=True)
         stack.wait_ready(args.ready_timeout)
-        traffic = Traffic(url, model, vocab, args.prefix_tokens)
+        traffic = Traffic(url, model, vocab, args.prefix_tokens, args.rate, args.long_every, args.long_tail_tokens)
         traffic.start()
         groups = {"plain": stack["plain"].proc.pid}
         samples = sample_loop(groups, {}, None, args.baseline_minutes, args.sample_s,
@@ -290,6 +310,7 @@ def run_baseline(model_dir: Path, model: str, vocab: int, log_dir: Path, args: a
         traffic.stop.set()
         traffic.join(70)
         return {"minutes": args.baseline_minutes, "requests_ok": traffic.ok, "requests_failed": traffic.failed,
+                "requests_behind_pace": traffic.late,
                 "trends": analyse(samples, args.warmup_s),
                 "fd_kind_trends": analyse(fd_kind_series(samples), args.warmup_s), "samples": samples}
     finally:
@@ -311,7 +332,8 @@ def run_pair(model_dir: Path, model: str, vocab: int, log_dir: Path, args: argpa
     restarts: list[float] = []
     try:
         stack.wait_ready(args.ready_timeout)
-        traffic = Traffic(proxy, model, vocab, args.prefix_tokens)
+        traffic = Traffic(proxy, model, vocab, args.prefix_tokens, args.rate, args.long_every,
+                          args.long_tail_tokens)
         ghost = GhostLocker(master.address)
         traffic.start()
         ghost.start()
@@ -343,7 +365,7 @@ def run_pair(model_dir: Path, model: str, vocab: int, log_dir: Path, args: argpa
         ghost.join(10)
         trends = analyse(samples, args.warmup_s, restarts)
         return {"minutes": args.minutes, "requests_ok": traffic.ok, "requests_failed": traffic.failed,
-                "last_error": traffic.last_error, "ghost_locks_left_to_expire": ghost.locks,
+                "requests_behind_pace": traffic.late, "last_error": traffic.last_error, "ghost_locks_left_to_expire": ghost.locks,
                 "ghost_errors": ghost.errors, "master_restarts_at_s": restarts, "trends": trends,
                 "fd_kind_trends": analyse(fd_kind_series(samples), args.warmup_s, restarts),
                 "samples": samples}
@@ -364,6 +386,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lock-ttl-s", type=float, default=10.0, help="the decode's lock TTL")
     p.add_argument("--retention-s", type=float, default=20.0, help="how long the prefill holds chunks")
     p.add_argument("--prefix-tokens", type=int, default=384, help="tokens of each shared prefix")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second, one at a time")
+    p.add_argument("--long-every", type=int, default=2,
+                   help="every Nth request has a long unique tail and goes through the prefill (0: none)")
+    p.add_argument("--long-tail-tokens", type=int, default=300, help="tokens of a long tail")
     p.add_argument("--recent-prompt-tokens", type=int, default=8192,
                    help="the proxy's recent-prompt table, per instance: small enough that this traffic "
                         "fills it during warm-up (a bounded table filling is growth, not a leak; at the "
@@ -374,7 +400,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.baseline_minutes is None:
         a.baseline_minutes = max(3.0, a.minutes / 3)
-    for name in ("minutes", "sample_s", "restart_every_min"):
+    for name in ("minutes", "sample_s", "restart_every_min", "rate"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     return a

@@ -70,10 +70,13 @@ _COUNTER_HELP = (
                        "host pool"),
 )
 
-# (stats key, help): the gauge is vllm:pdxfer_<key>.
+# (stats key, help): the gauge is vllm:pdxfer_<key>. vLLM ships connector stats with an engine
+# step's output, so these move only when the engine steps (blocks a holder let go are returned
+# to vLLM's pool at that step too).
 _GAUGE_HELP = (
     ("held_blocks", "KV cache blocks this instance holds for readers (published chunks)"),
-    ("held_chunks", "Published chunks this instance holds for readers"),
+    ("held_chunks", "Published chunks this instance holds for readers, as of its engine's last step "
+                    "(an idle engine reports the count of its last step)"),
     ("held_blocks_cap", "The most blocks it may hold: max_held_fraction of its KV cache's blocks "
                         "(0 on an instance that does not publish)"),
     ("host_chunks", "Chunks this instance serves from host memory only (host tier)"),
