@@ -17,8 +17,9 @@ beyond what the pair itself does, and what is held does not follow the machine's
 that share one of a few prefixes; every other one has a long fresh tail, so it goes through the
 prefill and the decode reads it from there, the rest skip the prefill. An instance's held-chunk
 gauge moves only when its engine steps, so the prefill must keep working for its series to mean
-anything. The proxy's recent-prompt table is sized to fill during warm-up (--recent-prompt-tokens). Locks: a side client holds a node of its own with published keys and takes a lock on them
-every few seconds that it never releases (the master reaps it at its TTL). Restarts: SIGKILL, then
+anything. The proxy's recent-prompt table is sized to fill during warm-up (--recent-prompt-tokens).
+Locks: a side client holds a node of its own with published keys and takes a lock on them every
+few seconds that it never releases (the master reaps it at its TTL). Restarts: SIGKILL, then
 a new master on the same ports; the instances re-register and re-publish on their own.
 
 Fds and threads move within a band of a few by design, which a line fitted over half an hour can
@@ -365,8 +366,8 @@ def run_pair(model_dir: Path, model: str, vocab: int, log_dir: Path, args: argpa
         ghost.join(10)
         trends = analyse(samples, args.warmup_s, restarts)
         return {"minutes": args.minutes, "requests_ok": traffic.ok, "requests_failed": traffic.failed,
-                "requests_behind_pace": traffic.late, "last_error": traffic.last_error, "ghost_locks_left_to_expire": ghost.locks,
-                "ghost_errors": ghost.errors, "master_restarts_at_s": restarts, "trends": trends,
+                "requests_behind_pace": traffic.late, "last_error": traffic.last_error,
+                "ghost_locks_left_to_expire": ghost.locks, "ghost_errors": ghost.errors, "master_restarts_at_s": restarts, "trends": trends,
                 "fd_kind_trends": analyse(fd_kind_series(samples), args.warmup_s, restarts),
                 "samples": samples}
     finally:
