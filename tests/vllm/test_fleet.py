@@ -282,29 +282,40 @@ def test_a_frozen_holder_is_re_pulled_from_the_other_prefill_holding_the_same_ch
     frozen_url, other_url = fleet.role("prefill")
     pgid = next(int(pid) for name, pid, _ in _TABLE.findall(fleet.log.read_text()) if name == "prefill-0")
     try:
-        prompt = prompt_of(700, seed=8300)  # two full chunks and a tail
-        ref = ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False)
-        for url in (frozen_url, other_url):  # both prefills hold it (the second loads, then publishes)
-            post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
-            wait_held(view, prompt, len(prompt), url)
-        by_url = {n.serve_url: n for n in client.nodes()}
-        frozen = by_url[frozen_url]
-        keys, _ = lookup_keys(prompt, frozen.chunk_tokens, bytes.fromhex(frozen.namespace))
-        before = {m: fleet.counter("decode", m) for m in (REPULLS, FAILED_LOADS, TRANSFER_COUNTER)}
-        _next_tie_goes_to(client, keys, frozen.node_id)
-        os.killpg(pgid, signal.SIGSTOP)  # its lease outlives the request: the master still names it
-        try:
-            answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
-        finally:
-            os.killpg(pgid, signal.SIGCONT)
-        assert headers["x-pdxfer-route"].startswith("decode-only="), headers
-        check_logprobs(answer, ref)
-        assert answer.cached_tokens == len(prompt) - 1, headers
-        deadline = time.monotonic() + 10  # the counters move one engine step later, maybe not the same one
-        while ((fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] < len(prompt) - 1
-                or fleet.counter("decode", REPULLS) - before[REPULLS] < len(keys))
-               and time.monotonic() < deadline):
-            time.sleep(0.2)
+        # The steer rides on the master's turn-taking between tied holders, which any other lookup
+        # with a tie (another instance's, between the steer and the decode's) moves on: the decode
+        # then reads from the other prefill with nothing to re-pull (every token loaded, no
+        # re-pull, no failed load). That says nothing about re-pulls: try again with a new prompt.
+        for seed in (8300, 8301, 8302):
+            wait_http_ready(proxy_ready_url(fleet.proxy), 60)
+            prompt = prompt_of(700, seed=seed)  # two full chunks and a tail
+            ref = ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False)
+            for url in (frozen_url, other_url):  # both prefills hold it (the second loads, then publishes)
+                post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+                wait_held(view, prompt, len(prompt), url)
+            by_url = {n.serve_url: n for n in client.nodes()}
+            frozen = by_url[frozen_url]
+            keys, _ = lookup_keys(prompt, frozen.chunk_tokens, bytes.fromhex(frozen.namespace))
+            before = {m: fleet.counter("decode", m) for m in (REPULLS, FAILED_LOADS, TRANSFER_COUNTER)}
+            _next_tie_goes_to(client, keys, frozen.node_id)
+            os.killpg(pgid, signal.SIGSTOP)  # its lease outlives the request: the master still names it
+            try:
+                answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
+            finally:
+                os.killpg(pgid, signal.SIGCONT)
+            assert headers["x-pdxfer-route"].startswith("decode-only="), headers
+            check_logprobs(answer, ref)
+            assert answer.cached_tokens == len(prompt) - 1, headers
+            deadline = time.monotonic() + 10  # the counters move one engine step later, maybe not the same one
+            while ((fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] < len(prompt) - 1
+                    or fleet.counter("decode", REPULLS) - before[REPULLS] < len(keys))
+                   and time.monotonic() < deadline):
+                time.sleep(0.2)
+            steer_missed = (fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] == len(prompt) - 1
+                            and fleet.counter("decode", REPULLS) == before[REPULLS]
+                            and fleet.counter("decode", FAILED_LOADS) == before[FAILED_LOADS])
+            if not steer_missed:
+                break
         shown = fleet.connector_log()
         assert fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] == len(prompt) - 1, shown
         # Every chunk (two full ones and the tail) was read again from the other prefill; no load failed.
