@@ -20,6 +20,9 @@ Rules:
   and its transport, so an unreadable holder's longer run never hides a readable one. A lookup
   may name a preferred tier (``prefer_tier``): candidates holding chunk i in that tier come first,
   each for as far as its run stays in it (``_in_tier``); the hit's length never depends on it.
+- What one publish call sets on a node is also kept as a run (``PublishedRun``): a lookup whose keys
+  follow an intact run reads that span with one comparison and one slice. It changes no answer:
+  ``ChunkIndex(spans=False)`` reads key by key and answers the same.
 - ``release`` is True only if the lock was still valid when the release arrived.
 - ``unpublish_if_unlocked`` removes an entry only when no valid lock pins it, and reports every
   key the node no longer publishes (removed now, or never/no longer there): those blocks are free
@@ -35,6 +38,7 @@ import operator
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from pdxfer.keys import KEY_BYTES
 from pdxfer.master.index_records import (
     Counters,
     Entry,
@@ -43,6 +47,7 @@ from pdxfer.master.index_records import (
     LookupOutcome,
     Node,
     PeekOutcome,
+    PublishedRun,
     SupersededError,
     UnknownNodeError,
 )
@@ -59,7 +64,11 @@ __all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "PeekOutcome", "Superse
 
 
 class ChunkIndex:
-    def __init__(self, max_entries: int = 10_000_000, lock_prefix: str | None = None) -> None:
+    def __init__(self, max_entries: int = 10_000_000, lock_prefix: str | None = None,
+                 spans: bool = True) -> None:
+        """``spans``: lookups read the spans of published runs (PublishedRun) where they can;
+        False reads key by key everywhere (same answers, slower: the reference tests compare)."""
+        self.spans = spans
         self.nodes: dict[str, Node] = {}
         self.entries: dict[bytes, dict[str, Entry]] = {}
         self.locks: dict[str, Lock] = {}
@@ -136,7 +145,8 @@ class ChunkIndex:
             if lock is not None:
                 self.counters.locks_invalidated += 1
                 self._unpin(lock)
-        for key in node.entries:
+        for key, entry in node.entries.items():
+            entry.run = None  # its runs go with it (no cycle left for the collector)
             holders = self.entries.get(key)
             if holders is not None:
                 holders.pop(node_id, None)
@@ -172,6 +182,8 @@ class ChunkIndex:
             node.hold_floor = hold_until
         accepted = 0
         pinned: set[bytes] | None = None  # the node's pinned keys, computed when first needed
+        set_keys: list[bytes] = []  # what this publish set, in its order: its PublishedRun
+        set_entries: list[Entry] = []
         for key, blocks in items:
             if node.per != len(blocks) >> 2:
                 node.per = len(blocks) >> 2 if node.per == -2 else -1
@@ -189,6 +201,9 @@ class ChunkIndex:
                 old.blocks = blocks
                 old.nblocks = nblocks
                 old.hold_until = hold_until
+                PublishedRun.leave(old)
+                set_keys.append(key)
+                set_entries.append(old)
                 accepted += 1
                 continue
             if self.n_entries >= self.max_entries:
@@ -204,9 +219,23 @@ class ChunkIndex:
             else:
                 holders[node_id] = entry
             self.n_entries += 1
+            set_keys.append(key)
+            set_entries.append(entry)
             accepted += 1
         self.counters.published += accepted
+        self._new_run(set_keys, set_entries, hold_until)
         return accepted
+
+    @staticmethod
+    def _new_run(keys: list[bytes], entries: list[Entry], hold_until: float) -> None:
+        """Make what one publish set a run, unless a key came twice (its entry would stand at two
+        places) or a key is not KEY_BYTES long (spans are found by key offsets)."""
+        if not entries or set(map(len, keys)) != {KEY_BYTES} or len(set(keys)) != len(keys):
+            return
+        run = PublishedRun(b"".join(keys), entries, hold_until)
+        for pos, entry in enumerate(entries):
+            entry.run = run
+            entry.pos = pos
 
     def _pinned_keys(self, node: Node, now: float) -> set[bytes]:
         """The node's keys that a still-valid lock pins."""
@@ -248,6 +277,7 @@ class ChunkIndex:
                 self.counters.unpublish_refused += 1
                 continue
             del node.entries[key]
+            PublishedRun.leave(entry)
             node.held_blocks -= entry.nblocks
             self.held_blocks -= entry.nblocks
             holders = self.entries[key]
@@ -263,14 +293,17 @@ class ChunkIndex:
 
     def lookup_and_lock(self, keys: Sequence[bytes], reader: str, ttl: float, now: float,
                         parties: int = 1, skip: Mapping[str, int] | None = None,
-                        transport: str | None = None, prefer_tier: str | None = None) -> LookupOutcome:
+                        transport: str | None = None, prefer_tier: str | None = None,
+                        joined: bytes | None = None) -> LookupOutcome:
         """``parties``: how many releases the lock expects (one per TP rank reading under it).
         ``skip`` (node id -> epoch, 0 = every registration) and ``transport``: holders the reader
         cannot use; none of them is chosen, as if it did not hold the chunks. ``prefer_tier``
         (pdxfer.master.tiers; None: no preference): the tier this reader measured faster; where
         several holders hold chunk i, one holding it in that tier is taken, for as far as its run
         stays in the tier. The hit is as long either way (it ends where no usable holder holds a
-        chunk); only where its chunks are read from changes."""
+        chunk); only where its chunks are read from changes. ``joined``: the keys joined, when the
+        caller has them so (the wire's key blob); spans of published runs are read with it."""
+        joined = self._joined(keys, joined)
         c = self.counters
         usable = self._usable_filter(skip, transport)
         c.lookups += 1
@@ -294,10 +327,10 @@ class ChunkIndex:
                 break
             if len(live) == 1:
                 node = live[0]
-                run = self._run(keys, i, node, now)
+                run = self._run(keys, i, node, now, joined)
             else:
                 # Only live candidates are measured: each one's run holds only its own entries.
-                measured = [(self._run(keys, i, nd, now), nd.node_id, nd) for nd in live]
+                measured = [(self._run(keys, i, nd, now, joined), nd.node_id, nd) for nd in live]
                 if prefer_tier is not None:
                     measured = self._in_tier(measured, prefer_tier)
                 longest = max(len(r) for r, _, _ in measured)
@@ -446,15 +479,44 @@ class ChunkIndex:
                 return [per] * len(chosen)
         return list(map(_NBLOCKS, chosen))
 
-    @staticmethod
-    def _run(keys: Sequence[bytes], start: int, node: Node, now: float) -> list[Entry]:
+    def _joined(self, keys: Sequence[bytes], joined: bytes | None) -> bytes | None:
+        """The keys joined, if spans are read and every key is KEY_BYTES long (else None)."""
+        if not self.spans:
+            return None
+        if joined is None:
+            joined = b"".join(keys)
+            if set(map(len, keys)) - {KEY_BYTES}:
+                return None
+        if len(joined) != KEY_BYTES * len(keys):
+            raise ValueError(f"joined keys hold {len(joined)} bytes, not {KEY_BYTES} for each of {len(keys)} keys")
+        return joined
+
+    def _run(self, keys: Sequence[bytes], start: int, node: Node, now: float, joined: bytes | None = None) -> list[Entry]:
         """The node's entries for keys[start:] up to its first miss or entry past retention (its
-        lease was checked by the caller). Read in growing windows, so a short run costs little
-        and a long one is a few C-speed maps."""
+        lease was checked by the caller). Where the keys follow one of the node's intact published
+        runs (and ``joined`` is given), a span of it is taken whole: one comparison of key bytes,
+        one list slice. The rest is read in growing windows, so a short run costs little and a
+        long one is a few C-speed maps."""
         get = node.entries.get
         out: list[Entry] = []
         n = len(keys)
         j = start
+        while joined is not None and j < n:
+            e = get(keys[j])
+            if e is None:
+                return out
+            r = e.run
+            # Intact: every entry of r is still the node's entry under its key, unchanged, held
+            # until r.hold_until. So equal keys mean these very entries, all within retention.
+            if r is None or r.live != len(r.entries) or r.hold_until <= now:
+                break
+            pos = e.pos
+            m = min(n - j, len(r.entries) - pos)
+            if joined[j * KEY_BYTES : (j + m) * KEY_BYTES] != r.keys[pos * KEY_BYTES : (pos + m) * KEY_BYTES]:
+                break  # the keys leave the run somewhere in this span: read it key by key
+            out += r.entries[pos : pos + m]
+            j += m
+            self.counters.span_chunks += m
         width = 64
         while j < n:
             window = list(map(get, keys[j : j + width]))

@@ -72,13 +72,43 @@ class Node:
 
 
 class Entry:
-    __slots__ = ("node", "blocks", "nblocks", "hold_until")
+    __slots__ = ("node", "blocks", "nblocks", "hold_until", "run", "pos")
 
     def __init__(self, node: Node, blocks: bytes, hold_until: float) -> None:
         self.node = node
         self.blocks = blocks  # little-endian uint32 block ids, in token order
         self.nblocks = len(blocks) // 4
         self.hold_until = hold_until
+        # The publish that last set this entry, and the entry's place in it (see PublishedRun).
+        self.run: PublishedRun | None = None
+        self.pos = 0
+
+
+class PublishedRun:
+    """The entries one publish call set on a node, in the order it named them, with their keys
+    joined. A reader asks for a prompt's chunks in the order its holder published them, so a
+    lookup can check a whole span of a run with one comparison of key bytes and take its entries
+    with one list slice, instead of a dict lookup per key.
+
+    The run stands for its entries only while it is intact (``live == len(entries)``): every one
+    of them is still in its node under its key, unchanged since this publish. Removing an entry or
+    setting it again (a later publish) takes it out of the run and breaks the run for good."""
+
+    __slots__ = ("keys", "entries", "hold_until", "live")
+
+    def __init__(self, keys: bytes, entries: list[Entry], hold_until: float) -> None:
+        self.keys = keys  # the entries' keys, joined (32 bytes each)
+        self.entries = entries
+        self.hold_until = hold_until  # every entry's, as one publish sets one retention
+        self.live = len(entries)
+
+    @staticmethod
+    def leave(entry: Entry) -> None:
+        """``entry`` is removed or set again: its run no longer stands for it."""
+        run = entry.run
+        if run is not None:
+            run.live -= 1
+            entry.run = None
 
 
 @dataclass
@@ -131,3 +161,4 @@ class Counters:
     nodes_expired: int = 0
     locks_invalidated: int = 0
     lock_expiries: int = 0  # locks reaped at their deadline with releases still missing
+    span_chunks: int = 0  # chunks a lookup measured as spans of published runs (index.py _run)

@@ -248,7 +248,7 @@ class MasterService:
         req = ops.decode_lookup(doc, blob)
         ttl = min(req.ttl, self.max_lock_ttl_s)
         out = self.index.lookup_and_lock(req.keys, req.reader, ttl, now, req.parties, req.skip, req.transport,
-                                         req.prefer_tier)
+                                         req.prefer_tier, joined=bytes(blob))
         nodes = ((nid, node.epoch, node.info_json) for nid, node in out.nodes.items())
         head = ops.encode_lookup_reply(out.lock_id, out.hit, ttl, out.runs, out.counts, nodes, req.have)
         self.lookup_seconds += time.perf_counter() - t0
