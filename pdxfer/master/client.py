@@ -2,8 +2,8 @@
 
 Each call takes a persistent TCP connection from a small pool (one per concurrent caller), sends
 one frame and waits for its reply, so concurrent threads never wait on each other's round trips.
-Every call finishes within ``timeout_s`` (plus at most one socket timeout granularity) or raises
-``MasterUnavailable``.
+Every call finishes within ``timeout_s`` (plus at most 50 ms: the socket timeout follows the time
+left that closely) or raises ``MasterUnavailable``.
 
 Addresses (see ``locator.py``): ``"host:port"`` of one master, or
 ``"etcd://host:port[,host:port]/prefix"``: the client reads the current leader from etcd and
@@ -21,7 +21,6 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from pdxfer import netio
 from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.errors import (
@@ -54,6 +53,8 @@ T = TypeVar("T")
 
 
 _RECV_BYTES = 1 << 16
+# How far past its deadline a call may run: the socket timeout follows the time left this closely.
+_TIMEOUT_SLACK_S = 0.05
 
 
 class _Closed(Exception):
@@ -95,8 +96,19 @@ class _Conn:
                 sock.close()
                 raise
         self.sock = sock
+        self.sock_timeout = sock.gettimeout() or 0.0
         self.ids = itertools.count(1)
         self.used = False
+
+    def _bound(self, deadline: float) -> None:
+        """Keep the socket's timeout within _TIMEOUT_SLACK_S of the time left: each change is a
+        system call, and on a busy client every call would make one per send and receive."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the call's deadline passed")
+        if abs(left - self.sock_timeout) > _TIMEOUT_SLACK_S:
+            self.sock.settimeout(left)
+            self.sock_timeout = left
 
     def close(self) -> None:
         try:
@@ -104,18 +116,28 @@ class _Conn:
         except OSError:
             pass
 
-    def _recv_exact(self, n: int) -> bytes:
-        return netio.recv_exact(self.sock, n, "master reply", _Closed)
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:  # each receive under the time left: a peer sending a byte at a time cannot stretch the call
+            self._bound(deadline)
+            k = self.sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise _Closed(f"connection closed while reading master reply ({got} of {n} bytes)")
+            got += k
+        return bytes(buf)
 
     def request(self, op: int, doc: dict[str, Any], blob: bytes, deadline: float) -> tuple[int, dict[str, Any], bytes]:
         req_id = next(self.ids) & 0xFFFFFFFF
-        self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        self._bound(deadline)
         self.sock.sendall(P.encode_frame(op, req_id, doc, blob))
         self.used = True
-        self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        self._bound(deadline)
         # One recv usually brings the whole reply (header and body): not one call for each.
         data = self.sock.recv(_RECV_BYTES)
         while len(data) < P.HEADER_BYTES:
+            self._bound(deadline)
             more = self.sock.recv(_RECV_BYTES)
             if not more:
                 raise _Closed(f"connection closed while reading master reply ({len(data)} of {P.HEADER_BYTES} "
@@ -130,7 +152,7 @@ class _Conn:
             raise P.ProtocolError(P.ERR_MALFORMED, f"{len(data) - need} bytes after the reply to request {req_id}")
         body = data[P.HEADER_BYTES :]
         if len(data) < need:
-            body += self._recv_exact(need - len(data))
+            body += self._recv_exact(need - len(data), deadline)
         # Request id 0: a refusal the master sent before reading any request (no client certificate).
         if hdr.req_id != req_id and not (hdr.op == P.OP_ERROR and hdr.req_id == 0):
             raise P.ProtocolError(P.ERR_MALFORMED, f"reply to request {hdr.req_id}, expected {req_id}")
@@ -138,8 +160,8 @@ class _Conn:
 
 
 class MasterClient:
-    """Every call finishes within ``timeout_s`` (plus at most one socket timeout granularity) or
-    raises a MasterError: MasterUnavailable when no master answered."""
+    """Every call finishes within ``timeout_s`` (plus at most 50 ms) or raises a MasterError:
+    MasterUnavailable when no master answered."""
 
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0,
                  registrations: Registrations | None = None, *, ca_file: str | None = None,

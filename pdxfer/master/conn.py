@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pdxfer.master import protocol as P
 
@@ -48,8 +48,8 @@ class MasterConnection(asyncio.Protocol):
     # ---- asyncio callbacks ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's does not subclass asyncio.Transport, so no isinstance check).
+        self.transport = cast(asyncio.Transport, transport)
         self.peer = transport.get_extra_info("peername")
         svc = self.svc
         if len(svc._conns) >= svc.max_connections:

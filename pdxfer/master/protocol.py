@@ -17,12 +17,13 @@ pays for JSON-encoding keys or block lists. Everything is big-endian in the head
 from __future__ import annotations
 
 import functools
-import json
 import struct
 import sys
 from array import array
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence, overload
+
+import orjson
 
 from pdxfer.keys import KEY_BYTES
 
@@ -165,14 +166,19 @@ def parse_header(data: bytes, max_json: int = MAX_JSON_BYTES, max_blob: int = MA
 
 
 def encode_frame(op: int, req_id: int, doc: dict[str, Any], blob: bytes = b"") -> bytes:
-    body = json.dumps(doc, separators=(",", ":")).encode()
+    try:
+        # orjson: the JSON part is encoded and parsed on every request and reply on both sides,
+        # and the standard library's codec was a tenth of the master's time per lookup.
+        body = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError as exc:
+        raise ValueError(f"a field of this {OP_NAMES.get(op & ~REPLY_BIT, op)} frame cannot be sent as JSON: {exc}") from None
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, op, req_id & _U32_MAX, len(body), len(blob)) + body + blob
 
 
 def decode_json(data: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(data) if data else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = orjson.loads(data) if data else {}
+    except orjson.JSONDecodeError as exc:
         raise ProtocolError(ERR_MALFORMED, f"JSON part does not parse: {exc}") from None
     if not isinstance(doc, dict):
         raise ProtocolError(ERR_MALFORMED, f"JSON part must be an object, got {type(doc).__name__}")

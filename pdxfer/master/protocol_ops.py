@@ -19,6 +19,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Sequence
 
+import orjson
+
 from pdxfer.keys import KEY_BYTES
 from pdxfer.master import protocol as P
 from pdxfer.master.records import NodeInfo, RankEndpoint, Registration
@@ -408,7 +410,7 @@ def encode_lookup_reply(lock_id: str | None, hit: int, ttl: float, runs: list[tu
     head: dict[str, Any] = {"lock": lock_id, "hit": hit, "ttl": ttl, "runs": runs}
     put_block_counts(head, counts)
     parts = _splice_nodes(nodes, have)
-    return (json.dumps(head, separators=(",", ":"))[:-1] + ',"nodes":{' + parts + "}}").encode()
+    return orjson.dumps(head)[:-1] + b',"nodes":{' + parts.encode() + b"}}"
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,50 @@ def test_silent_master_times_out(tmp_path):
         m.kill()
 
 
+@pytest.mark.parametrize("cut_in", ["header", "body"])
+def test_a_master_trickling_its_reply_costs_at_most_timeout_s(cut_in):
+    """A reply sent a byte at a time (a wedged or hostile master) must not stretch the call: the
+    whole call is under timeout_s, not each receive. Sent to the client over a real socket."""
+    import socket
+
+    from pdxfer.master import protocol as P
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            hdr = P.parse_header(conn.recv(P.HEADER_BYTES, socket.MSG_WAITALL))
+            conn.recv(hdr.json_len + hdr.blob_len, socket.MSG_WAITALL)
+            body = b'{"pad":"' + b"x" * 200 + b'"}'
+            reply = P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, hdr.op | P.REPLY_BIT, hdr.req_id, len(body), 0) + body
+            if cut_in == "body":
+                conn.sendall(reply[: P.HEADER_BYTES])
+                reply = reply[P.HEADER_BYTES :]
+            for i in range(len(reply)):  # one byte every 0.1 s: each receive alone is well under its timeout
+                if stop.wait(0.1):
+                    return
+                try:
+                    conn.sendall(reply[i : i + 1])
+                except OSError:
+                    return
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        c = MasterClient("127.0.0.1:%d" % srv.getsockname()[1], timeout_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(MasterUnavailable):
+            c.ping()
+        assert time.monotonic() - t0 < 1.5  # timeout 0.5 s (+ 50 ms), slack for a loaded CI machine
+        c.close()
+    finally:
+        stop.set()
+        srv.close()
+        t.join(5)
+
+
 def test_node_descriptions_cached_per_epoch(master, masters):
     """The client tells the master which node descriptions it has; a new incarnation is re-sent."""
     from pdxfer.master import NodeInfo
