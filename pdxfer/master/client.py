@@ -69,6 +69,10 @@ class _PlainToTls(Exception):
     pass
 
 
+class _Unsendable(Exception):
+    """The request cannot be encoded: nothing was sent, the connection is still good."""
+
+
 def _maybe_tls_hint(exc: BaseException) -> str:
     """A plain client's hello cut off by the master: say what a master serving TLS looks like."""
     if isinstance(exc, (_Closed, ConnectionResetError)):
@@ -130,8 +134,12 @@ class _Conn:
 
     def request(self, op: int, doc: dict[str, Any], blob: bytes, deadline: float) -> tuple[int, dict[str, Any], bytes]:
         req_id = next(self.ids) & 0xFFFFFFFF
+        try:
+            frame = P.encode_frame(op, req_id, doc, blob)
+        except ValueError as exc:
+            raise _Unsendable(str(exc)) from None
         self._bound(deadline)
-        self.sock.sendall(P.encode_frame(op, req_id, doc, blob))
+        self.sock.sendall(frame)
         self.used = True
         self._bound(deadline)
         # One recv usually brings the whole reply (header and body): not one call for each.
@@ -293,6 +301,9 @@ class MasterClient:
             reused = conn.used
             try:
                 rop, rdoc, rblob = conn.request(op, doc, blob, deadline)
+            except _Unsendable as exc:
+                self._give(conn)
+                raise ValueError(str(exc)) from None
             except _PlainToTls as exc:
                 conn.close()
                 raise MasterTlsError(f"{P.OP_NAMES.get(op, op)} to master {addr[0]}:{addr[1]}: {exc}") from None

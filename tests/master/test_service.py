@@ -324,6 +324,15 @@ def test_a_master_trickling_its_reply_costs_at_most_timeout_s(cut_in):
         t.join(5)
 
 
+def test_a_value_json_cannot_carry_is_refused_before_sending(master, masters):
+    """An integer past 64 bits fails in the client with the op named; the connection stays usable."""
+    c = masters.client(master.address)
+    c.register_node(node_info("big"), lease_ttl_s=30)
+    with pytest.raises(ValueError, match="heartbeat frame cannot be sent as JSON"):
+        c.heartbeat("big", epoch=1 << 70)
+    assert c.heartbeat("big") is True
+
+
 def test_node_descriptions_cached_per_epoch(master, masters):
     """The client tells the master which node descriptions it has; a new incarnation is re-sent."""
     from pdxfer.master import NodeInfo
