@@ -2,8 +2,8 @@
 
 Each call takes a persistent TCP connection from a small pool (one per concurrent caller), sends
 one frame and waits for its reply, so concurrent threads never wait on each other's round trips.
-Every call finishes within ``timeout_s`` (plus at most 50 ms: the socket timeout follows the time
-left that closely) or raises ``MasterUnavailable``.
+Every call finishes within ``timeout_s`` (plus at most a tenth of it, 50 ms at most: the socket
+timeout follows the time left that closely) or raises ``MasterUnavailable``.
 
 Addresses (see ``locator.py``): ``"host:port"`` of one master, or
 ``"etcd://host:port[,host:port]/prefix"``: the client reads the current leader from etcd and
@@ -53,7 +53,8 @@ T = TypeVar("T")
 
 
 _RECV_BYTES = 1 << 16
-# How far past its deadline a call may run: the socket timeout follows the time left this closely.
+# How far past its deadline a call may run (and at most a tenth of its timeout): the socket
+# timeout follows the time left this closely.
 _TIMEOUT_SLACK_S = 0.05
 
 
@@ -88,8 +89,9 @@ def _backoff(attempt: int, deadline: float) -> None:
 
 class _Conn:
     def __init__(self, addr: tuple[str, int], timeout: float, tls: ClientTls | None = None,
-                 ctx: ssl.SSLContext | None = None) -> None:
+                 ctx: ssl.SSLContext | None = None, slack: float = _TIMEOUT_SLACK_S) -> None:
         self.addr = addr
+        self.slack = slack
         sock = socket.create_connection(addr, timeout=max(timeout, 0.001))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ctx is not None:
@@ -105,12 +107,12 @@ class _Conn:
         self.used = False
 
     def _bound(self, deadline: float) -> None:
-        """Keep the socket's timeout within _TIMEOUT_SLACK_S of the time left: each change is a
-        system call, and on a busy client every call would make one per send and receive."""
+        """Keep the socket's timeout within ``slack`` of the time left: each change is a system
+        call, and on a busy client every call would make one per send and receive."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise socket.timeout("the call's deadline passed")
-        if abs(left - self.sock_timeout) > _TIMEOUT_SLACK_S:
+        if abs(left - self.sock_timeout) > self.slack:
             self.sock.settimeout(left)
             self.sock_timeout = left
 
@@ -168,8 +170,8 @@ class _Conn:
 
 
 class MasterClient:
-    """Every call finishes within ``timeout_s`` (plus at most 50 ms) or raises a MasterError:
-    MasterUnavailable when no master answered."""
+    """Every call finishes within ``timeout_s`` (plus at most a tenth of it, 50 ms at most) or
+    raises a MasterError: MasterUnavailable when no master answered."""
 
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 2.0,
                  registrations: Registrations | None = None, *, ca_file: str | None = None,
@@ -233,7 +235,8 @@ class MasterClient:
                     return c
                 c.close()
         try:
-            conn = _Conn(addr, deadline - time.monotonic(), self.tls, self._ssl)
+            conn = _Conn(addr, deadline - time.monotonic(), self.tls, self._ssl,
+                         min(_TIMEOUT_SLACK_S, self.timeout_s / 10))
         except OSError as exc:
             why = explain_client_error("%s:%d" % addr, exc, self.tls)
             if why is not None:
