@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
+from pdxfer import netio
 from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
 from pdxfer.master.errors import (
@@ -89,8 +90,8 @@ def _backoff(attempt: int, deadline: float) -> None:
 
 
 class _Conn:
-    def __init__(self, addr: tuple[str, int], timeout: float, tls: ClientTls | None = None,
-                 ctx: ssl.SSLContext | None = None, slack: float = _TIMEOUT_SLACK_S) -> None:
+    def __init__(self, addr: tuple[str, int], timeout: float, tls: ClientTls | None,
+                 ctx: ssl.SSLContext | None, slack: float) -> None:
         self.addr = addr
         self.slack = slack
         sock = socket.create_connection(addr, timeout=max(timeout, 0.001))
@@ -140,18 +141,6 @@ class _Conn:
         except OSError:
             pass
 
-    def _recv_exact(self, n: int, deadline: float) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:  # each receive under the time left: a peer sending a byte at a time cannot stretch the call
-            self._bound(deadline)
-            k = self.sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise _Closed(f"connection closed while reading master reply ({got} of {n} bytes)")
-            got += k
-        return bytes(buf)
-
     def request(self, op: int, doc: dict[str, Any], blob: bytes, deadline: float) -> tuple[int, dict[str, Any], bytes]:
         try:
             return self._exchange(op, doc, blob, deadline)
@@ -186,7 +175,8 @@ class _Conn:
             raise P.ProtocolError(P.ERR_MALFORMED, f"{len(data) - need} bytes after the reply to request {req_id}")
         body = data[P.HEADER_BYTES :]
         if len(data) < need:
-            body += self._recv_exact(need - len(data), deadline)
+            body += netio.recv_exact(self.sock, need - len(data), "master reply", _Closed,
+                                     before_recv=lambda: self._bound(deadline))
         # Request id 0: a refusal the master sent before reading any request (no client certificate).
         if hdr.req_id != req_id and not (hdr.op == P.OP_ERROR and hdr.req_id == 0):
             raise P.ProtocolError(P.ERR_MALFORMED, f"reply to request {hdr.req_id}, expected {req_id}")
@@ -211,6 +201,7 @@ class MasterClient:
         self.tls = client_tls_from(ca_file, cert_file, key_file, server_name)
         self._ssl = self.tls.context() if self.tls is not None else None
         self.timeout_s = timeout_s
+        self._slack = min(_TIMEOUT_SLACK_S, timeout_s / 10)
         self.token = token
         self._lock = threading.Lock()
         self._pool: list[_Conn] = []
@@ -259,8 +250,7 @@ class MasterClient:
                     return c
                 c.close()
         try:
-            conn = _Conn(addr, deadline - time.monotonic(), self.tls, self._ssl,
-                         min(_TIMEOUT_SLACK_S, self.timeout_s / 10))
+            conn = _Conn(addr, deadline - time.monotonic(), self.tls, self._ssl, self._slack)
         except OSError as exc:
             why = explain_client_error("%s:%d" % addr, exc, self.tls)
             if why is not None:
