@@ -59,6 +59,9 @@ EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's b
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 _HOLD = operator.attrgetter("hold_until")
+_FIRST = operator.itemgetter(0)
+# What _run picks on one node: its entries, and their block ids joined in pieces.
+Picked = tuple[list[Entry], list[bytes]]
 
 __all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "PeekOutcome", "SupersededError", "UnknownNodeError"]
 
@@ -310,6 +313,7 @@ class ChunkIndex:
         c.lookup_chunks += len(keys)
         entries = self.entries
         chosen: list[Entry] = []
+        block_ids: list[bytes] = []  # the chosen entries' block ids, in pieces (see _run)
         runs: list[tuple[str, int]] = []  # (node id, chunks)
         n = len(keys)
         i = 0
@@ -327,20 +331,21 @@ class ChunkIndex:
                 break
             if len(live) == 1:
                 node = live[0]
-                run = self._run(keys, i, node, now, joined)
+                run, ids = self._run(keys, i, node, now, joined)
             else:
                 # Only live candidates are measured: each one's run holds only its own entries.
                 measured = [(self._run(keys, i, nd, now, joined), nd.node_id, nd) for nd in live]
                 if prefer_tier is not None:
                     measured = self._in_tier(measured, prefer_tier)
-                longest = max(len(r) for r, _, _ in measured)
-                tied = sorted((nid, r, nd) for r, nid, nd in measured if len(r) == longest)
+                longest = max(len(r[0]) for r, _, _ in measured)
+                tied = sorted(((nid, r, nd) for r, nid, nd in measured if len(r[0]) == longest), key=_FIRST)
                 if len(tied) == 1:
-                    _, run, node = tied[0]
+                    _, (run, ids), node = tied[0]
                 else:
-                    _, run, node = tied[self._ties_broken % len(tied)]
+                    _, (run, ids), node = tied[self._ties_broken % len(tied)]
                     self._ties_broken += 1
             chosen += run
+            block_ids += ids
             runs.append((node.node_id, len(run)))
             i += len(run)
         hit = len(chosen)
@@ -369,16 +374,17 @@ class ChunkIndex:
             hit,
             runs,
             self._counts(chosen, runs),
-            b"".join(map(_BLOCKS, chosen)),
+            b"".join(block_ids),
             nodes,
         )
 
     @staticmethod
-    def _in_tier(measured: list[tuple[list[Entry], str, Node]], tier: str) -> list[tuple[list[Entry], str, Node]]:
+    def _in_tier(measured: list[tuple[Picked, str, Node]], tier: str) -> list[tuple[Picked, str, Node]]:
         """The candidates whose run starts in ``tier``, each run cut where it leaves the tier;
         all of them unchanged when none does (the chunk is not held in that tier)."""
         out = []
-        for run, nid, nd in measured:
+        for picked, nid, nd in measured:
+            run = picked[0]
             base = nd.host_base
             if base is None:
                 n = len(run) if tier == DEVICE_TIER else 0
@@ -388,8 +394,10 @@ class ChunkIndex:
                     if tier_of(unpack_u32_array(e.blocks), base) != tier:
                         break
                     n += 1
-            if n:
-                out.append((run[:n], nid, nd))
+            if n == len(run):
+                out.append((picked, nid, nd))
+            elif n:
+                out.append(((run[:n], [b"".join(map(_BLOCKS, run[:n]))]), nid, nd))
         return out or measured
 
     def peek(self, keys: Sequence[bytes], now: float, skip: Mapping[str, int] | None = None,
@@ -491,20 +499,22 @@ class ChunkIndex:
             raise ValueError(f"joined keys hold {len(joined)} bytes, not {KEY_BYTES} for each of {len(keys)} keys")
         return joined
 
-    def _run(self, keys: Sequence[bytes], start: int, node: Node, now: float, joined: bytes | None = None) -> list[Entry]:
+    def _run(self, keys: Sequence[bytes], start: int, node: Node, now: float, joined: bytes | None = None) -> Picked:
         """The node's entries for keys[start:] up to its first miss or entry past retention (its
-        lease was checked by the caller). Where the keys follow one of the node's intact published
-        runs (and ``joined`` is given), a span of it is taken whole: one comparison of key bytes,
-        one list slice. The rest is read in growing windows, so a short run costs little and a
-        long one is a few C-speed maps."""
+        lease was checked by the caller), and their block ids joined in pieces. Where the keys
+        follow one of the node's intact published runs (and ``joined`` is given), a span of it is
+        taken whole: one comparison of key bytes, one list slice, one slice of block ids. The rest
+        is read in growing windows, so a short run costs little and a long one is a few C-speed
+        maps."""
         get = node.entries.get
         out: list[Entry] = []
+        ids: list[bytes] = []
         n = len(keys)
         j = start
         while joined is not None and j < n:
             e = get(keys[j])
             if e is None:
-                return out
+                return out, ids
             r = e.run
             # Intact: every entry of r is still the node's entry under its key, unchanged, held
             # until r.hold_until. So equal keys mean these very entries, all within retention.
@@ -514,7 +524,10 @@ class ChunkIndex:
             m = min(n - j, len(r.entries) - pos)
             if joined[j * KEY_BYTES : (j + m) * KEY_BYTES] != r.keys[pos * KEY_BYTES : (pos + m) * KEY_BYTES]:
                 break  # the keys leave the run somewhere in this span: read it key by key
-            out += r.entries[pos : pos + m]
+            span = r.entries[pos : pos + m]
+            out += span
+            span_ids = r.block_span(pos, m)
+            ids.append(b"".join(map(_BLOCKS, span)) if span_ids is None else span_ids)
             j += m
             self.counters.span_chunks += m
         width = 64
@@ -527,11 +540,12 @@ class ChunkIndex:
             if end and node.hold_floor <= now and min(map(_HOLD, window[:end])) <= now:  # some entry's retention is over
                 end = next(k for k in range(end) if window[k].hold_until <= now)
             out += window[:end]
+            ids.append(b"".join(map(_BLOCKS, window[:end])))
             if end < len(window):
                 break
             j += end
             width *= 8
-        return out
+        return out, ids
 
     def release(self, lock_id: str, now: float, all_parties: bool = False) -> bool:
         """True if the lock was valid when this release arrived. The lock (and its pins) goes

@@ -54,7 +54,18 @@ def _one_trial(rng: random.Random) -> int:
             start = rng.choice([0, 0, 0, rng.randrange(len(keys))])
             end = rng.randint(start + 1, len(keys))
             salt = rng.choice([0, 0, 1])  # 1: other block ids, refused where a lock pins the old ones
-            items = [(k, pack_u32([2 * i + salt, 2 * i + 1])) for i, k in enumerate(keys[start:end], start)]
+            # Block ids per chunk: the same for all, or a tail chunk with fewer or more, or ragged
+            # (a run keeps its ids joined and slices them: every shape must slice right).
+            shape = rng.choice(["even", "even", "tail_fewer", "tail_more", "ragged"])
+            counts = [2] * (end - start)
+            if shape == "tail_fewer":
+                counts[-1] = 1
+            elif shape == "tail_more":
+                counts[-1] = 3
+            elif shape == "ragged":
+                counts = [rng.choice([1, 2, 3]) for _ in counts]
+            items = [(k, pack_u32([3 * i + salt + b for b in range(c)]))
+                     for (i, k), c in zip(enumerate(keys[start:end], start), counts)]
             if rng.random() < 0.1:
                 items.append(items[0])  # a key twice in one publish
             _same(spans, keyed, "publish", node, items, rng.choice([None, None, 0.5, 3.0]), now)
