@@ -251,3 +251,21 @@ def test_a_silent_etcd_endpoint_does_not_use_up_the_budget_of_the_others():
     finally:
         member.shutdown()
         silent.close()
+
+
+def test_join_keys_refuses_any_key_that_is_not_32_bytes_even_when_the_total_fits():
+    """A 31-byte key next to a 33-byte one adds up to 64 bytes: joined, every later key would be
+    read one byte off on the master. join_keys names the first bad key instead."""
+    keys = keys_for("join", 4)
+    assert P.join_keys(keys) == b"".join(keys) and P.join_keys([]) == b""
+    assert P.join_keys([bytearray(k) for k in keys]) == b"".join(keys)
+    cases = [
+        ([keys[0], keys[1][:31], keys[2] + b"x", keys[3]], "key 1"),  # the total is 4 x 32
+        ([keys[0], keys[1] + b"x"], "key 1"),
+        ([keys[0][:31]], "key 0"),
+        ([keys[0], keys[1].hex()], "key 1"),  # not bytes at all
+        ([keys[0], None], "key 1"),
+    ]
+    for bad, named in cases:
+        with pytest.raises(ValueError, match=f"{named} must be 32 bytes"):
+            P.join_keys(bad)
