@@ -59,7 +59,6 @@ EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's b
 _NBLOCKS = operator.attrgetter("nblocks")
 _BLOCKS = operator.attrgetter("blocks")
 _HOLD = operator.attrgetter("hold_until")
-_FIRST = operator.itemgetter(0)
 # What _run picks on one node: its entries, and their block ids joined in pieces.
 Picked = tuple[list[Entry], list[bytes]]
 
@@ -338,7 +337,7 @@ class ChunkIndex:
                 if prefer_tier is not None:
                     measured = self._in_tier(measured, prefer_tier)
                 longest = max(len(r[0]) for r, _, _ in measured)
-                tied = sorted(((nid, r, nd) for r, nid, nd in measured if len(r[0]) == longest), key=_FIRST)
+                tied = sorted((nid, r, nd) for r, nid, nd in measured if len(r[0]) == longest)
                 if len(tied) == 1:
                     _, (run, ids), node = tied[0]
                 else:
@@ -524,10 +523,8 @@ class ChunkIndex:
             m = min(n - j, len(r.entries) - pos)
             if joined[j * KEY_BYTES : (j + m) * KEY_BYTES] != r.keys[pos * KEY_BYTES : (pos + m) * KEY_BYTES]:
                 break  # the keys leave the run somewhere in this span: read it key by key
-            span = r.entries[pos : pos + m]
-            out += span
-            span_ids = r.block_span(pos, m)
-            ids.append(b"".join(map(_BLOCKS, span)) if span_ids is None else span_ids)
+            out += r.entries[pos : pos + m]
+            ids.append(r.block_span(pos, m))
             j += m
             self.counters.span_chunks += m
         width = 64

@@ -104,16 +104,16 @@ class PublishedRun:
         # The entries' block ids, joined, so a span's ids are one slice too (joining them per
         # lookup cost a third of the master's time on a 512-chunk hit). ``stride``: bytes per
         # entry, which every entry but the last has (a prompt's tail chunk has fewer blocks);
-        # 0 when they differ, and the ids are then joined per lookup.
+        # 0 when they differ, and a span's ids are then joined when asked for.
         self.blocks = b"".join([e.blocks for e in entries])
         stride = entries[0].nblocks * 4 if entries else 0
         self.stride = stride if all(e.nblocks * 4 == stride for e in entries[:-1]) else 0
 
-    def block_span(self, pos: int, m: int) -> bytes | None:
-        """The block ids of entries[pos:pos + m], joined (None: not sliceable, see ``stride``)."""
+    def block_span(self, pos: int, m: int) -> bytes:
+        """The block ids of entries[pos:pos + m], joined."""
         stride = self.stride
         if not stride:
-            return None
+            return b"".join([e.blocks for e in self.entries[pos : pos + m]])
         end = len(self.blocks) if pos + m == len(self.entries) else (pos + m) * stride
         return self.blocks[pos * stride : end]
 
