@@ -328,6 +328,10 @@ class PDPair:
     decode_bind: str = "1"
     extra_cfg: dict = field(default_factory=dict)  # more kv_connector_extra_config for both sides
     extra_env: dict = field(default_factory=dict)  # more environment for both `vllm serve`s
+    # kv_both on both sides makes a pair that moves KV both ways (each side publishes what it
+    # computed and reads what the other holds): one start-up tests two directions.
+    prefill_role: str = "kv_producer"
+    decode_role: str = "kv_consumer"
 
     def start_master(self) -> None:
         # A fixed port (chosen free once) lets a restarted master be found at the same address.
@@ -344,12 +348,12 @@ class PDPair:
         # A generous publish-hint wait: a loaded CI box may take a while to land a publish.
         common = {"lock_ttl_s": 5.0, "lease_ttl_s": 4.0, "load_timeout_s": 5.0, "publish_hint_wait_s": 3.0,
                   **self.extra_cfg}
-        p_cfg = pdxfer_kv_config("kv_producer", self.master_addr, self.transport, **common)
+        p_cfg = pdxfer_kv_config(self.prefill_role, self.master_addr, self.transport, **common)
         # These pairs test the prefill -> decode path; a decode holding its own chunks (the
         # default, tested by the connector-flow and fleet tests) keeps blocks in use, and vLLM
         # then refuses the /reset_prefix_cache these tests use to force a second remote load.
-        d_cfg = pdxfer_kv_config("kv_consumer", self.master_addr, self.transport,
-                                 **{"publish_as_decode": False, **common})
+        d_extra = {"publish_as_decode": False} if self.decode_role == "kv_consumer" else {}
+        d_cfg = pdxfer_kv_config(self.decode_role, self.master_addr, self.transport, **{**d_extra, **common})
         self.prefill = start_vllm(self.model, self.prefill_port, p_cfg,
                                   cpu_bind=self.prefill_bind, log_dir=self.run_dir, name=f"prefill-{self.transport}",
                                   extra_args=PAIR_VLLM_ARGS + self.prefill_args,
@@ -363,9 +367,7 @@ class PDPair:
         wait_http_ready(f"http://127.0.0.1:{self.decode_port}/health", READY_TIMEOUT_S, self.decode)
 
     def stop(self) -> None:
-        for p in (self.decode, self.prefill, self.master):
-            if p is not None:
-                p.stop(15)
+        stop_all([self.decode, self.prefill, self.master])
 
     def set_hook(self, name: str, value: float | str | None) -> None:
         path = self.hooks / name
@@ -416,13 +418,27 @@ class PDPair:
         return metrics(self.decode_port).get("vllm:pdxfer_loads_failed_total", 0.0)
 
 
+def stop_all(procs: list[Any], timeout: float = 15) -> None:
+    """Stop processes (anything with ``stop(timeout)``) at the same time: a pair's teardown
+    then costs its slowest process, not the sum of them."""
+    import threading
+
+    threads = [threading.Thread(target=p.stop, args=(timeout,), daemon=True) for p in procs if p is not None]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 15)  # stop() ends with a SIGKILL and a bounded reap
+
+
 def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: str,
               prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
               prefill_bind: str = "0", decode_bind: str = "1", extra_cfg: dict | None = None,
-              extra_env: dict | None = None):
+              extra_env: dict | None = None, prefill_role: str = "kv_producer",
+              decode_role: str = "kv_consumer"):
     pair = PDPair(tmp_path_factory.mktemp(f"pd-{transport}"), model, transport,
                   prefill_args=prefill_args, decode_args=decode_args, prefill_bind=prefill_bind,
-                  decode_bind=decode_bind, extra_cfg=dict(extra_cfg or {}), extra_env=dict(extra_env or {}))
+                  decode_bind=decode_bind, extra_cfg=dict(extra_cfg or {}), extra_env=dict(extra_env or {}),
+                  prefill_role=prefill_role, decode_role=decode_role)
     try:
         pair.start()
         yield pair
