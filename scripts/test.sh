@@ -90,6 +90,8 @@ case "$tier" in
   unit|transport|master|serve|deploy|vllm|rdma|chaos|monitoring) paths=("tests/$tier") ;;
   *) echo "unknown tier '$tier' (all|unit|transport|master|serve|deploy|vllm|rdma|chaos|monitoring|gpu)" >&2; exit 2 ;;
 esac
+setup_start=$SECONDS
 bash scripts/setup.sh
+echo "[test.sh] set-up took $((SECONDS - setup_start)) s"
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest "${paths[@]}" -q -rs --durations=15 -p no:cacheprovider "$@"
+exec "${PDXFER_VENV:-.venv}/bin/python" -m pytest "${paths[@]}" -q -rs --durations=25 -p no:cacheprovider "$@"

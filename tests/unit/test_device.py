@@ -371,7 +371,8 @@ def gpu(built_cuda_lib, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.may_skip(reason="no CI machine has a GPU; bash scripts/test.sh gpu is the GPU check")
+@pytest.mark.may_skip(reason="no CI machine has a GPU; bash scripts/test.sh gpu is the GPU check",
+                      match=r"^needs a CUDA GPU")
 def test_cuda_copies_between_pinned_host_and_device_memory_in_stream_order(gpu):
     host = gpu.alloc_host_pinned(1 << 20)
     host.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
@@ -386,7 +387,8 @@ def test_cuda_copies_between_pinned_host_and_device_memory_in_stream_order(gpu):
 
 
 @needs_gpu
-@pytest.mark.may_skip(reason="no CI machine has a GPU; bash scripts/test.sh gpu is the GPU check")
+@pytest.mark.may_skip(reason="no CI machine has a GPU; bash scripts/test.sh gpu is the GPU check",
+                      match=r"^needs a CUDA GPU")
 def test_cuda_bad_runs_raise_before_anything_is_launched(gpu):
     src, dst = gpu.alloc(128), gpu.alloc(128)
     st = gpu.new_stream()
@@ -442,7 +444,8 @@ def test_the_gpu_staging_check_itself_runs_on_the_async_stand_in(slow, case):
 
 
 @needs_gpu
-@pytest.mark.may_skip(reason="no CI machine has a GPU; bash scripts/test.sh gpu is the GPU check")
+@pytest.mark.may_skip(reason="no CI machine has a GPU; bash scripts/test.sh gpu is the GPU check",
+                      match=r"^needs a CUDA GPU")
 @pytest.mark.parametrize("case", STAGING_CASES, ids=lambda c: f"{c[0]}{c[2]}-{c[1]}{c[3]}-h{c[6]}")
 def test_cuda_staging_scatter_gives_the_bytes_the_cpu_path_gives(gpu, case):
     """Staging in VRAM, pieces copied in from host memory (standing in for the READ), scattered

@@ -38,7 +38,8 @@ def _check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, lis
     return proc, lines
 
 
-@pytest.mark.may_skip(reason="on a machine with an NVIDIA GPU the gpu tier runs the real check instead")
+@pytest.mark.may_skip(reason="on a machine with an NVIDIA GPU the gpu tier runs the real check instead",
+                      match=r"^this machine has an NVIDIA device$")
 def test_gpu_tier_without_a_gpu_prints_one_line_and_exits_0():
     if glob.glob("/dev/nvidia[0-9]*"):
         pytest.skip("this machine has an NVIDIA device")
