@@ -370,33 +370,48 @@ def gpu(built_cuda_lib, monkeypatch):
     cuda_lib.reset()
 
 
+def _copies_in_stream_order(ops) -> None:
+    host = ops.alloc_host_pinned(1 << 20)
+    host.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
+    a, b, back = ops.alloc(1 << 20), ops.alloc(1 << 20), ops.alloc_host_pinned(1 << 20)
+    st = ops.new_stream()
+    ops.copy(a, 0, host, 0, 1 << 20, st)
+    ops.copy(b, 4096, a, 0, (1 << 20) - 4096, st)
+    ops.copy(back, 0, b, 0, 1 << 20, st)
+    ev = ops.record_event(st)
+    assert ev.wait(WAIT) and ev.error is None
+    assert torch.equal(back[4096:], host[: (1 << 20) - 4096])
+
+
+def _bad_runs_raise_before_launch(ops, wrong_place: torch.Tensor, where_msg: str) -> None:
+    src, dst = ops.alloc(128), ops.alloc(128)
+    st = ops.new_stream()
+    with pytest.raises(ValueError, match="writes past the end of dst"):
+        ops.copy_runs(src, dst, [[0, 100, 64]], st)
+    with pytest.raises(DeviceError, match=where_msg):
+        ops.copy_runs(wrong_place, dst, [[0, 0, 64]], st)
+    assert ops.record_event(st).wait(WAIT)
+
+
+def test_the_gpu_copy_checks_run_on_the_async_stand_in(slow):
+    """The bodies of the two CUDA tests below, through the asynchronous stand-in: their logic
+    (stream order, the checks before a launch) is exercised where there is no GPU."""
+    _copies_in_stream_order(slow)
+    _bad_runs_raise_before_launch(slow, torch.zeros(128, dtype=torch.float32), "takes flat uint8 host tensors")
+
+
 @needs_gpu
 @pytest.mark.may_skip(reason="no CI machine has a GPU; bash scripts/test.sh gpu is the GPU check",
                       match=r"^needs a CUDA GPU")
 def test_cuda_copies_between_pinned_host_and_device_memory_in_stream_order(gpu):
-    host = gpu.alloc_host_pinned(1 << 20)
-    host.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
-    a, b, back = gpu.alloc(1 << 20), gpu.alloc(1 << 20), gpu.alloc_host_pinned(1 << 20)
-    st = gpu.new_stream()
-    gpu.copy(a, 0, host, 0, 1 << 20, st)
-    gpu.copy(b, 4096, a, 0, (1 << 20) - 4096, st)
-    gpu.copy(back, 0, b, 0, 1 << 20, st)
-    ev = gpu.record_event(st)
-    assert ev.wait(WAIT) and ev.error is None
-    assert torch.equal(back[4096:], host[: (1 << 20) - 4096])
+    _copies_in_stream_order(gpu)
 
 
 @needs_gpu
 @pytest.mark.may_skip(reason="no CI machine has a GPU; bash scripts/test.sh gpu is the GPU check",
                       match=r"^needs a CUDA GPU")
 def test_cuda_bad_runs_raise_before_anything_is_launched(gpu):
-    src, dst = gpu.alloc(128), gpu.alloc(128)
-    st = gpu.new_stream()
-    with pytest.raises(ValueError, match="writes past the end of dst"):
-        gpu.copy_runs(src, dst, [[0, 100, 64]], st)
-    with pytest.raises(DeviceError, match="flat contiguous uint8 tensor on cuda:0"):
-        gpu.copy_runs(torch.zeros(128, dtype=torch.uint8), dst, [[0, 0, 64]], st)
-    assert gpu.record_event(st).wait(WAIT)
+    _bad_runs_raise_before_launch(gpu, torch.zeros(128, dtype=torch.uint8), "flat contiguous uint8 tensor on cuda:0")
 
 
 def _staged_through(ops, where: str, case) -> torch.Tensor:
@@ -436,7 +451,7 @@ def _staged_through(ops, where: str, case) -> torch.Tensor:
     return phys.cpu().view(torch.uint8)
 
 
-@pytest.mark.parametrize("case", STAGING_CASES[:2], ids=lambda c: f"{c[0]}{c[2]}-{c[1]}{c[3]}")
+@pytest.mark.parametrize("case", STAGING_CASES, ids=lambda c: f"{c[0]}{c[2]}-{c[1]}{c[3]}-h{c[6]}")
 def test_the_gpu_staging_check_itself_runs_on_the_async_stand_in(slow, case):
     """The harness of the GPU test below, with the asynchronous stand-in in the GPU's place, so
     its logic is exercised where there is no GPU."""
