@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
 
 import torch
 
@@ -47,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-id", required=True)
     ap.add_argument("--seed", type=int, default=7)
     a = ap.parse_args(argv)
+    # Blocked before any thread starts (NIXL's, the lease's), so SIGTERM reaches sigwait below.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     _whole, caches = kv_cache(a.seed)  # the views keep the allocation alive
     layout = layout_of(caches)
     t = create_transport("nixl")
@@ -57,11 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     session.start()
     keys = chunk_hashes(TOKENS, CHUNK_TOKENS)
     accepted = client.publish(a.node_id, [(k, holder_blocks(i)) for i, k in enumerate(keys)], retention_s=600)
-    stop: list[int] = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     print("READY", accepted, flush=True)
-    while not stop:
-        time.sleep(0.2)
+    signal.sigwait({signal.SIGTERM})
     session.stop()
     t.close()
     return 0

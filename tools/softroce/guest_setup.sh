@@ -1,7 +1,7 @@
 #!/bin/sh
 # Runs inside the guest, chrooted into the host root (read-only over 9p). Creates two soft-RoCE
-# devices on the two ends of a veth pair, then runs the command the host asked for.
-# Output goes to /run/softroce (a writable 9p share the host reads); the exit status to its 'rc'.
+# devices on the two ends of a veth pair, then runs the commands the host hands it, one after another.
+# Output goes to /run/softroce (a writable 9p share the host reads); a failed set-up writes 120 to its 'rc'.
 RUN=/run/softroce
 . "$RUN/env"
 exec >"$RUN/setup.log" 2>&1
@@ -50,8 +50,18 @@ export HOME=/tmp/home PYTHONDONTWRITEBYTECODE=1 PDXFER_SOFTROCE=1
 export SOFTROCE_DEV0=rxe0 SOFTROCE_DEV1=rxe1 SOFTROCE_IP0=192.168.77.1 SOFTROCE_IP1=192.168.77.2
 mkdir -p "$HOME"
 cd "$SOFTROCE_CWD" || fail "cannot cd to $SOFTROCE_CWD"
-# The command's own output streams to 'out' (the host tails it); the status lands in 'rc' last.
-timeout -k 5 "$SOFTROCE_CMD_TIMEOUT" sh "$RUN/cmd" >"$RUN/out" 2>&1 </dev/null
-echo $? >"$RUN/rc.tmp"
-sync
-mv "$RUN/rc.tmp" "$RUN/rc"
+# Commands come one after another in one boot: the host writes cmd.N (renamed into place whole),
+# the guest runs it with its output streaming to out.N (the host tails it) and its status in rc.N,
+# written last. The host bounds each command and kills the guest when one outlives its bound.
+n=1
+while :; do
+  if [ -e "$RUN/cmd.$n" ]; then
+    sh "$RUN/cmd.$n" >"$RUN/out.$n" 2>&1 </dev/null
+    echo $? >"$RUN/rc.$n.tmp"
+    sync
+    mv "$RUN/rc.$n.tmp" "$RUN/rc.$n"
+    n=$((n + 1))
+  else
+    sleep 0.1  # no inotify across 9p: a new file is seen by looking
+  fi
+done

@@ -8,6 +8,8 @@ Installs the Debian packages it needs (when root and apt exists), builds and cac
 boots it with the host root shared read-only over 9p, creates rxe0/rxe1 on a veth pair inside the
 guest (192.168.77.1/.2, guest-only), runs CMD in the repository with the venv's bin first on PATH,
 streams its output, and exits with its status. The guest is always killed on the way out.
+From Python, :class:`Guest` keeps one boot for several commands run one after another (the rdma
+test tier boots once per pytest session that way); :func:`run_in_guest` is one boot, one command.
 
 Exit statuses besides the command's: 120 guest set-up failed, 124 timeout, 125 testbed error.
 Stdlib only: it runs with the system python3, before any venv exists.
@@ -129,75 +131,180 @@ def _tail(path: Path, pos: int, sink) -> int:
     return pos + len(data)
 
 
+class GuestCommand:
+    """One command running in a :class:`Guest`; ``poll`` / ``wait`` give its exit status."""
+
+    def __init__(self, guest: "Guest", n: int, timeout: float, sink) -> None:
+        self.guest, self.n, self.timeout, self.sink = guest, n, timeout, sink
+        self.started = time.monotonic()
+        # The caller may move it (and ``timeout`` with it) once it knows more about the command.
+        self.deadline = self.started + timeout
+        self.rc: int | None = None
+        self._pos = 0
+
+    def poll(self) -> int | None:
+        """Copy new output to the sink; the exit status once the command is over, else None.
+
+        A command still running at its deadline kills the whole guest (124): a guest-side timeout
+        could not stop a hung guest, and the session is over after that.
+        """
+        if self.rc is not None:
+            return self.rc
+        g = self.guest
+        self._pos = _tail(g.rundir / f"out.{self.n}", self._pos, self.sink)
+        rc_file = g.rundir / f"rc.{self.n}"
+        if rc_file.exists():
+            self._pos = _tail(g.rundir / f"out.{self.n}", self._pos, self.sink)
+            self.rc = int(rc_file.read_text().strip() or 125)
+        elif g.proc.poll() is not None:
+            self._pos = _tail(g.rundir / f"out.{self.n}", self._pos, self.sink)
+            self.rc = g._stopped(self.sink)
+        elif time.monotonic() > self.deadline:
+            self.sink.write(f"\nsoftroce: guest still running after {self.timeout:.0f} s; killing it\n")
+            g._kill(self.sink)
+            self.rc = 124
+        if self.rc is not None:
+            g._current = None
+        return self.rc
+
+    def wait(self) -> int:
+        """Block until the command is over (bounded by its own timeout)."""
+        while self.poll() is None:
+            time.sleep(POLL_S)
+        assert self.rc is not None
+        return self.rc
+
+
+# How often the host looks at the guest's results share: a file appearing there is the only
+# event 9p offers (no inotify across it); a tenth of a second is nothing next to a guest command.
+POLL_S = 0.1
+
+
+class Guest:
+    """A booted guest that runs commands one after another, all in one boot.
+
+    The host writes ``cmd.N`` into the run directory; the guest (guest_setup.sh) runs it there
+    with its output in ``out.N`` and its exit status in ``rc.N``. ``close`` (or leaving the
+    ``with`` block) kills the guest; a command past its timeout kills it too.
+    """
+
+    def __init__(self, repo: Path, venv: Path | None = None, mem_mib: int = 3072, cpus: int = 2, mtu: int = 9000,
+                 install: bool = True, sink=sys.stdout, keep: bool = False) -> None:
+        ensure_packages(install)
+        kernel = guest.find_kernel()
+        busybox = guest.static_busybox()
+        if kernel is None or busybox is None:
+            raise TestbedError("no kernel with rdma_rxe in /boot + /lib/modules (apt-get install linux-image-amd64), "
+                               "or no static busybox (apt-get install busybox-static)")
+        cache = cache_dir(repo)
+        initrd = guest.build_initramfs(kernel, busybox, cache)
+        cache.mkdir(parents=True, exist_ok=True)
+        self.rundir = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
+        self.keep = keep
+        self.path = f"{venv}/bin:" if venv else ""
+        self._n = 0
+        self._current: GuestCommand | None = None
+        self._killed = False
+        guest.copy_setup_script(HERE / "guest_setup.sh", self.rundir)
+        env_lines = {
+            "SOFTROCE_CWD": str(repo),
+            "SOFTROCE_MTU": str(mtu),
+            "SOFTROCE_VENV": str(venv or ""),
+            "SOFTROCE_REPO": str(repo),
+        }
+        needed = [repo] + ([venv, (venv / "bin" / "python").resolve().parent.parent] if venv else [])
+        (self.rundir / "binds").write_text("".join(f"{b}\n" for b in guest.binds_for(needed)))
+        (self.rundir / "env").write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env_lines.items()))
+        qemu = [
+            "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-smp", str(cpus), "-m", str(mem_mib),
+            "-cpu", "max", "-kernel", str(kernel.vmlinuz), "-initrd", str(initrd),
+            "-append", "console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off",
+            "-display", "none", "-monitor", "none", "-serial", f"file:{self.rundir}/console.log",
+            "-nic", "none", "-no-reboot",
+            "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+            "-virtfs", f"local,path={self.rundir},mount_tag=xfer,security_model=none",
+        ]
+        # Counted by the rdma tier (one boot per pytest session): keep the wording.
+        sink.write(f"softroce: booting the guest (run directory {self.rundir})\n")
+        sink.flush()
+        self.t0 = time.monotonic()
+        with open(self.rundir / "qemu.log", "wb") as qlog:  # a file, not a pipe: nothing can block qemu
+            self.proc = subprocess.Popen(qemu, stdin=subprocess.DEVNULL, stdout=qlog, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_runner)
+
+    @property
+    def alive(self) -> bool:
+        return not self._killed and self.proc.poll() is None
+
+    def start(self, command: str, timeout: float, sink=sys.stdout) -> GuestCommand:
+        """Hand ``command`` (a shell string, run in the repository) to the guest. ``timeout`` counts
+        from now, so the first command's includes the boot."""
+        if self._current is not None:
+            raise TestbedError(f"the guest is still running command {self._current.n}")
+        if not self.alive:
+            raise TestbedError(f"the guest is gone (run directory {self.rundir})")
+        self._n += 1
+        tmp = self.rundir / f"cmd.{self._n}.tmp"
+        tmp.write_text(f"export PATH={shlex.quote(self.path)}\"$PATH\"\n{command}\n")
+        os.replace(tmp, self.rundir / f"cmd.{self._n}")  # the guest must never see half a command
+        self._current = GuestCommand(self, self._n, timeout, sink)
+        return self._current
+
+    def run(self, command: str, timeout: float, sink=sys.stdout) -> int:
+        """Run ``command`` in the guest and return its exit status (124: its time ran out and the
+        guest was killed; 120: the guest's set-up failed; 125: the guest stopped without a result)."""
+        return self.start(command, timeout, sink).wait()
+
+    def _stopped(self, sink) -> int:
+        """The guest powered off by itself: its set-up failed (120) or it broke (125)."""
+        self._killed = True
+        qemu_out = (self.rundir / "qemu.log").read_text(errors="replace")
+        setup_rc = self.rundir / "rc"
+        if setup_rc.exists() and setup_rc.read_text().strip() == "120":
+            _report_boot(self.rundir, sink)
+            return 120
+        sink.write(f"\nsoftroce: the guest stopped without a result (qemu rc {self.proc.returncode}) "
+                   f"{qemu_out[-2000:]}\n")
+        _report_boot(self.rundir, sink)
+        return 125
+
+    def _kill(self, sink) -> None:
+        self._killed = True
+        _kill_group(self.proc)
+        _report_boot(self.rundir, sink)
+
+    def close(self, sink=None) -> None:
+        """Kill the guest (nothing in it needs a clean power-off: the results share is written
+        synchronously); the run directory goes unless kept or the guest failed."""
+        failed = self._killed
+        _kill_group(self.proc)
+        self._killed = True
+        if sink is not None:
+            sink.write(f"softroce: guest closed after {time.monotonic() - self.t0:.1f} s, {self._n} command(s)\n")
+        if not (self.keep or failed):
+            shutil.rmtree(self.rundir, ignore_errors=True)
+
+    def __enter__(self) -> "Guest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def run_in_guest(command: str, repo: Path, venv: Path | None = None, timeout: float = 900.0,
                  mem_mib: int = 3072, cpus: int = 2, mtu: int = 9000, install: bool = True,
                  sink=sys.stdout, keep: bool = False) -> int:
     """Boot the guest, run ``command`` (a shell string) in ``repo`` inside it; its exit status.
 
-    ``timeout`` bounds the whole guest life, boot included; the command gets the same bound minus
-    a margin for boot and power-off.
+    ``timeout`` bounds the whole guest life, boot included.
     """
-    ensure_packages(install)
-    kernel = guest.find_kernel()
-    busybox = guest.static_busybox()
-    if kernel is None or busybox is None:
-        raise TestbedError("no kernel with rdma_rxe in /boot + /lib/modules (apt-get install linux-image-amd64), "
-                          "or no static busybox (apt-get install busybox-static)")
-    cache = cache_dir(repo)
-    initrd = guest.build_initramfs(kernel, busybox, cache)
-    cache.mkdir(parents=True, exist_ok=True)
-    rundir = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
-    guest.copy_setup_script(HERE / "guest_setup.sh", rundir)
-    path = f"{venv}/bin:" if venv else ""
-    env_lines = {
-        "SOFTROCE_CWD": str(repo),
-        "SOFTROCE_MTU": str(mtu),
-        "SOFTROCE_CMD_TIMEOUT": str(max(10, int(timeout - 60))),
-        "SOFTROCE_VENV": str(venv or ""),
-        "SOFTROCE_REPO": str(repo),
-    }
-    needed = [repo] + ([venv, (venv / "bin" / "python").resolve().parent.parent] if venv else [])
-    (rundir / "binds").write_text("".join(f"{b}\n" for b in guest.binds_for(needed)))
-    (rundir / "env").write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env_lines.items()))
-    (rundir / "cmd").write_text(f"export PATH={shlex.quote(path)}\"$PATH\"\n{command}\n")
-    qemu = [
-        "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-smp", str(cpus), "-m", str(mem_mib),
-        "-cpu", "max", "-kernel", str(kernel.vmlinuz), "-initrd", str(initrd),
-        "-append", "console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off",
-        "-display", "none", "-monitor", "none", "-serial", f"file:{rundir}/console.log",
-        "-nic", "none", "-no-reboot",
-        "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
-        "-virtfs", f"local,path={rundir},mount_tag=xfer,security_model=none",
-    ]
-    t0 = time.monotonic()
-    with open(rundir / "qemu.log", "wb") as qlog:  # a file, not a pipe: nothing can block qemu
-        proc = subprocess.Popen(qemu, stdin=subprocess.DEVNULL, stdout=qlog, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_die_with_runner)
-    pos = 0
+    g = Guest(repo, venv, mem_mib, cpus, mtu, install, sink, keep)
     try:
-        while proc.poll() is None:
-            if time.monotonic() - t0 > timeout:
-                sink.write(f"\nsoftroce: guest still running after {timeout:.0f} s; killing it\n")
-                _kill_group(proc)
-                _report_boot(rundir, sink)
-                return 124
-            pos = _tail(rundir / "out", pos, sink)
-            time.sleep(0.5)
-        pos = _tail(rundir / "out", pos, sink)
+        rc = g.run(command, timeout, sink)
+        if rc not in (120, 124, 125):
+            sink.write(f"softroce: guest finished in {time.monotonic() - g.t0:.1f} s, command rc {rc}\n")
     finally:
-        _kill_group(proc)
-    qemu_out = (rundir / "qemu.log").read_text(errors="replace")
-    rc_file = rundir / "rc"
-    if not rc_file.exists():
-        sink.write(f"\nsoftroce: the guest stopped without a result (qemu rc {proc.returncode}) {qemu_out[-2000:]}\n")
-        _report_boot(rundir, sink)
-        return 125
-    rc = int(rc_file.read_text().strip() or 125)
-    if rc == 120:
-        _report_boot(rundir, sink)
-    sink.write(f"softroce: guest finished in {time.monotonic() - t0:.1f} s, command rc {rc}\n")
-    if not keep:
-        shutil.rmtree(rundir, ignore_errors=True)
+        g.close()
     return rc
 
 
