@@ -1,4 +1,5 @@
-"""Inside the soft-RoCE guest: the two rxe devices as pyverbs and pdxfer-probe --devices see them."""
+"""Inside the soft-RoCE guest: the two rxe devices as pyverbs and pdxfer-probe --devices see them;
+and the host probe tests (test_devices_host.py) on a host that has RDMA devices."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from pathlib import Path
 from pdxfer.probe import devices
 
 from .conftest import HOLDER_DEV, READER_DEV
+from .test_devices_host import (  # noqa: F401  (collected here: their with-devices branch runs only in here)
+    pyverbs,
+    test_probe_devices_json_gives_a_clean_answer_on_this_host,
+    test_probe_devices_text_is_one_rdma_line_then_topology_without_rdma,
+)
 
 
 def _wait_active(dev: str, timeout: float = 20.0) -> None:
