@@ -13,6 +13,11 @@ from pathlib import Path
 from pdxfer.vllm.config import TEST_HOOKS_ENV
 
 
+def test_hooks_on() -> bool:
+    """Whether this process reads hook files at all (``$PDXFER_TEST_HOOKS_DIR`` is set)."""
+    return bool(os.environ.get(TEST_HOOKS_ENV))
+
+
 def test_hook_float(name: str) -> float | None:
     """The positive number in hook file ``name``, else None."""
     text = test_hook_text(name)

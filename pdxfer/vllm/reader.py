@@ -17,7 +17,7 @@ from pdxfer.keys import IncrementalHasher
 from pdxfer.layout import KVLayout, LayoutError
 from pdxfer.master import MasterError
 from pdxfer.vllm.config import ConnectorConfig
-from pdxfer.vllm.connector_hooks import test_hook_float
+from pdxfer.vllm.connector_hooks import test_hook_float, test_hooks_on
 from pdxfer.vllm.hint_wait import HintPoller, HintWait
 from pdxfer.vllm.holder_routes import NotReadable, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.load_plan import HitShape, exact_end, plan_reads
@@ -73,8 +73,10 @@ class ReaderPath:
         self._hot = hot  # lookups: the short bound of the scheduler's hot path
         self._bg = bg
         self.stats = stats
-        # Load or recompute by measured benefit (None: every usable hit is loaded).
-        self.gate = LoadGate(cfg.load_benefit_margin, stats) if cfg.load_benefit else None
+        # Load or recompute by measured benefit (None: every usable hit is loaded). With test
+        # hooks on it measures from the start and decides while hook file ``load_benefit`` says
+        # so (_active_gate): one running pair tests the gate and the plain path.
+        self.gate = LoadGate(cfg.load_benefit_margin, stats) if cfg.load_benefit or test_hooks_on() else None
         self._hasher = hasher
         self._own_node = own_node
         self._lookups: dict[str, _Lookup] = {}
@@ -189,10 +191,11 @@ class ReaderPath:
                      skip=self._skip())
         usable = self._usable_chunks(lk)
         pieces = None
-        if self.gate is not None and usable:
+        gate = self._active_gate()
+        if gate is not None and usable:
             tail_n = num_tokens - len(keys) * C if tail is not None else 0
-            pieces = self.gate.pieces(lk.locations[:usable], lk.nodes, local, first, C, tail_n, len(keys), last)
-            usable = self.gate.decide(req_id, pieces).chunks
+            pieces = gate.pieces(lk.locations[:usable], lk.nodes, local, first, C, tail_n, len(keys), last)
+            usable = gate.decide(req_id, pieces).chunks
             if usable == 0:
                 self._count_funnel(req_id, local, last, exists_end, visible_end, local)
                 self._release_async(res.lock_id)
@@ -257,14 +260,22 @@ class ReaderPath:
         unusable, other transports), so the master chooses among the others. An answer that
         still names a holder not judged before (now marked) is asked once more: one retry."""
         res = None
+        gate = self._active_gate()
         for attempt in range(2):
             res = self._hot.lookup_and_lock(want, self.reader_id, lock_ttl_s=ttl, parties=self.tp_size,
                                             skip=self._skip(), transport=self.cfg.transport,
-                                            prefer_tier=self.gate.preferred_tier if self.gate is not None else None)
+                                            prefer_tier=gate.preferred_tier if gate is not None else None)
             if attempt or res.lock_id is None or not self._learn_unusable(res):
                 return res
             self._release_async(res.lock_id)
         return res
+
+    def _active_gate(self) -> LoadGate | None:
+        """The load gate while it decides: always with ``load_benefit``, else (tests) while the
+        ``load_benefit`` hook file holds a positive number."""
+        if self.gate is None or self.cfg.load_benefit:
+            return self.gate
+        return self.gate if test_hook_float("load_benefit") else None
 
     def _skip(self) -> dict[str, int]:
         with self._skip_mu:

@@ -3,28 +3,32 @@ with its HTTP port), a prefill/decode pair of `vllm serve` on the CPU behind the
 real Prometheus (the example configuration, scraping every second, with the alert rules) that
 scrapes all four. After a workload whose prompts share a prefix (so KV moves from the prefill to
 the decode), every query of every dashboard panel must return data, the ones the workload must
-move must show it, every target must be up, and no alert may be pending or firing."""
+move must show it, every target must be up, and no alert may be pending or firing.
+
+The master and the pair are the run's shared default pair (tests/vllm/default_pair.py),
+taken first among its users: no fault test has run on it yet. Prometheus starts here, so every
+rate() sees only this module's workload (no increase before a series' first sample counts)."""
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import pytest
 
-from pdxfer.procs import ManagedProcess, python_env, wait_port_file
-from pdxfer.serve.launch import Stack, start_fleet
-from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
+from pdxfer.procs import wait_http_ready
+from pdxfer.serve.launch import proxy_ready_url, start_proxy
 from tests.monitoring.monitoring_files import (ALERTS, EXAMPLE_CONFIG, concrete_expr, load_alert_rules,
                                                load_dashboard, panel_queries, prometheus_tool)
 from tests.monitoring.prom_server import PrometheusServer, config_from_example, positive
 from tests.vllm.conftest import ask_url, prompt_of
+from tests.vllm.default_pair import DefaultPair
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+# The pair's start (conftest READY_TIMEOUT_S) falls in this module's first test when it runs first.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.default_pair_order("first")]
 
-READY_TIMEOUT_S = 420  # two cold `vllm serve` on two busy cores, as in tests/vllm
+PROXY_READY_S = 30  # the proxy's health checks put both running instances in
 DATA_TIMEOUT_S = 45  # scrapes are 1 s apart; vLLM's stats reach /metrics a step or a log interval late
 # Covers the whole run: the workload's counters still show in a rate() over it when queried.
 WINDOW = "3m"
@@ -63,24 +67,20 @@ def _host_port(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
+def live(default_pair_keeper: DefaultPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     prometheus_bin = prometheus_tool("prometheus")  # before minutes of vLLM start-up
     run = tmp_path_factory.mktemp("monitoring-live")
-    model = make_tiny_model(default_tiny_model_dir())
-    port_file = run / "master.port"
-    master = ManagedProcess([sys.executable, "-m", "pdxfer.master.service", "--host", "127.0.0.1", "--port", "0",
-                             "--http-port", "0", "--port-file", str(port_file)],
-                            run / "master.log", env=python_env(), name="master", die_with_parent=True)
-    stack: Stack | None = None
+    pair = default_pair_keeper.get(tmp_path_factory)  # the module's fixture: default_pair is per test
+    assert pair.master is not None
+    prefill, decode = f"http://127.0.0.1:{pair.prefill_port}", f"http://127.0.0.1:{pair.decode_port}"
+    proxy = None
     prom: PrometheusServer | None = None
     try:
-        port, http_port = wait_port_file(port_file, 30, master)[:2]
-        stack, proxy_url = start_fleet(model, run, master=f"127.0.0.1:{port}", die_with_parent=True)
-        stack.wait_ready(READY_TIMEOUT_S)
-        prefill, decode = stack["prefill"].url, stack["decode"].url
-        assert prefill and decode
+        proxy, proxy_url = start_proxy([prefill], [decode], run, extra_args=["--master", pair.master_addr],
+                                       die_with_parent=True)
+        wait_http_ready(proxy_ready_url(proxy_url), PROXY_READY_S, proxy)
         jobs = {
-            "pdxfer-master": [{"targets": [f"127.0.0.1:{http_port}"]}],
+            "pdxfer-master": [{"targets": [pair.master.http_address]}],
             "pdxfer-proxy": [{"targets": [_host_port(proxy_url)]}],
             "vllm": [{"targets": [_host_port(prefill)], "labels": {"role": "prefill"}},
                      {"targets": [_host_port(decode)], "labels": {"role": "decode"}}],
@@ -99,9 +99,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     finally:
         if prom is not None:
             prom.stop()
-        if stack is not None:
-            stack.stop()
-        master.stop(10)
+        if proxy is not None:
+            proxy.stop(10)
 
 
 def _request(proxy_url: str, i: int) -> None:

@@ -1,5 +1,12 @@
 """Real ``vllm serve`` pairs (prefill = kv_producer, decode = kv_consumer) of the tiny model on CPU,
-with a real pdxfer-master, started once per test module and always stopped (process groups).
+with a real pdxfer-master, always stopped (process groups).
+
+A start costs 45-75 s here, so modules whose tests need no config of their own share one pair of
+:func:`make_pair`'s defaults (TCP) through fixture ``default_pair`` (tests/vllm/default_pair.py):
+the tests using it run back to back, it starts before the first and stops after the last, and
+each of them must leave it usable (or carry ``@pytest.mark.default_pair_order("last")``).
+Counters on a shared pair move with every user: compare them only against a snapshot taken
+before the work. Modules with a config of their own start their own pair with :func:`make_pair`.
 
 The pair oracle (:func:`assert_decode_right`): a decode that loaded its prefix must give the same
 top-k logprobs as the plain computation (the producer computing the prompt itself) within
@@ -143,7 +150,7 @@ def check_logprobs(got: Answer, ref: Answer, tol: float = LOGPROB_TOL) -> float:
 
 
 _LOADED = re.compile(r"pdxfer: loaded (\d+) tokens \(.*\) for (\S+) in ")
-_FAILED = re.compile(r"pdxfer: load of (\d+) tokens for (\S+) failed")
+_FAILED = re.compile(r"pdxfer: load of (\d+) tokens for (\S+) failed \((.*)\); recomputing")
 _CORRUPTED = re.compile(r"pdxfer test hook corrupt_load: corrupted the load of (\S+) ")
 
 
@@ -154,6 +161,7 @@ class RequestLoads:
     loaded: list[int]
     failed: list[int]
     corrupted: int
+    reasons: list[str] = field(default_factory=list)  # per failed load, why (the connector's words)
 
 
 def request_loads(log_path: Path, request_id: str) -> RequestLoads:
@@ -166,6 +174,7 @@ def request_loads(log_path: Path, request_id: str) -> RequestLoads:
             out.loaded.append(int(m.group(1)))
         elif (m := _FAILED.search(line)) and m.group(2).startswith(prefix):
             out.failed.append(int(m.group(1)))
+            out.reasons.append(m.group(3))
         elif (m := _CORRUPTED.search(line)) and m.group(1).startswith(prefix):
             out.corrupted += 1
     return out
@@ -245,7 +254,13 @@ def assert_oracle_catches_corruption(pair: "PDPair", n_tokens: int, seed: int, m
 
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
-_METRIC = re.compile(r"^(vllm:pdxfer_\w+|vllm:external_prefix_cache_\w+)\{[^}]*\} ([0-9.e+-]+)$")
+# vLLM's time from a request's arrival to the start of the step that schedules its compute: the
+# steps it waited through (for a hinted publish, for its KV load: a request loading
+# asynchronously is scheduled once the load ended), lookups in those steps included; not its
+# compute, nor the work of the step that schedules it (a lookup answered there at once).
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+_METRIC = re.compile(r"^(vllm:pdxfer_\w+|vllm:external_prefix_cache_\w+|vllm:request_queue_time_seconds_(?:sum|count))"
+                     r"\{[^}]*\} ([0-9.e+-]+)$")
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -267,6 +282,34 @@ def wait_metric(port: int, name: str, at_least: float, timeout: float = 10.0) ->
         if v >= at_least or time.monotonic() > deadline:
             return v
         time.sleep(0.2)
+
+
+def poll_metrics(port: int, done: Callable[[dict[str, float]], bool], timeout: float = 10.0) -> dict[str, float]:
+    """/metrics once ``done`` holds for it, or the last one read after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(port)
+        if done(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def wait_metrics(port: int, want: dict[str, float], timeout: float = 10.0) -> dict[str, float]:
+    """/metrics once every counter in ``want`` reached its value (bounded): the caller then
+    compares exactly, so a counter that overshot fails there."""
+    return poll_metrics(port, lambda m: all(m.get(k, 0.0) >= v for k, v in want.items()), timeout)
+
+
+def queue_wait(port: int, request: Callable[[], Any]) -> tuple[float, Any]:
+    """vLLM's queue time of the one request ``request()`` sends to the instance on ``port``
+    (nothing else may run there meanwhile), and what ``request()`` returned."""
+    count, total = QUEUE_TIME + "_count", QUEUE_TIME + "_sum"
+    before = metrics(port)
+    out = request()
+    after = wait_metrics(port, {count: before.get(count, 0.0) + 1})
+    n = after.get(count, 0.0) - before.get(count, 0.0)
+    assert n == 1, f"{n:.0f} requests finished at port {port} meanwhile; expected this one alone"
+    return after[total] - before.get(total, 0.0), out
 
 
 @pytest.fixture(scope="module")
@@ -444,6 +487,12 @@ def make_pair(tmp_path_factory: pytest.TempPathFactory, model: Path, transport: 
         yield pair
     finally:
         pair.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.vllm.default_pair import register_default_pair
+
+    register_default_pair(config)
 
 
 def kill_process_groups(pgids: list[int]) -> None:
