@@ -36,6 +36,7 @@ import itertools
 import math
 import operator
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pdxfer.keys import KEY_BYTES
@@ -61,8 +62,21 @@ _BLOCKS = operator.attrgetter("blocks")
 _HOLD = operator.attrgetter("hold_until")
 # What _run picks on one node: its entries, and their block ids joined in pieces.
 Picked = tuple[list[Entry], list[bytes]]
+# The connector's test-hook directory (pdxfer/vllm/config.py): the master reads one hook from it.
+TEST_HOOKS_ENV = "PDXFER_TEST_HOOKS_DIR"
+TIE_HOOK = "tie_break_node"
 
 __all__ = ["ChunkIndex", "FencedError", "LookupOutcome", "PeekOutcome", "SupersededError", "UnknownNodeError"]
+
+
+def _hooked_tie(hooks_dir: str, tied: Sequence[tuple[str, Picked, Node]], k: int) -> int:
+    """Tie ``k`` unless hook file ``tie_break_node`` (read at each tie) names one of the tied
+    node ids: then that one, so that a test knows which holder a reader's lookup picks."""
+    try:
+        want = (Path(hooks_dir) / TIE_HOOK).read_text().strip()
+    except OSError:
+        return k
+    return next((j for j, (nid, _, _) in enumerate(tied) if nid == want), k)
 
 
 class ChunkIndex:
@@ -90,6 +104,8 @@ class ChunkIndex:
         self._epochs = itertools.count(self.epoch_prefix << 32 | 1)
         self._lock_heap: list[tuple[float, str]] = []
         self._ties_broken = 0  # rotates the choice among holders tied for the longest run
+        # Tests only (docs/connector.md, fault hooks): None unless $PDXFER_TEST_HOOKS_DIR is set.
+        self._test_hooks = os.environ.get(TEST_HOOKS_ENV) or None
         self.on_node_dropped: Callable[[str, str], None] | None = None  # (node id, why)
 
     # ---- membership ---------------------------------------------------------------------------
@@ -341,8 +357,11 @@ class ChunkIndex:
                 if len(tied) == 1:
                     _, (run, ids), node = tied[0]
                 else:
-                    _, (run, ids), node = tied[self._ties_broken % len(tied)]
+                    k = self._ties_broken % len(tied)
                     self._ties_broken += 1
+                    if self._test_hooks is not None:
+                        k = _hooked_tie(self._test_hooks, tied, k)
+                    _, (run, ids), node = tied[k]
             chosen += run
             block_ids += ids
             runs.append((node.node_id, len(run)))

@@ -7,9 +7,10 @@ against a plain `vllm serve` of the same model (no connector) computing every pr
 - a prompt the fleet already holds (a prefill computed it, no decode has it) skips the prefill:
   the route header and the proxy's metric say so, no prefill instance sees it, and the decode
   loads every prompt token but the last;
-- a prompt both prefill instances hold, asked while the holder the decode's lookup picks is frozen
-  (SIGSTOP): the decode re-pulls every chunk from the other prefill, the answer has the plain
-  instance's logprobs, every prompt token but the last is loaded and nothing is recomputed;
+- a prompt both prefill instances hold, asked while the holder the master's tie-break is steered
+  to (test hook ``tie_break_node``) is frozen (SIGSTOP): the decode re-pulls every chunk from the
+  other prefill, the answer has the plain instance's logprobs, every prompt token but the last is
+  loaded and nothing is recomputed;
 - what a user of `pdxfer launch` sees: the printed endpoints and example, the demo's prompts
   (those routed through a prefill loaded but their last token, the short one computed by a
   decode), a streamed chat answer, and SIGTERM stopping every process it started.
@@ -33,8 +34,11 @@ from typing import Any, Iterator
 
 import pytest
 
+from pdxfer.keys import KEY_BYTES
 from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
 from pdxfer.master import MasterClient
+from pdxfer.master.index import TEST_HOOKS_ENV, TIE_HOOK, ChunkIndex
+from pdxfer.master.protocol import pack_u32
 from pdxfer.serve.index_view import IndexView, lookup_keys
 from pdxfer.serve.launch import TRANSFER_COUNTER, proxy_ready_url, read_prom_counter, run_demo
 from pdxfer.serve.serve_shim import start_vllm
@@ -49,11 +53,13 @@ _TABLE = re.compile(r"^\s+(master|proxy|prefill-\d+|decode-\d+)\s+pid (\d+)\s+(\
 class Fleet:
     """The launched fleet: component URLs by name (the master's is its host:port)."""
 
-    def __init__(self, proc: subprocess.Popen, urls: dict[str, str], pgids: list[int], log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, urls: dict[str, str], pgids: list[int], log: Path,
+                 hooks: Path) -> None:
         self.proc = proc
         self.urls = urls
         self.pgids = pgids
         self.log = log  # what `pdxfer launch` printed
+        self.hooks = hooks  # every process's $PDXFER_TEST_HOOKS_DIR (empty: every hook inert)
 
     @property
     def proxy(self) -> str:
@@ -78,12 +84,15 @@ class Fleet:
 def fleet(tmp_path_factory, tiny_model) -> Iterator[Fleet]:
     run = tmp_path_factory.mktemp("fleet")
     log = run / "launch.out"
+    hooks = run / "hooks"
+    hooks.mkdir()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdxfer.cli", "launch", str(tiny_model), "--prefill", "2",
              "--decode", "2", "--port", "0", "--log-dir", str(run / "logs"),
              "--ready-timeout", str(READY_TIMEOUT_S), *(f"--vllm-arg={a}" for a in PAIR_VLLM_ARGS)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, TEST_HOOKS_ENV: str(hooks)})
     pgids: list[int] = []
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S + 60
@@ -95,7 +104,7 @@ def fleet(tmp_path_factory, tiny_model) -> Iterator[Fleet]:
         urls = {name: url for name, _, url in found}
         pgids = [int(pid) for _, pid, _ in found]  # each child leads its own process group
         assert set(urls) == {"master", "proxy", "prefill-0", "prefill-1", "decode-0", "decode-1"}
-        yield Fleet(proc, urls, pgids, log)
+        yield Fleet(proc, urls, pgids, log, hooks)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -259,18 +268,48 @@ REPULLS = "vllm:pdxfer_repulls_total"
 FAILED_LOADS = "vllm:pdxfer_loads_failed_total"
 
 
-def _next_tie_goes_to(client: MasterClient, keys: list[bytes], node_id: str) -> None:
-    """Make the master's next lookup of ``keys`` (held alike by several holders, whose ties it
-    breaks in turn) pick ``node_id``: lookups of our own (locked, then given back) until the one
-    after them is its turn. The decode's own lookup is then the next one."""
-    for _ in range(4):
-        res = client.lookup_and_lock(keys, reader="test-tie-probe", lock_ttl_s=5.0)
-        picked = set(res.nodes)
-        client.release(res.lock_id, all_parties=True)
-        assert res.hit_chunks == len(keys) and len(picked) == 1, (res.hit_chunks, picked)
-        if picked != {node_id}:  # two holders in turn: the next lookup is node_id's
-            return
-    raise AssertionError(f"the master never picked another holder than {node_id}")
+def _tie_picks(ix: ChunkIndex, keys: list[bytes], lookups: int, **kw: Any) -> list[str]:
+    """The holder each of ``lookups`` lookups of ``keys`` (held alike by every node) is given."""
+    out = []
+    for _ in range(lookups):
+        res = ix.lookup_and_lock(keys, "r", 5.0, now=0.0, **kw)
+        assert res.hit == len(keys) and len(res.runs) == 1, res.runs
+        out.append(res.runs[0][0])
+    return out
+
+
+def _three_holders(keys: list[bytes]) -> ChunkIndex:
+    ix = ChunkIndex()  # reads $PDXFER_TEST_HOOKS_DIR now
+    for nid in ("a", "b", "c"):
+        ix.register(nid, "{}", 100.0, now=0.0)
+        ix.publish(nid, [(k, pack_u32([i])) for i, k in enumerate(keys)], None, now=0.0)
+    return ix
+
+
+def test_the_tie_break_hook_steers_only_while_its_variable_and_file_name_a_tied_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steer the re-pull test below relies on, and that it leaves the master's turns alone
+    otherwise: without the variable the file is not read; with it, an absent or empty file or a
+    node outside the tie leaves the turns as they were."""
+    keys = [bytes([i]) * KEY_BYTES for i in range(3)]
+    monkeypatch.delenv(TEST_HOOKS_ENV, raising=False)
+    turns = _tie_picks(_three_holders(keys), keys, 6)
+    assert turns == ["a", "b", "c", "a", "b", "c"]
+    (tmp_path / TIE_HOOK).write_text("c\n")
+    assert _tie_picks(_three_holders(keys), keys, 6) == turns  # the variable unset: inert
+
+    monkeypatch.setenv(TEST_HOOKS_ENV, str(tmp_path))
+    (tmp_path / TIE_HOOK).unlink()
+    assert _tie_picks(_three_holders(keys), keys, 6) == turns  # no file: inert
+    ix = _three_holders(keys)
+    (tmp_path / TIE_HOOK).write_text("c\n")
+    assert _tie_picks(ix, keys, 3) == ["c"] * 3  # read at each tie: no restart needed
+    assert sorted(_tie_picks(ix, keys, 4, skip={"c": 0})) == ["a", "a", "b", "b"]  # c is not in the tie
+    for text in ("", "zz"):  # empty, or no such node: the turns go on
+        (tmp_path / TIE_HOOK).write_text(text)
+        assert sorted(_tie_picks(ix, keys, 3)) == ["a", "b", "c"]
+    (tmp_path / TIE_HOOK).unlink()
+    assert sorted(_tie_picks(ix, keys, 3)) == ["a", "b", "c"]
 
 
 @pytest.mark.vllm
@@ -281,48 +320,47 @@ def test_a_frozen_holder_is_re_pulled_from_the_other_prefill_holding_the_same_ch
     client = MasterClient(fleet.urls["master"], timeout_s=5.0)
     frozen_url, other_url = fleet.role("prefill")
     pgid = next(int(pid) for name, pid, _ in _TABLE.findall(fleet.log.read_text()) if name == "prefill-0")
+    hook = fleet.hooks / TIE_HOOK
     try:
-        # The steer rides on the master's turn-taking between tied holders, which any other lookup
-        # with a tie (another instance's, between the steer and the decode's) moves on: the decode
-        # then reads from the other prefill with nothing to re-pull (every token loaded, no
-        # re-pull, no failed load). That says nothing about re-pulls: try again with a new prompt.
-        for seed in (8300, 8301, 8302):
-            wait_http_ready(proxy_ready_url(fleet.proxy), 60)
-            prompt = prompt_of(700, seed=seed)  # two full chunks and a tail
-            ref = ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False)
-            for url in (frozen_url, other_url):  # both prefills hold it (the second loads, then publishes)
-                post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
-                wait_held(view, prompt, len(prompt), url)
-            by_url = {n.serve_url: n for n in client.nodes()}
-            frozen = by_url[frozen_url]
-            keys, _ = lookup_keys(prompt, frozen.chunk_tokens, bytes.fromhex(frozen.namespace))
-            before = {m: fleet.counter("decode", m) for m in (REPULLS, FAILED_LOADS, TRANSFER_COUNTER)}
-            _next_tie_goes_to(client, keys, frozen.node_id)
-            os.killpg(pgid, signal.SIGSTOP)  # its lease outlives the request: the master still names it
-            try:
-                answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
-            finally:
-                os.killpg(pgid, signal.SIGCONT)
-            assert headers["x-pdxfer-route"].startswith("decode-only="), headers
-            check_logprobs(answer, ref)
-            assert answer.cached_tokens == len(prompt) - 1, headers
-            deadline = time.monotonic() + 10  # the counters move one engine step later, maybe not the same one
-            while ((fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] < len(prompt) - 1
-                    or fleet.counter("decode", REPULLS) - before[REPULLS] < len(keys))
-                   and time.monotonic() < deadline):
-                time.sleep(0.2)
-            steer_missed = (fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] == len(prompt) - 1
-                            and fleet.counter("decode", REPULLS) == before[REPULLS]
-                            and fleet.counter("decode", FAILED_LOADS) == before[FAILED_LOADS])
-            if not steer_missed:
-                break
+        wait_http_ready(proxy_ready_url(fleet.proxy), 60)
+        prompt = prompt_of(700, seed=8300)  # two full chunks and a tail
+        ref = ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False)
+        for url in (frozen_url, other_url):  # both prefills hold it (the second loads, then publishes)
+            post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            wait_held(view, prompt, len(prompt), url)
+        by_url = {n.serve_url: n for n in client.nodes()}
+        frozen, other = by_url[frozen_url], by_url[other_url]
+        keys, _ = lookup_keys(prompt, frozen.chunk_tokens, bytes.fromhex(frozen.namespace))
+        # Every tie goes to the frozen holder, whatever other lookups come between, so the
+        # decode's first read goes to it; the re-pull's lookup skips it, so no tie is left there.
+        hook.write_text(frozen.node_id)
+        res = client.lookup_and_lock(keys, reader="test-tie-probe", lock_ttl_s=5.0)
+        client.release(res.lock_id, all_parties=True)
+        assert res.hit_chunks == len(keys) and set(res.nodes) == {frozen.node_id}, (res.hit_chunks, res.nodes)
+        before = {m: fleet.counter("decode", m) for m in (REPULLS, FAILED_LOADS, TRANSFER_COUNTER)}
+        os.killpg(pgid, signal.SIGSTOP)  # its lease outlives the request: the master still names it
+        try:
+            answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+            hook.unlink()
+        assert headers["x-pdxfer-route"].startswith("decode-only="), headers
+        deadline = time.monotonic() + 10  # the counters move one engine step later, maybe not the same one
+        while ((fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] < len(prompt) - 1
+                or fleet.counter("decode", REPULLS) - before[REPULLS] < len(keys))
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
         shown = fleet.connector_log()
-        assert fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] == len(prompt) - 1, shown
-        # Every chunk (two full ones and the tail) was read again from the other prefill; no load failed.
+        # Every chunk (two full ones and the tail) was read again from the other prefill.
         assert fleet.counter("decode", REPULLS) - before[REPULLS] == len(keys), shown
+        assert f"from holder(s) {other.node_id} instead of {frozen.node_id}" in shown, shown
+        # Nothing recomputed: no load failed, every prompt token but the last loaded.
         assert fleet.counter("decode", FAILED_LOADS) == before[FAILED_LOADS], shown
-        assert f"from holder(s) {by_url[other_url].node_id} instead of {frozen.node_id}" in shown, shown
+        assert fleet.counter("decode", TRANSFER_COUNTER) - before[TRANSFER_COUNTER] == len(prompt) - 1, shown
+        assert answer.cached_tokens == len(prompt) - 1, headers
+        check_logprobs(answer, ref)
     finally:
+        hook.unlink(missing_ok=True)
         client.close()
         view.close()
         # The next test needs every instance back in the proxy's rotation.
