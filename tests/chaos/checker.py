@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import os
@@ -38,7 +39,14 @@ def _records(logdir: str) -> Iterator[dict[str, Any]]:
 
 
 def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, Any]:
-    recs = list(_records(logdir))
+    return check_records(list(_records(logdir)), cfg, stats)
+
+
+def check_records(recs: list[dict[str, Any]], cfg: ChaosConfig, stats: list[dict] | None,
+                  repull: bool = True) -> dict[str, Any]:
+    """The checker over records already read. Also what a run's end condition looks at while it
+    runs (``stats=None``: the leak checks mean nothing yet; ``repull=False`` skips the costly
+    token-by-token replay of re-pulls, which no end condition needs)."""
     violations: list[dict[str, Any]] = []
     vcount: Counter[str] = Counter()
 
@@ -64,7 +72,7 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
     # later) and frees, per (holder, incarnation) and (key, block, gen).
     timed_out: set[tuple[int, int, str, int, int]] = set()
     republished: set[tuple[int, int, str, int, int]] = set()
-    freed: dict[tuple[int, int, str, int, int], str] = {}
+    freed: dict[tuple[int, int, str, int, int], tuple[str, float]] = {}  # -> (why, when)
     hi_of: dict[str, tuple[int, int]] = {}
     for r in recs:
         op = r["op"]
@@ -78,29 +86,35 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
                     if r["ok"]:
                         republished.add((h, i, k, b, g))
                 elif op == "free":
-                    freed[(h, i, k, b, g)] = r["why"]
+                    freed[(h, i, k, b, g)] = (r["why"], r["wall"])
                 elif not r["ok"] and not r.get("refused"):
                     timed_out.add((h, i, k, b, g))
 
-    def suspect(key: str, node: str, block: int, stamp_holder: int) -> str:
+    def suspect(key: str, node: str, block: int, stamp_holder: int, read_t0: float) -> str:
         if stamp_holder >= 100:
             return "hole 2: a second process registered this node id"
-        for (h, i, k, b, g), why in freed.items():
-            if k == key and b == block and node_of.get((h, i)) == node:
-                late = (h, i, k, b, g) in timed_out
-                if late and why == "unpublished":
-                    return "hole 1: a publish that timed out arrived after unpublish said gone"
-                if late and why == "master_lost":
-                    return "hole 1: force-freed ('master lost') while a timed-out publish was in flight"
-                if why == "publish_refused" and (h, i, k, b, g) in republished:
-                    return ("hole 1 (variant): the re-publish after re-registration stored a key whose "
-                            "own publish was then refused (unknown node) and its block freed")
-                if why == "never_confirmed":
-                    return "hole 6: freed by the holder's own lock-TTL bound while a longer lock held it"
-                if why == "master_lost":
-                    return "force-freed ('master lost') while the master still served it"
-                if why == "moved":
-                    return "a move's old block freed while the master still served it (the move was not accepted)"
+        # This key's frees of this block, the last one before the read first: with few blocks a
+        # block is freed for one key many times over, for different reasons.
+        frees = sorted(((when, why, (h, i, k, b, g)) for (h, i, k, b, g), (why, when) in freed.items()
+                        if k == key and b == block and node_of.get((h, i)) == node),
+                       key=lambda x: (x[0] > read_t0, -x[0]))
+        for _, why, (h, i, k, b, g) in frees:
+            late = (h, i, k, b, g) in timed_out
+            if late and why == "unpublished":
+                return "hole 1: a publish that timed out arrived after unpublish said gone"
+            if late and why == "master_lost":
+                return "hole 1: force-freed ('master lost') while a timed-out publish was in flight"
+            if why == "publish_refused" and (h, i, k, b, g) in republished:
+                return ("hole 1 (variant): the re-publish after re-registration stored a key whose "
+                        "own publish was then refused (unknown node) and its block freed")
+            if why == "never_confirmed":
+                return "hole 6: freed by the holder's own lock-TTL bound while a longer lock held it"
+            if why == "master_lost":
+                return "force-freed ('master lost') while the master still served it"
+            if why == "moved":
+                return "a move's old block freed while the master still served it (the move was not accepted)"
+            if why == "unsafe_early_free":
+                return "freed before its unpublish (the broken holder of unsafe_free)"
         return "unknown"
 
     for r in recs:
@@ -162,7 +176,7 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
                 violate("unknown_generation", **ctx)
             elif gens[(holder, inc, block, gen)] != key:
                 violate("stale", stamp_key=gens[(holder, inc, block, gen)],
-                        suspect=suspect(key, node, block, holder), **ctx)
+                        suspect=suspect(key, node, block, holder, r["read"]["t0"]), **ctx)
 
     # ---- 1a. heterogeneous loads (kv mode): token by token against the pattern --------------
     kv = kv_summary(recs)
@@ -171,7 +185,7 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
             continue
         validated += 1
         validated_chunks += len(r["locations"])
-        for v in repull_violations(r):
+        for v in (repull_violations(r) if repull else ()):
             violate(v.pop("kind"), proc=r["proc"], req=r["req"], **v)
         if r["check"]["bad"]:
             violate("wrong_kv", proc=r["proc"], req=r["req"], prompt=r["prompt"], hit=r["hit"],
@@ -279,7 +293,92 @@ def check(logdir: str, cfg: ChaosConfig, stats: list[dict] | None) -> dict[str, 
         "processes": len(started),
         "kv": kv,
         "fault_effects": fault_effects(recs, cfg),
+        "faults_met": faults_met(recs),
     }
+
+
+class _Spans:
+    """Time spans, asked whether any of them overlaps a given one (sorted starts, running max of ends)."""
+
+    def __init__(self, spans: list[tuple[float, float]]) -> None:
+        spans.sort()
+        self.t0s = [a for a, _ in spans]
+        self.max_t1: list[float] = []
+        for _, b in spans:
+            self.max_t1.append(max(b, self.max_t1[-1]) if self.max_t1 else b)
+
+    def overlaps(self, t0: float, t1: float) -> bool:
+        i = bisect.bisect_left(self.t0s, t1)  # spans that started before the end
+        return i > 0 and self.max_t1[i - 1] > t0
+
+
+MASTER_CALLS = ("lookup", "publish", "unpublish", "republish", "move")
+HOLDER_CALLS = ("publish", "unpublish", "republish", "move")
+
+
+def faults_met(recs: list[dict[str, Any]]) -> dict[str, int]:
+    """Per fault kind, how many injected faults met the work: something was in flight while the
+    fault lasted that it could touch. A holder killed (until its next process registered) or
+    frozen: a read that named its node, one of its own calls (frozen), or a lookup answered (the
+    index answers with or without that holder's entries); a master, its link or etcd killed,
+    frozen, cut or delayed: a call to a master, of any process; a node-id clash: the live holder
+    it displaced (superseded after the clash began); a lock expiry: the release it made refused.
+    A fault that met nothing tested nothing, however many were injected."""
+    node_of: dict[str, str] = {}
+    starts: dict[str, list[float]] = {}  # node -> when each of its processes registered
+    reads: dict[str, list[tuple[float, float]]] = {}
+    own: dict[str, list[tuple[float, float]]] = {}
+    calls: list[tuple[float, float]] = []
+    answered: list[tuple[float, float]] = []  # lookups that hit
+    superseded: dict[str, list[float]] = {}
+    met: Counter[str] = Counter()
+    for r in recs:
+        op = r["op"]
+        if op == "start" and "node" in r:
+            node_of[r["proc"]] = r["node"]
+            starts.setdefault(r["node"], []).append(r["wall"])
+        elif op == "superseded":
+            superseded.setdefault(r["proc"], []).append(r["wall"])
+        elif op == "read":
+            span = (r["lookup_t0"], r["release"]["t1"])
+            for node in {n for _, n, _ in r["locations"]}:
+                reads.setdefault(node, []).append(span)
+            calls.append((r["release"]["t0"], r["release"]["t1"]))
+            if r.get("kind") in ("short_ttl", "sleep_past_ttl") and r["release"]["valid"] is False:
+                met["lock_expire"] += 1
+        elif op == "kvread":
+            span = (r["lookup_t0"], r["load"]["t1"])
+            for node in {n for n, _ in r["locations"]}:
+                reads.setdefault(node, []).append(span)
+            err = r["load"]["err"] or ""
+            if r.get("kind") == "short_ttl" and ("lock expired" in err or "refused the release" in err):
+                met["lock_expire"] += 1
+        elif op == "lookup" and r["ok"] and r.get("hit"):
+            answered.append((r["t0"], r["t1"]))
+        if op in MASTER_CALLS and "t1" in r and r["proc"] != "harness":
+            calls.append((r["t0"], r["t1"]))
+            if op in HOLDER_CALLS:
+                own.setdefault(r["proc"], []).append((r["t0"], r["t1"]))
+    read_spans = {n: _Spans(v) for n, v in reads.items()}
+    own_spans = {p: _Spans(v) for p, v in own.items()}
+    call_spans, answer_spans = _Spans(calls), _Spans(answered)
+    for r in recs:
+        if r["op"] != "fault":
+            continue
+        kind, a, b = r["kind"], r["t0"], r["t1"]
+        if kind in ("holder_kill", "holder_freeze"):
+            node = node_of.get(r["target"], "")
+            if kind == "holder_kill":  # the dead process's entries are served until the next one registers
+                b = max(b, min((t for t in starts.get(node, ()) if t > a), default=b))
+            hit = (node in read_spans and read_spans[node].overlaps(a, b)) or answer_spans.overlaps(a, b)
+            if kind == "holder_freeze" and r["target"] in own_spans:
+                hit = hit or own_spans[r["target"]].overlaps(a, b)
+        elif kind == "node_id_clash":
+            hit = any(t >= a for t in superseded.get(r.get("node_of", ""), ()))
+        else:
+            hit = call_spans.overlaps(a, b)
+        met[kind] += 1 if hit else 0
+    return dict(sorted(met.items()))
 
 
 def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int]:
@@ -288,10 +387,12 @@ def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int
     displaced by a second process of their node id and publishes that process got through, and
     slow readers' validated long locks under which a holder asked to unpublish their key and was
     told it was still locked; moves by outcome, and validated reads of a key's old block whose
-    lock overlapped a move of that key the master refused because a lock pinned it."""
+    lock overlapped a move of that key the master refused because a lock pinned it; and
+    ``pinned_blocks_reused``: old blocks of refused moves rewritten for another key at once
+    (``reuse_at_once`` after the broken holder's free)."""
     out = {"link_delays_beyond_timeout": 0, "publishes_timed_out": 0, "holders_superseded": 0,
            "clash_publishes": 0, "long_locks_met_unpublish": 0, "moves_moved": 0, "moves_pinned": 0,
-           "moves_failed": 0, "moves_unknown": 0, "locks_met_move": 0}
+           "moves_failed": 0, "moves_unknown": 0, "locks_met_move": 0, "pinned_blocks_reused": 0}
     # (node, key) -> (sent, answered, old block) of each move refused under a lock
     pinned_moves: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
     hi_of: dict[str, tuple[int, int]] = {}
@@ -301,6 +402,8 @@ def fault_effects(recs: list[dict[str, Any]], cfg: ChaosConfig) -> dict[str, int
         op = r["op"]
         if op == "fault" and r["kind"] == "link_delay" and r.get("delay", 0) > cfg.master_timeout_s:
             out["link_delays_beyond_timeout"] += 1
+        elif op == "write" and r.get("reuse") == "pinned":
+            out["pinned_blocks_reused"] += 1
         elif op == "start" and "node" in r:
             hi_of[r["proc"]] = (r["holder"], r["inc"])
             node_of[r["proc"]] = r["node"]

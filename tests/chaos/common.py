@@ -59,6 +59,10 @@ class ChaosConfig:
     move_p: float = 0.15
     host_blocks: int = 24  # per holder
     unsafe_move: bool = False
+    # A device block a move freed is rewritten for another key and published at once, as a busy
+    # holder reuses it sooner or later: a reader still locked on that old location (a move the
+    # master should have refused) then reads another key's bytes for certain, not by chance.
+    reuse_at_once: bool = False
     faults: list[str] = field(default_factory=list)  # kinds to inject ([] = all for the variant)
     fault_gap_s: tuple[float, float] = (0.3, 1.2)
     # Below master_timeout_s a request always lands before its call gives up; beyond it a call can
@@ -71,6 +75,10 @@ class ChaosConfig:
     # Heterogeneous holders and readers (tests/chaos/kv.py): real KV caches of several formats and
     # block sizes, loads planned and run by pdxfer's connector halves, checked token by token.
     kv: bool = False
+    # Heterogeneous holders and readers next to the stamped ones (kv=False): holder indexes
+    # holders.. and reader indexes readers.. run tests/chaos/kv_*.py in the same cluster.
+    kv_holders: int = 0
+    kv_readers: int = 0
     chunk_tokens: int = 64  # kv mode: smaller than one holder's block, larger than another's
     staging_mib: int = 4  # kv mode: each reader's staging area for converting reads
     # kv mode, a deliberately broken reader: groups one holder's chunk locations as if their
@@ -95,6 +103,14 @@ class ChaosConfig:
 
     def max_lock_ttl(self) -> float:
         return self.lock_ttl_s
+
+    def holder_is_kv(self, holder: int) -> bool:
+        """Whether holder index ``holder`` (a node-id clash's second process is 100 + the index it
+        clashes with) is a heterogeneous one."""
+        return self.kv or holder % 100 >= self.holders
+
+    def reader_is_kv(self, reader: int) -> bool:
+        return self.kv or reader >= self.readers
 
 
 def node_id_of(holder: int) -> str:

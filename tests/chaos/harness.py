@@ -1,9 +1,11 @@
 """Run one chaos history: start the cluster, let holders and readers work while a fault injector
 (on the main thread: every restart forks from it, see cluster.py) kills, freezes and restarts
-things, then stop the faults, stop the readers, wait a quiet period, take the master's stats and
-the processes' final reports, and hand the logs to the checker.
+things, then stop the faults, wait for the holders to be back, give the readers a recovery
+window, stop them, wait the quiet period, take the master's stats and the processes' final
+reports, and hand the logs to the checker. Each phase ends on an event in the processes' logs
+(tests/chaos/progress.py), within a bound.
 
-  run(ChaosConfig(...)) -> report dict (checker.check's result plus timings)
+  run(ChaosConfig(...), until=...) -> report dict (checker.check's result plus timings)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from tests.chaos import checker
 from tests.chaos.cluster import ChaosProc, Cluster, MasterSlot
 from tests.chaos.common import ChaosConfig, OpLog
+from tests.chaos.progress import Progress
 
 # Fault kinds the harness injects itself; ``lock_expire`` is done by the readers (short TTLs,
 # sleeping past the TTL) and counted from their logs.
@@ -41,8 +44,10 @@ class Injector:
     """Faults one after another (random gaps), kinds round-robin in a shuffled order so every kind
     is hit; the undo of each fault (SIGCONT, restart, lift) is a timed event on the same loop."""
 
-    def __init__(self, cl: Cluster, log: OpLog, rng: random.Random) -> None:
+    def __init__(self, cl: Cluster, log: OpLog, rng: random.Random, progress: Progress | None = None) -> None:
         self.cl, self.log, self.rng = cl, log, rng
+        self.progress = progress  # for a scripted scenario that waits on what the processes logged
+        self.dup_killed_at = -1e9  # monotonic: when a clash's second process was last killed
         self.kinds = fault_kinds(cl.cfg)
         self.order: list[str] = []
         self.events: list[tuple[float, int, str, Callable[[], None]]] = []
@@ -236,6 +241,7 @@ class Injector:
 
         def end() -> None:
             dup.proc.kill()
+            self.dup_killed_at = time.monotonic()
             self.busy.discard("clash")
 
         # The clash lasts ``dur`` from the second process's registration, not from its spawn: on a
@@ -252,44 +258,71 @@ class Injector:
         return True
 
 
-def _wait(pred: Callable[[], bool], timeout_s: float) -> bool:
+def _wait(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():
             return True
-        time.sleep(0.05)
+        time.sleep(step_s)
     return pred()
 
 
+def wait_record(progress: Progress, pred: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any] | None:
+    """The first record (logged so far or within ``timeout_s``) that ``pred`` accepts, else None."""
+    found = [r for r in progress.recs if pred(r)]
+    if found:
+        return found[0]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for r in progress.poll():
+            if pred(r):
+                return r
+        time.sleep(0.05)
+    return None
+
+
 Scenario = Callable[[Cluster, Injector], None]
+Until = Callable[[Progress], bool]
+RESTART_BOUND_S = 20.0  # a holder restarted at the end of the faults: imports (torch too) and registration
 
 
-def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 2.0) -> dict[str, Any]:
+def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 5.0, until: Until | None = None,
+        recovery_reads: int = 5) -> dict[str, Any]:
     """One history. ``scenario`` replaces the random injector with a scripted sequence of faults
-    (it gets the cluster and an injector for logging). After the faults stop and the nodes had
-    a lease to come back, readers go on for ``recovery_s``: reads failing then are counted as
-    ``recovery_failures`` (a fault whose effect outlives it)."""
+    (it gets the cluster and an injector for logging, and the run's progress). ``until`` ends the
+    faults once it says the work is done (it gets the run's :class:`Progress`); ``cfg.duration_s``
+    is then the hard bound, and without it the faults last that long.
+
+    After the faults stop, the run waits until every live holder has had a publish accepted again
+    (a clash's killed second process: until its lease has lapsed too), then readers go on until
+    each made ``recovery_reads`` reads or ``recovery_s`` passed: reads failing then are counted as
+    ``recovery_failures`` (a fault whose effect outlives it). Then the quiet period: readers stop,
+    holders unpublish what they hold, and it ends once every holder is drained and the masters
+    hold no lock and no entry (or nothing changed for a lease: a leak), within its bound."""
     assert cfg.workdir, "config.workdir is required"
     os.makedirs(cfg.workdir, exist_ok=True)
     rng = random.Random(cfg.seed)
     cl = Cluster(cfg)
     t_start = time.monotonic()
     stats: list[dict] = []
+    progress = Progress(os.path.join(cfg.workdir, "logs"), cfg)
+    until_met, run_s = False, 0.0
     try:
         cl.start_infra()
         log = OpLog(os.path.join(cfg.workdir, "logs", "harness.jsonl"), "harness")
         log.write("config", config=json.loads(cfg.to_json()))
-        for h in range(cfg.holders):
+        for h in range(cfg.holders + cfg.kv_holders):
             cl.start_holder(h)
-        for r in range(cfg.readers):
+        for r in range(cfg.readers + cfg.kv_readers):
             cl.start_reader(r)
         # Faults start once every process is up (torch and the connector halves take seconds to
         # import on a loaded machine): a holder whose first registration already met a fault
         # would spend the run unregistered and the scenario would test nothing.
         _wait(cl.all_started, 90)
-        inj = Injector(cl, log, rng)
+        inj = Injector(cl, log, rng, progress)
         t_run = time.monotonic()
         next_fault = t_run + rng.uniform(*cfg.fault_gap_s)
+        next_check = t_run
         if scenario is not None:
             scenario(cl, inj)
         while scenario is None and time.monotonic() - t_run < cfg.duration_s:
@@ -297,30 +330,65 @@ def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 
             if time.monotonic() >= next_fault:
                 inj.inject()
                 next_fault = time.monotonic() + rng.uniform(*cfg.fault_gap_s)
+            if until is not None and time.monotonic() >= next_check:
+                progress.poll()
+                if until(progress):
+                    until_met = True
+                    break
+                # The checker's cost grows with the history: its share of 2 busy cores stays small.
+                next_check = time.monotonic() + max(0.5, 10 * progress.report_s)
             time.sleep(0.02)
+        run_s = time.monotonic() - t_run
         # Faults stop: undo everything (restarts happen now), then readers stop.
         inj.run_due(flush=True)
         cl.thaw_all()
         for d in cl.live("dup"):
             d.proc.kill()
+            inj.dup_killed_at = time.monotonic()
         log.write("faults_stopped")
-        time.sleep(cfg.lease_ttl_s + cfg.master_timeout_s)  # re-registration and re-publish
+        t_stopped = time.time()
+        back: set[str] = set()
+
+        def holders_back() -> bool:
+            for r in progress.poll():
+                if r["op"] in ("publish", "republish") and r.get("ok") and r["t0"] >= t_stopped:
+                    back.add(r["proc"])
+            gone = {r["proc"] for r in progress.recs if r["op"] == "superseded"}
+            return (time.monotonic() >= inj.dup_killed_at + cfg.lease_ttl_s + cfg.master_timeout_s
+                    and all(p.name in back or p.name in gone for p in cl.live("holder")))
+        _wait(holders_back, cfg.lease_ttl_s + cfg.master_timeout_s + RESTART_BOUND_S, 0.1)
         log.write("recovery_window")
-        time.sleep(recovery_s)
+        t_window = time.time()
+        reads: dict[str, int] = {}
+
+        def readers_read() -> bool:
+            for r in progress.poll():
+                if r["op"] in ("read", "kvread") and r["lookup_t0"] >= t_window:
+                    reads[r["proc"]] = reads.get(r["proc"], 0) + 1
+            return all(reads.get(p.name, 0) >= recovery_reads for p in cl.live("reader"))
+        _wait(readers_read, recovery_s, 0.1)
         cl.touch("stop")
         _wait(lambda: not cl.live("reader"), 3 * (cfg.master_timeout_s + cfg.read_timeout_s) + 10)
         # Quiet period: every retention, lock and lease runs out; holders unpublish as usual. It
-        # ends early once the masters have been empty for a second (a leak waits it out in full).
+        # ends once every holder is drained (holds nothing, and publishes nothing once stopped) and
+        # the masters hold no lock and no entry; with locks gone and nothing changing for a lease
+        # (a dead process's registration lapses within it) whatever is left is a leak.
         quiet = cfg.retention_s[1] + cfg.lock_ttl_s + cfg.lease_ttl_s + 3.0 + cfg.master_timeout_s
-        t_quiet, empty_since = time.monotonic(), None
-        time.sleep(cfg.retention_s[1])
+        t_quiet, drained = time.monotonic(), set()
+        last: tuple | None = None
+        same_since = time.monotonic()
         while time.monotonic() - t_quiet < quiet:
+            drained |= {r["proc"] for r in progress.poll() if r["op"] == "drained"}
             st = cl.master_stats()
-            empty = bool(st) and all(x.get("locks") == 0 and x.get("entries") == 0 for x in st)
-            empty_since = (empty_since or time.monotonic()) if empty else None
-            if empty_since is not None and time.monotonic() - empty_since >= 1.0:
+            snap = tuple((x.get("locks"), x.get("entries")) for x in st)
+            if snap != last:
+                last, same_since = snap, time.monotonic()
+            settled = (bool(st) and all(x.get("locks") == 0 for x in st)
+                       and all(p.name in drained for p in cl.live("holder")))
+            if settled and (all(x.get("entries") == 0 for x in st)
+                            or time.monotonic() - same_since >= cfg.lease_ttl_s + cfg.master_timeout_s):
                 break
-            time.sleep(0.25)
+            time.sleep(0.1)
         stats = cl.master_stats()
         log.write("master_stats", stats=stats)
         cl.touch("exit")
@@ -332,4 +400,6 @@ def run(cfg: ChaosConfig, scenario: Scenario | None = None, recovery_s: float = 
         cl.close()
     report = checker.check(os.path.join(cfg.workdir, "logs"), cfg, stats)
     report["wall_s"] = round(time.monotonic() - t_start, 1)
+    report["run_s"] = round(run_s, 1)
+    report["until_met"] = until_met
     return report

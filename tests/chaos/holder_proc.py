@@ -17,7 +17,12 @@ Moves (``move_p``) re-point a held key at a copy in one of the holder's host blo
 real holder moves a chunk to its host tier: the copy is written first, every publish numbered so far is
 fenced, the new location is published, and the old block is freed only once the master accepted;
 a reader's lock on the old location makes the master refuse, and both blocks stay held.
-``--unsafe-move`` (config.unsafe_move) frees the old block after a refusal too.
+``--unsafe-move`` (config.unsafe_move) frees the old block after a refusal too. With
+``reuse_at_once`` a block a move freed is rewritten for another key and published right away, so
+a reader still locked on it (after a refusal the broken holder ignored) reads another key for certain.
+
+Once stopped, a holder logs ``drained`` when it holds nothing any more: the harness's quiet
+period ends on that, not on a fixed wait.
 """
 
 from __future__ import annotations
@@ -248,8 +253,32 @@ class Holder:
                 h.block, h.gen = new_block, new_gen
                 self._free_block(old_block)
                 self.log.write("free", entries=[(k, old_block, old_gen)], why="moved")
+                reuse = self._reuse_locked(old_block, outcome) if self.cfg.reuse_at_once else None
             else:
                 self._free_block(new_block)
+                return
+        if reuse is not None:
+            entry, retain = reuse
+            self._send_publish([entry], [entry[0]], retain)
+
+    def _reuse_locked(self, b: int, outcome: str) -> tuple[tuple[str, int, int], float] | None:
+        """``reuse_at_once``: block ``b``, just freed by a move, written for a key not held and held
+        (the caller publishes it), as the next publish would sooner or later. Logged with the
+        move's outcome: a reuse after a "pinned" one is the broken holder's."""
+        names = [key_name(p, c) for p in range(self.cfg.prompts) for c in range(self.cfg.chunks)]
+        names = [n for n in names if n not in self.held]
+        if not names or b not in self.free:
+            return None
+        self.free.remove(b)
+        name = self.rng.choice(names)
+        self.gen += 1
+        write_block(self.pool, b, stamp_of(self.holder, self.inc, b, self.gen))
+        self.log.write("write", key=name, block=b, gen=self.gen, holder=self.holder, inc=self.inc, reuse=outcome)
+        now, retain = time.monotonic(), self.rng.uniform(*self.cfg.retention_s)
+        h = self.held[name] = Held(b, self.gen, now + retain)
+        if self.cfg.unsafe_free:
+            h.early_free_at = now + self.rng.uniform(0.0, retain)
+        return (name, b, self.gen), retain
 
     def republish(self) -> None:
         """After re-registration (session thread): held keys with the retention they have left."""
@@ -366,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(cfg.dup_start_delay_s)
     log = OpLog(args.log, args.name)
     fds0, threads0 = open_fds(), threading.active_count()
-    if cfg.kv:
+    if cfg.holder_is_kv(args.holder):
         from tests.chaos.kv_holder import KVHolder  # imports this module
 
         h: Holder = KVHolder(cfg, args.holder, args.node_id, args.inc, log, args.master)
@@ -376,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     log.write("start", node=args.node_id, holder=args.holder, inc=args.inc, fds=fds0, threads=threads0,
               registered=h.session.registered)
     stopping_since: float | None = None
+    drained = False
     while not ctl(cfg.workdir, "exit"):
         stopping = ctl(cfg.workdir, "stop")
         if stopping and stopping_since is None:
@@ -385,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         if not stopping and h.rng.random() < cfg.move_p:
             h.move()
         h.reap()
+        if stopping and not drained and h.census()["held_keys"] == 0:
+            # Nothing held and nothing new once stopped: the harness's quiet period waits for this.
+            drained = True
+            log.write("drained")
         time.sleep(h.rng.uniform(*cfg.op_gap_s) if not stopping else 0.05)
     census = h.census()
     h.session.stop(deregister=True)

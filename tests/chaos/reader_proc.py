@@ -92,8 +92,10 @@ class Reader:
         rec: dict[str, Any] = {"lock": r.lock_id, "ttl": ttl, "kind": kind, "locations": locs,
                                "lookup_t0": t.w0}
         self.buf[: len(locs)] = 0  # nothing left over from an earlier read can pass as this one
-        if sleep_before:
-            time.sleep(sleep_before)
+        if sleep_before:  # a slow reader: it reads at once when the run stops (the quiet period waits for it)
+            until = time.monotonic() + sleep_before
+            while time.monotonic() < until and not ctl(cfg.workdir, "stop"):
+                time.sleep(min(0.05, max(until - time.monotonic(), 0.0)))
         t = Timed()
         err = None
         handles = []
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ChaosConfig.from_json(f.read())
     log = OpLog(args.log, f"reader{args.reader}")
     fds0, threads0 = open_fds(), threading.active_count()
-    if cfg.kv:
+    if cfg.reader_is_kv(args.reader):
         # The connector halves run without vLLM (its base classes fall back); importing it would
         # cost this process ~20 s of a loaded machine's time for nothing.
         sys.modules.setdefault("vllm", None)  # type: ignore[arg-type]
