@@ -5,14 +5,22 @@ any publish with seq <= N."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pdxfer.master import MasterClient, MasterError, MasterUnavailable
 
-from .conftest import keys_for, node_info
+from .conftest import keys_for, node_info, wait_until
 from .tcp_proxy import TcpProxy
+
+# The proxy holds a request 1.5 s; this bounds its arrival with room for a loaded box.
+LATE_ARRIVAL_S = 15.0
+
+
+def wait_fenced(client: MasterClient, count: int) -> None:
+    """Return once the master has refused ``count`` publishes as fenced: the late publish did
+    arrive and was refused (a publish that was merely slow, or never sent, never counts)."""
+    wait_until(lambda: client.stats()["publish_fenced"] >= count, LATE_ARRIVAL_S,
+               f"the master to refuse {count} late publish(es) as fenced")
 
 
 @pytest.fixture
@@ -35,7 +43,7 @@ def test_late_publish_after_unpublish_with_fence_is_refused(master, masters, slo
         slow.publish("h", [(k, [i]) for i, k in enumerate(keys)], epoch=reg.epoch, seq=5)
     # The holder gives up on everything it sent up to seq 5, removes the keys, frees the blocks.
     assert direct.unpublish_if_unlocked("h", keys, epoch=reg.epoch, fence_seq=5) == keys
-    time.sleep(2.0)  # the late publish has reached the master by now
+    wait_fenced(direct, 1)
     r = direct.lookup_and_lock(keys, reader="d")
     assert r.hit_chunks == 0, "a publish the holder gave up on was applied after it freed the blocks"
     assert direct.stats()["publish_fenced"] == 1
@@ -50,7 +58,7 @@ def test_fence_op_refuses_queued_publishes_up_to_seq(master, masters, slow_link)
     with pytest.raises(MasterUnavailable):
         slow.publish("h", [(keys[0], [1])], epoch=reg.epoch, seq=5)
     assert direct.fence("h", upto_seq=5, epoch=reg.epoch) == 5
-    time.sleep(2.0)
+    wait_fenced(direct, 1)
     assert direct.lookup_and_lock(keys[:1], reader="d").hit_chunks == 0
     # a publish at or below the fence is refused with a typed error naming both numbers
     with pytest.raises(MasterError, match="seq 4.*fence 5") as info:
