@@ -7,6 +7,9 @@ than the holder takes must each cost at most that connection, never the holder.
 
 from __future__ import annotations
 
+import errno
+import os
+import select
 import socket
 import time
 
@@ -52,20 +55,66 @@ def _closed_by_peer(s: socket.socket, within: float) -> bool:
         return True
 
 
+FD_LIMIT = 48  # the holder's RLIMIT_NOFILE: a few dozen readers exhaust it
+# What the holder logs when accept() fails for want of descriptors (server.py's accept loop).
+EMFILE_WARNING = f"accept failed ([Errno {errno.EMFILE}]"
+
+
+class _Stderr:
+    """A child's stderr as it comes, read without blocking: what the holder logged so far."""
+
+    def __init__(self, proc) -> None:
+        self.fd = proc.stderr.fileno()
+        self.text = ""
+
+    def take(self) -> None:
+        """Read what is there now (call when select() says the fd is readable)."""
+        self.text += os.read(self.fd, 65536).decode(errors="replace")
+
+
+def _challenged_or_out_of_fds(s: socket.socket, err: _Stderr, timeout: float) -> bool:
+    """True once the holder sent ``s`` its challenge (it accepted ``s``), False once it logged an
+    accept failing with EMFILE; whichever comes first, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"neither a challenge nor EMFILE within {timeout}s; holder stderr: {err.text[-2000:]}"
+        ready, _, _ = select.select([s, err.fd], [], [], left)
+        if err.fd in ready:
+            err.take()
+        if EMFILE_WARNING in err.text:
+            return False
+        if s in ready:
+            return True
+
+
 def test_holder_keeps_serving_after_running_out_of_file_descriptors(procs):
-    holder = start_holder("tcp", prefix_cmd=["prlimit", "--nofile=48:48"])
+    holder = start_holder("tcp", prefix_cmd=["prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}"])
     procs.append(holder.proc)
     info = parse_metadata(holder.meta)
-    flood = []
-    for _ in range(80):  # more than the holder can accept: its accept() hits EMFILE
-        try:
-            flood.append(_connect(info))
-        except OSError:
-            break
-    time.sleep(1.0)
-    for s in flood:
-        s.close()
-    time.sleep(0.5)
+    err = _Stderr(holder.proc)
+    kept: list[socket.socket] = []
+    try:
+        # Authenticated readers keep their descriptors (no hello deadline cuts them), so each one
+        # takes one more of the holder's until its accept() fails with EMFILE. The connection it
+        # could not take stays in the listen backlog.
+        for _ in range(FD_LIMIT):
+            s = _connect(info)
+            kept.append(s)
+            if not _challenged_or_out_of_fds(s, err, 10):
+                break
+            _hello(s, info)
+        else:
+            raise AssertionError(f"{FD_LIMIT} readers never made the holder's accept() fail with EMFILE")
+        stuck = kept.pop()
+        assert holder.proc.poll() is None, "the holder died of EMFILE"
+    finally:
+        for s in kept:
+            s.close()
+    # Descriptors came back: the connection accept() failed on is taken and admitted ...
+    _hello(stuck, info)
+    stuck.close()
+    # ... and the holder goes on serving new readers.
     still_serves(holder)
 
 
