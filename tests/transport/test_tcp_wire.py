@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import zlib
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from pdxfer.transport.base import (
     TransportError,
 )
 from pdxfer.transport.tcp import TcpTransport, parse_metadata
+from pdxfer.transport.tcp.connection import is_stale
 
 from .conftest import MiB, freeze, start_holder, stop
 
@@ -331,27 +333,54 @@ def test_no_byte_lands_after_a_cancel_that_caught_a_part_reconnecting(procs):
     handle say it has stopped."""
     holder = start_holder("tcp", opts={"idle_timeout": 0.3})
     procs.append(holder.proc)
+    port = parse_metadata(holder.meta).port
     dst = np.zeros(1 * MiB, dtype=np.uint8)
     t = TcpTransport(connections=1, io_timeout=10.0)
     try:
-        from pdxfer.transport.base import RegisteredRegion
-
         t.register([RegisteredRegion(0, dst.ctypes.data, dst.nbytes)])
         peer = t.connect(holder.meta, timeout=10)
-        time.sleep(1.0)  # the holder has cut the idle connection by now
+        conn = t._peers[peer].conns[0]
+        old = conn.sock
+        _wait(lambda: is_stale(old), 10, "the holder to cut the idle connection")
         freeze(holder.proc.pid)
+        assert _accept_backlog(port) == 0
         h = t.read(peer, TransferPlan((TransferRun(0, 0, 0, 0, 1 * MiB),), 1))
-        time.sleep(0.3)  # the part is inside its reconnect, waiting for the frozen holder's hello
+        # The part's new connection waits in the frozen holder's accept queue: it is inside its
+        # reconnect, waiting for the hello, when the cancel comes.
+        _wait(lambda: _accept_backlog(port) == 1, 10, "the part to reconnect to the frozen holder")
+        assert h.poll() is ReadState.PENDING and conn.sock is None
         h.cancel(timeout=0.5)
         os.kill(holder.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while h.poll() is ReadState.PENDING and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait(lambda: h.poll() is not ReadState.PENDING, 10, "the cancelled read to settle")
         assert h.poll() is ReadState.CANCELLED
-        time.sleep(1.0)  # give a late receive every chance to land
+        # The connection's queue runs one task at a time: once this one ran, the part is over,
+        # whatever the handle said, so a late receive would have landed by now.
+        conn.queue.submit(lambda: None).result(timeout=10)
         assert not dst.any(), "bytes landed after the read was cancelled"
+        # The transport goes on: the next read to the holder is exact.
+        assert t.read(peer, TransferPlan((TransferRun(0, 0, 0, 0, 4096),), 1)).wait(10) is ReadState.DONE
+        assert np.array_equal(dst[:4096], pattern(0, 4096))
     finally:
         t.close()
+
+
+def _wait(pred: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.01)
+
+
+def _accept_backlog(port: int) -> int:
+    """Connections queued on the listening socket of 127.0.0.1:``port`` that nobody accepted
+    yet (the kernel's accept queue: /proc/net/tcp's rx_queue of a LISTEN socket)."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if state == "0A" and int(local.split(":")[1], 16) == port:
+                return int(queues.split(":")[1], 16)
+    raise AssertionError(f"no listening socket on port {port}")
 
 
 def test_many_concurrent_reads_on_few_connections_all_finish(procs):
