@@ -121,9 +121,12 @@ def test_a_readers_lock_on_the_device_entry_makes_the_move_wait(host_holder):
     ids = h.finish("p", toks)
     jobs = h.step_jobs()
     h.answer(done=jobs)
+    refused0 = h.client.stats()["publish_refused"]
     lock = h.client.lookup_and_lock(h.keys(toks), "reader", lock_ttl_s=5.0)
     assert lock.hit_chunks == 2 and [list(x.block_ids) for x in lock.locations] == [ids[0:2], ids[2:3]]
-    time.sleep(1.5)  # retention over, moves refused (pinned) at least once
+    # Retention over, the holder tries the move: the master refuses re-pointing both pinned keys.
+    wait_until(lambda: h.client.stats()["publish_refused"] >= refused0 + 2,
+               "the master never refused the move of the pinned chunks", 5)
     h.sched.drain_frees()
     assert h.sched.held_chunks == 2 and h.sched.holder.host_chunks == 0
     assert h.pool.get_num_free_blocks() == free0 - 3  # device blocks still held under the lock
@@ -176,11 +179,13 @@ def test_a_full_host_pool_evicts_the_oldest_host_chunk_before_reusing_its_slots(
     wait_until(lambda: h.sched.holder.host_chunks == 2, "a never moved to the host tier", 5)
     slots_a = {s for j in jobs_a for s in j.host_slots}
     # A reader pins a's host entries: eviction is refused, so nothing may take their slots.
+    refused0 = h.client.stats()["unpublish_refused"]
     lock = h.client.lookup_and_lock(h.keys(a), "reader", lock_ttl_s=5.0)
     assert [list(x.block_ids) for x in lock.locations] == _host_ids(jobs_a)
     h.finish("b", _tokens(C + 3, 12))
     assert h.step_jobs() == []  # no free slot
-    time.sleep(0.5)
+    wait_until(lambda: h.client.stats()["unpublish_refused"] >= refused0 + 2,
+               "the master never refused evicting the pinned host chunks", 5)
     h.finish("c", _tokens(C + 3, 13))
     assert h.step_jobs() == [] and h.sched.stats.host_evictions == 0 and h.sched.holder.host_chunks == 2
     assert h.client.release(lock.lock_id, all_parties=True)
