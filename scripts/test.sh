@@ -8,7 +8,7 @@
 #   scripts/test.sh deploy     Kubernetes manifests (offline schemas), systemd units, Dockerfiles (seconds)
 #   scripts/test.sh vllm       real `vllm serve` prefill/decode pairs on CPU (minutes)
 #   scripts/test.sh rdma       soft-RoCE QEMU guest: NIXL/UCX rc_verbs READs between two rxe devices (root)
-#   scripts/test.sh chaos      holders, readers, masters, etcd under injected faults + history checker (~4 min)
+#   scripts/test.sh chaos      holders, readers, masters, etcd under injected faults + history checker (~2.5 min)
 #   scripts/test.sh monitoring promtool on deploy/monitoring's rules, alert tests and config; a real Prometheus
 #                              scraping a live master, pair and proxy, every dashboard query answered (~1 min)
 #   scripts/test.sh gpu        the prepared GPU check (tests/gpu/check.py; not part of `all`): on a machine
