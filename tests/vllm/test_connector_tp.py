@@ -58,7 +58,10 @@ class Engine:
             hs = rank_heads(HEADS, tp, r)
             self.phys.append(encode(fmt, logical[:, :, :, :, hs.first:hs.end]))
             self.layouts.append(describe(fmt, self.phys[r], block_size))
-        self.cfg = parse_extra_config({"master": master_addr, "transport": "tcp", "publish_wait_s": 2.0, **extra})
+        # No test here freezes a holder: generous read bounds, so a converting read on a loaded
+        # box (0.69 s once, past the 0.5 s default floor) is not given up as a frozen holder's.
+        self.cfg = parse_extra_config({"master": master_addr, "transport": "tcp", "publish_wait_s": 2.0,
+                                       "read_timeout_floor_s": 10.0, "load_timeout_s": 20.0, **extra})
         self.pool = BlockPool(NB, True, block_size)
         lay0 = self.layouts[0]
         self.sched = SchedulerSide(self.cfg, engine_id=name, model_id="tiny", layout_fingerprint=lay0.fingerprint(),
