@@ -65,8 +65,8 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep 
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   # pdxfer's editable install may point at another checkout that shares this venv.
-  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  if ! grep -qsF "$PWD/pdxfer" "$site"/__editable__*pdxfer*finder.py "$site"/__editable__*pdxfer*.pth 2>/dev/null; then
+  . scripts/venv_editable.sh
+  if ! editable_points_here "$VENV" "$PWD"; then
     log "pdxfer (editable) from $PWD into the cached $VENV"
     pip install --no-deps --no-build-isolation -e .
   fi
