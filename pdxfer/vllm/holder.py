@@ -62,6 +62,8 @@ class _Held:
     no_move: bool = False  # never move (never published from the device, or a move errored)
     moving: bool = False  # a move is queued on the publisher thread
     gen: int = 0  # bumped by every refresh: a move decided before one keeps the device blocks
+    last_seq: int = 0  # the publish sequence number of the newest publish queued for it
+    leaving: bool = False  # an unpublish of it is under way: nothing may publish it again meanwhile
 
 
 # How fast the room kept for the largest recent request shrinks (per request) when requests get
@@ -265,11 +267,15 @@ class HolderPath:
         # retention when its unpublish returns, so a refreshed chunk is never freed under it.
         refresh: list[tuple[bytes, tuple[int, ...]]] = []
         with self._lock:
+            # Sequence number and registration are fixed now, when the publish is queued: a fence
+            # (every free goes through one) or a newer registration then refuses it wherever it is.
+            seq = self._hot.next_publish_seq(self.node_id)
             for k in keys:
                 h = self._held.get(k)
                 if h is not None:
                     h.retain_until, h.retention_end = now + retain, 0.0
                     h.gen += 1
+                    h.last_seq = seq
                     self._held.move_to_end(k)
                     refresh.append((k, h.blocks))
         if not new and not refresh:
@@ -281,7 +287,7 @@ class HolderPath:
             if write_seq > 0 and self._fence is not None:
                 self._awaiting_fence.update(k for k, _ in new)
             for k, b in new:
-                self._held[k] = _Held(b, now + retain)
+                self._held[k] = _Held(b, now + retain, last_seq=seq)
                 for x in b:
                     self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
             host_wanted = self._queue_offloads(new) if host_ok else 0
@@ -289,9 +295,6 @@ class HolderPath:
         if host_wanted:
             self._evict_host_async(host_wanted)
         entries = [(k, list(b)) for k, b in refresh + new]
-        # Sequence number and registration are fixed now, when the publish is queued: a fence
-        # (every free goes through one) or a newer registration then refuses it wherever it is.
-        seq = self._hot.next_publish_seq(self.node_id)
         reg = self._hot.registration(self.node_id)
         fut = self._publisher.submit(self._send_publish, entries, [k for k, _ in new], len(refresh), retain,
                                      seq, reg.epoch if reg is not None else None, req_id, write_seq)
@@ -312,8 +315,13 @@ class HolderPath:
         fenced = self._fenced(req_id, write_seq)
         with self._lock:
             self._awaiting_fence.difference_update(new_keys)
+            # Only what is still held on the same blocks: a pressure reclaim queued before this
+            # publish (on this thread) may have let a refreshed chunk go.
+            entries = [(k, b) for k, b in entries if self._still_held(k, b)]
         if not fenced:
-            self._due_now(new_keys)  # never published: the reaper frees them at once
+            self._due_now(new_keys, seq)  # never published: the reaper frees them at once
+            return
+        if not entries:
             return
         delay = test_hook_float("publish_delay_s")  # tests: a publish slower than the decode's lookup
         if delay:
@@ -323,14 +331,17 @@ class HolderPath:
                 accepted = self._hot.publish(self.node_id, entries, retention_s=retain, seq=seq, epoch=epoch)
             except PublishFenced:
                 # A free elsewhere fenced everything queued before it, this publish too. What we
-                # still hold may be published again under a new number: a later free fences that.
+                # still hold, and no unpublish is taking, may be published again under a new
+                # number taken in the same critical section: a free that picks a chunk after
+                # this fences the retry, one that picked it before is skipped here.
                 with self._lock:
-                    entries = [(k, b) for k, b in entries
-                               if k in self._held and list(self._held[k].blocks) == list(b)]
+                    entries = [(k, b) for k, b in entries if self._still_held(k, b, seq, settled=True)]
+                    retry_seq = self._hot.next_publish_seq(self.node_id)
+                    for k, _ in entries:
+                        self._held[k].last_seq = retry_seq
                 if not entries:
                     return
-                accepted = self._hot.publish(self.node_id, entries, retention_s=retain,
-                                             seq=self._hot.next_publish_seq(self.node_id), epoch=epoch)
+                accepted = self._hot.publish(self.node_id, entries, retention_s=retain, seq=retry_seq, epoch=epoch)
         except MasterUnavailable as exc:
             # A timeout may hide an applied publish: keep the blocks as if published, so the
             # reaper unpublishes (or, failing that, frees) them through the normal path.
@@ -341,7 +352,7 @@ class HolderPath:
             # re-publish these held keys meanwhile, so they are not freed here: the reaper's
             # fenced unpublish decides, at once.
             self._publish_log.fail(exc)
-            self._due_now(new_keys)
+            self._due_now(new_keys, seq)
             return
         except Exception as exc:
             # Unknown outcome, as for a timeout: keep the blocks; the reaper unpublishes them.
@@ -369,11 +380,21 @@ class HolderPath:
                     req_id, write_seq, self.cfg.publish_fence_wait_s, self._fence.slots())
         return False
 
-    def _due_now(self, keys: Iterable[bytes]) -> None:
+    def _still_held(self, key: bytes, blocks: Sequence[int], seq: int = 0, settled: bool = False) -> bool:
+        """Whether ``key`` is held on ``blocks`` (under _lock); ``seq``: and the publish numbered
+        ``seq`` is still its newest (a later one publishes it itself); ``settled``: and no unpublish
+        is under way for it."""
+        h = self._held.get(key)
+        return (h is not None and list(h.blocks) == list(blocks) and (not seq or h.last_seq == seq)
+                and not (settled and h.leaving))
+
+    def _due_now(self, keys: Iterable[bytes], seq: int) -> None:
+        """The publish numbered ``seq`` never stored ``keys``: the reaper frees them at once,
+        except those a later publish (a refresh queued behind it) covers now."""
         with self._lock:
             for k in keys:
                 h = self._held.get(k)
-                if h is not None:
+                if h is not None and h.last_seq == seq:
                     h.retain_until = 0.0
                     h.no_move = True  # the master never had its device entry: nothing to move
             self._wake.notify()
@@ -426,6 +447,7 @@ class HolderPath:
             self._reclaiming = True
             moves = self._mark_moving(candidates)
             candidates = [k for k in candidates if k not in moves]
+            self._mark_leaving(candidates)
 
         def run() -> None:
             try:
@@ -437,6 +459,7 @@ class HolderPath:
             finally:
                 with self._lock:
                     self._reclaiming = False
+                    self._mark_leaving(candidates, False)
             self.stats.pressure_reclaims += len(done) + len(moved)
             self._forget(done)
 
@@ -446,6 +469,7 @@ class HolderPath:
         except RuntimeError:  # closing
             with self._lock:
                 self._reclaiming = False
+                self._mark_leaving(candidates, False)
                 for k in moves:
                     h = self._held.get(k)
                     if h is not None:
@@ -539,11 +563,20 @@ class HolderPath:
                 h = self._held[k]
                 h.retention_end = h.retention_end or now
             due = [k for k in due if k not in moves]
+            self._mark_leaving(due)
         assert self.node_id is not None
         if moves:
             self._submit_move(moves)
             if not due:
                 return False
+        try:
+            return self._unpublish_due(due, now)
+        finally:
+            with self._lock:
+                self._mark_leaving(due, False)
+
+    def _unpublish_due(self, due: list[bytes], now: float) -> bool:
+        """The reaper's unpublish of chunks past their retention (marked leaving); True when closing."""
         try:
             done = self._unpublish(self._bg, due)
             self._master_unreachable_since = None
@@ -648,6 +681,15 @@ class HolderPath:
                     h.job_id, h.host = 0, None
             # Failed, or its chunk was let go meanwhile: the master never pointed at these slots.
             self._host.free(o.job.host_slots)
+
+    def _mark_leaving(self, keys: Iterable[bytes], leaving: bool = True) -> None:
+        """Mark (under _lock) the chunks an unpublish is about to take, or took: a re-publish or a
+        retry that sees the mark leaves them out, one that does not ran before the mark and so
+        took a sequence number the unpublish's fence covers."""
+        for k in keys:
+            h = self._held.get(k)
+            if h is not None:
+                h.leaving = leaving
 
     @staticmethod
     def _movable(h: _Held) -> bool:
@@ -810,24 +852,37 @@ class HolderPath:
                 pass
         now = time.monotonic()
         groups: dict[int, list[tuple[bytes, list[int]]]] = {}
+        if self.node_id is None:
+            return
         with self._lock:
+            # One sequence number for every group, taken with the snapshot: an unpublish (pressure
+            # reclaim, host move) that takes a chunk after this fences the groups still unsent;
+            # one that took it before marked it, and the snapshot leaves it out.
+            seq = self._bg.next_publish_seq(self.node_id)
             for k, h in self._held.items():
                 if h.retention_end:  # already past retention: must not be served again
                     continue
                 if k in self._awaiting_fence:  # its own publish follows once the writes are confirmed
                     continue
+                if h.leaving or h.moving:  # an unpublish or a host move is taking it
+                    continue
                 left = int(h.retain_until - now)  # rounded down to whole seconds: few calls
                 # Only chunks the reaper cannot pick up while this publish may still be in flight.
                 if left >= self.cfg.master_timeout_s + 1:
                     groups.setdefault(left, []).append((k, list(h.blocks)))
-        if not groups or self.node_id is None:
+        if not groups:
             return
         n = total = 0
         try:
             for left, entries in sorted(groups.items()):
                 total += len(entries)
-                n += self._bg.publish(self.node_id, entries, retention_s=float(left))
+                n += self._bg.publish(self.node_id, entries, retention_s=float(left), seq=seq)
             log.info("pdxfer: re-published %d/%d held chunks after re-registration", n, total)
+        except PublishFenced:
+            # An unpublish took some of these chunks meanwhile; the rest are published again by
+            # their next refresh (or unpublished by the reaper as usual).
+            log.info("pdxfer: re-publish after re-registration stopped at %d/%d chunks: an unpublish "
+                     "fenced it", n, total)
         except MasterError as exc:
             log.warning("pdxfer: re-publish after re-registration failed: %s", exc)
 
