@@ -45,6 +45,8 @@ log = logging.getLogger("pdxfer.vllm.worker")
 _INLINE_RELEASE_WAIT_S = 0.003
 # Rounds of re-pulls per load: each skips every holder that failed before it.
 _MAX_REPULL_ROUNDS = 2
+# Master calls off the step path at once (validations, re-pull lookups, unused-lock releases).
+_MASTER_CALL_THREADS = 4
 # Until a holder's first load is seen: low for any transport pdxfer runs on, so the first read's
 # bound is generous (4 MiB -> 0.5 s + 0.34 s).
 _ASSUMED_BANDWIDTH = 50e6
@@ -181,7 +183,9 @@ class WorkerSide:
         # holder (node id, what it announced) -> this rank's routes to it, or why it cannot read it
         self._routes: dict[tuple[str, str], list[Route] | str] = {}
         self._connect_pool = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-connect")
-        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-validate")
+        # Validations, re-pull lookups and unused-lock releases: several at once, so loads that end
+        # together against a slow master do not queue one master call behind another.
+        self._releaser = ThreadPoolExecutor(_MASTER_CALL_THREADS, thread_name_prefix="pdxfer-validate")
         self._inflight: dict[str, _Inflight] = {}
         self._done_ok: set[str] = set()
         self._load_errors: set[int] = set()
@@ -600,11 +604,15 @@ class WorkerSide:
             else:
                 wait = 0.0
             try:
-                valid = bool(inf.validation.result(timeout=wait))
+                try:
+                    valid = bool(inf.validation.result(timeout=wait))
+                except FutureTimeout:
+                    if time.monotonic() < self._validation_deadline(inf):
+                        continue
+                    inf.validation.cancel()  # if still queued; an answer arriving later is ignored
+                    raise TimeoutError(f"no answer within {self._validation_deadline(inf) - inf.validating_since:.2f} s")
                 if not valid and not inf.round_failed:
                     inf.error = "lock expired during the read (master refused the release)"
-            except FutureTimeout:
-                continue
             except Exception as exc:
                 valid = False
                 inf.error = f"release failed, bytes cannot be validated: {exc}"
@@ -633,6 +641,11 @@ class WorkerSide:
             "failed": inf.round_failed, "incomplete": incomplete,
             "reads": [{"node": r.node_id, "local": list(r.local_blocks), "staged": bool(r.remote_block_size),
                        "start": r.start, "tokens": r.num_tokens} for r in inf.spec.reads]})
+
+    def _validation_deadline(self, inf: _Inflight) -> float:
+        """When a load stops waiting for the master's word on its lock (and is recomputed): its
+        load bound, but never less than one master call after the release was asked."""
+        return max(inf.load_started + self.cfg.load_timeout_s, inf.validating_since + self.cfg.lookup_timeout_s)
 
     def _past_load_bound(self, inf: _Inflight) -> bool:
         """A re-pull round lives within its load's load_timeout_s, counted from the first post."""
