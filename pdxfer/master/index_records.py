@@ -119,11 +119,18 @@ class PublishedRun:
 
     @staticmethod
     def leave(entry: Entry) -> None:
-        """``entry`` is removed or set again: its run no longer stands for it."""
+        """``entry`` is removed or set again: its run no longer stands for it, nor for the others.
+
+        A broken run is never read again, so it lets go of everything at once: otherwise one
+        surviving entry of a 512-chunk publish would keep the 511 removed entries, their keys and
+        block ids alive, counted by neither ``max_entries`` nor the held blocks."""
         run = entry.run
-        if run is not None:
-            run.live -= 1
-            entry.run = None
+        if run is None:
+            return
+        entry.run = None
+        for other in run.entries:
+            other.run = None
+        run.entries, run.keys, run.blocks, run.live = [], b"", b"", -1
 
 
 @dataclass

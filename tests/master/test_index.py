@@ -160,3 +160,30 @@ def test_retention_ends_a_run_after_a_longer_held_publish():
     ix.publish("a", [(keys[2], pack_u32([200, 201]))], 1.0, now=0.0)
     assert ix.lookup_and_lock(keys[:4], "r", 5.0, now=0.5).hit == 4
     assert ix.lookup_and_lock(keys[:4], "r", 5.0, now=2.0).hit == 2
+
+
+def test_a_run_with_its_keys_unpublished_keeps_nothing_of_them_alive():
+    """One publish of 512 chunks, 511 of them unpublished (a host LRU evicting all but one hot
+    chunk): the survivor must not pin the run's removed entries, keys and block ids."""
+    import gc
+    import tracemalloc
+
+    ix = ChunkIndex()
+    keys = keys_for("p", 512)
+    ix.register("a", "{}", 60.0, now=0.0)
+    tracemalloc.start()
+    try:
+        ix.publish("a", [(k, pack_u32(list(range(8 * i, 8 * i + 8)))) for i, k in enumerate(keys)], None, now=0.0)
+        gc.collect()
+        published = tracemalloc.get_traced_memory()[0]
+        assert ix.unpublish_if_unlocked("a", keys[1:], now=1.0) == list(range(511))
+        gc.collect()
+        left = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    # What stays is the node's dict table (a dict never shrinks) and the one survivor: before, the
+    # run kept two thirds of the publish alive (155 of 236 kB here).
+    assert left < published / 4, f"{left} B still allocated of {published} B after 511 of 512 entries went"
+    out = ix.lookup_and_lock(keys[:1], "r", 5.0, now=2.0)
+    assert out.hit == 1 and unpack_u32(out.blocks) == list(range(8)), "the survivor is served as before"
+    assert ix.nodes["a"].entries[keys[0]].run is None
