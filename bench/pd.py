@@ -79,7 +79,7 @@ from bench.pd_util import (
     settle,
 )
 from pdxfer.procs import default_run_dir
-from pdxfer.vllm.phase_times import PHASES
+from pdxfer.contracts.phase_times import PHASES
 from pdxfer.transport import KINDS
 from pdxfer.serve.launch import split_cores
 
@@ -113,7 +113,7 @@ def _decode_delta(run: Running, before: dict[str, float], requests: int) -> dict
            "tokens_loaded_per_request": round(delta(after, before, tokens) / requests, 1),
            "external_hits_per_request": round(delta(after, before, EXTERNAL_HITS) / requests, 1)}
     if run.name in ("pdxfer", "interleaved"):
-        # Where the decode's TTFT went (pdxfer.vllm.phase_times): mean ms per request.
+        # Where the decode's TTFT went (pdxfer.contracts.phase_times): mean ms per request.
         out["phases_ms"] = {p: round(1000 * delta(after, before, f"vllm:pdxfer_phase_{p}_seconds_sum") / requests, 3)
                             for p in PHASES}
     return out

@@ -15,8 +15,8 @@ from pathlib import Path
 from pdxfer.master.metrics import MASTER_METRICS
 from pdxfer.metric_defs import MetricDef
 from pdxfer.serve.proxy_metrics import PROXY_METRICS
-from pdxfer.vllm.connector_metric_defs import CONNECTOR_METRICS
-from pdxfer.vllm.phase_times import PHASE_MEANINGS, PHASES
+from pdxfer.contracts.connector_metric_defs import CONNECTOR_METRICS
+from pdxfer.contracts.phase_times import PHASE_MEANINGS, PHASES
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 

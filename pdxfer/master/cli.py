@@ -16,9 +16,9 @@ import uvloop
 
 from pdxfer.cli_common import EXIT_INTERRUPTED, EXIT_OK, LOG_FORMAT, HelpFormatter, add_log_level
 from pdxfer.master import etcd_layout, etcd_security, master_tls
-from pdxfer.master.coordinator import coordinator_for
+from pdxfer.master.coordinator_choice import coordinator_for
 from pdxfer.ports import PortRange, PortSpecError, parse_port_spec
-from pdxfer.master.service import (
+from pdxfer.master.server import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,

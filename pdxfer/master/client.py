@@ -440,7 +440,7 @@ class MasterClient:
         unpinned (one per TP rank that reads under it; each release says whether the lock was
         valid when it arrived). ``skip`` (node id -> epoch; 0: every registration of the node) and
         ``transport``: holders this reader cannot use, never chosen (the result's ``epochs``
-        names each holder's registration). ``prefer_tier`` (pdxfer.master.tiers): where several
+        names each holder's registration). ``prefer_tier`` (pdxfer.contracts.tiers): where several
         holders hold a chunk, one holding it in this tier is chosen (the hit is as long either way)."""
         keys = list(keys)
         if not keys:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 from pdxfer.master import protocol as P
 
 if TYPE_CHECKING:
-    from pdxfer.master.service import MasterService
+    from pdxfer.master.server import MasterService
 
 log = logging.getLogger("pdxfer.master")
 

@@ -1,13 +1,14 @@
 """What the master needs beyond its in-memory index: leadership among replicas and a mirror of
-node membership. ``Coordinator`` is the interface the service uses; ``coordinator_for(url)``
-picks the backend by the URL's scheme:
+node membership. ``Coordinator`` is the interface the service uses;
+``pdxfer.master.coordinator_choice.coordinator_for(url)`` picks the backend by the URL's scheme:
 
     none / ""                        Standalone: one process, always leader, mirrors nothing
     etcd://HOST:PORT[,...]/PREFIX    EtcdCoordinator (etcd_coordinator.py): elected leader,
                                      membership keys under leases, degraded mode
 
 The hot path never waits on a coordinator: membership calls only queue work.
-A new backend: a class with this interface and one branch in ``coordinator_for``.
+A new backend: a class with this interface (in a module of its own, importing this one) and one
+branch in ``coordinator_for``.
 """
 
 from __future__ import annotations
@@ -86,18 +87,3 @@ class Standalone:
 
     def status(self) -> dict[str, Any]:
         return {"store": self.kind, "leader": True, "degraded": None}
-
-
-def coordinator_for(url: str | None, leader_ttl: float = 5.0, timeout_s: float = 1.0) -> Coordinator:
-    """The backend a URL names. ValueError naming the URL when its scheme or form is wrong,
-    ImportError when the backend's client library is missing."""
-    if not url:
-        return Standalone()
-    from pdxfer.master import etcd_layout
-
-    if url.startswith(etcd_layout.SCHEME):
-        target = etcd_layout.parse_etcd_url(url)
-        from pdxfer.master.etcd_coordinator import EtcdCoordinator  # needs aetcd: only when asked for
-
-        return EtcdCoordinator(target, leader_ttl, timeout_s)
-    raise ValueError(f"coordinator URL {url!r}: unknown scheme (none for standalone, or {etcd_layout.SCHEME}...)")

@@ -53,7 +53,7 @@ from pdxfer.master.index_records import (
     UnknownNodeError,
 )
 from pdxfer.master.protocol import unpack_u32_array
-from pdxfer.master.tiers import DEVICE_TIER, tier_of
+from pdxfer.contracts.tiers import DEVICE_TIER, tier_of
 
 INF = math.inf
 EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's bound of 2**62
@@ -62,7 +62,7 @@ _BLOCKS = operator.attrgetter("blocks")
 _HOLD = operator.attrgetter("hold_until")
 # What _run picks on one node: its entries, and their block ids joined in pieces.
 Picked = tuple[list[Entry], list[bytes]]
-# The connector's test-hook directory (pdxfer/vllm/config.py): the master reads one hook from it.
+# The connector's test-hook directory (pdxfer/contracts/connector_config.py): the master reads one hook from it.
 TEST_HOOKS_ENV = "PDXFER_TEST_HOOKS_DIR"
 TIE_HOOK = "tie_break_node"
 
@@ -316,7 +316,7 @@ class ChunkIndex:
         """``parties``: how many releases the lock expects (one per TP rank reading under it).
         ``skip`` (node id -> epoch, 0 = every registration) and ``transport``: holders the reader
         cannot use; none of them is chosen, as if it did not hold the chunks. ``prefer_tier``
-        (pdxfer.master.tiers; None: no preference): the tier this reader measured faster; where
+        (pdxfer.contracts.tiers; None: no preference): the tier this reader measured faster; where
         several holders hold chunk i, one holding it in that tier is taken, for as far as its run
         stays in the tier. The hit is as long either way (it ends where no usable holder holds a
         chunk); only where its chunks are read from changes. ``joined``: the keys joined, when the

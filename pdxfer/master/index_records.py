@@ -50,7 +50,7 @@ class Node:
                  transport: str | None = None, host_base: int | None = None) -> None:
         self.node_id = node_id
         self.transport = transport  # what it serves over; None: not said (a reader's filter lets it by)
-        # Its first host-tier block id (pdxfer.master.tiers); None: it has no host tier.
+        # Its first host-tier block id (pdxfer.contracts.tiers); None: it has no host tier.
         self.host_base = host_base
         self.info_json = info_json  # pre-encoded JSON object sent with every lookup that hits it
         self.ttl = ttl

@@ -18,7 +18,7 @@ from pdxfer.master.service_stats import stats
 from pdxfer.metric_defs import MetricDef
 
 if TYPE_CHECKING:
-    from pdxfer.master.service import MasterService
+    from pdxfer.master.server import MasterService
 
 # Metric name -> the key of the values dict (see scrape_values) that holds its value.
 SOURCES: dict[str, str] = {

@@ -24,7 +24,7 @@ import orjson
 from pdxfer.keys import KEY_BYTES
 from pdxfer.master import protocol as P
 from pdxfer.master.records import NodeInfo, RankEndpoint, Registration
-from pdxfer.master.tiers import TIERS
+from pdxfer.contracts.tiers import TIERS
 
 MAX_TTL_S = 3600.0  # node leases and reader locks
 MAX_RETENTION_S = 30 * 24 * 3600.0
@@ -360,7 +360,7 @@ class LookupRequest:
     # and the reader's transport (None: any): the master chooses no such holder.
     skip: dict[str, int] = field(default_factory=dict)
     transport: str | None = None
-    prefer_tier: str | None = None  # the tier the reader measured faster (pdxfer.master.tiers)
+    prefer_tier: str | None = None  # the tier the reader measured faster (pdxfer.contracts.tiers)
 
 
 def encode_lookup(joined_keys: bytes, reader: str, lock_ttl_s: float, have: dict[str, int],

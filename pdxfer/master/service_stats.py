@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdxfer.master.service import MasterService
+    from pdxfer.master.server import MasterService
 
 
 def stats(svc: MasterService) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from pdxfer.procs import (
 from pdxfer.serve.launch_status import ProcStatus, StatusDisplay, observe
 from pdxfer.serve.serve_shim import served_model_name, start_vllm
 from pdxfer.serve.tiny_model import make_tiny_model
-from pdxfer.vllm.spin import ENV as SPIN_ENV
+from pdxfer.contracts.spin import ENV as SPIN_ENV
 
 if TYPE_CHECKING:
     import argparse
@@ -226,7 +226,7 @@ def instances_share_cores(core_lists: Sequence[str | None]) -> bool:
 
 
 # Instances that share cores: vLLM's busy-wait sleeps this long instead of yielding (see
-# pdxfer/vllm/spin.py). Without it a decode waiting for its load starved the holder sharing its
+# pdxfer/contracts/spin.py). Without it a decode waiting for its load starved the holder sharing its
 # core: the holder's first handshake came after connect_timeout_s, its publish after the decode's
 # hint wait, and both loads were recomputed.
 SHARED_CORES_SPIN_SLEEP_US = "200"
@@ -268,7 +268,7 @@ def parse_kv_config_args(items: Sequence[str]) -> dict[str, object]:
     when it parses as JSON (``2.5``, ``true``, ``"auto"``), else the string as given. Raises
     ValueError naming the item: not KEY=VALUE, a key launch sets itself, or a key or value the
     connector would refuse at start (found here, before minutes of model loading)."""
-    from pdxfer.vllm.config import ConnectorConfigError, parse_extra_config
+    from pdxfer.contracts.connector_config import ConnectorConfigError, parse_extra_config
 
     out: dict[str, object] = {}
     for item in items:

@@ -56,7 +56,7 @@ from pdxfer.serve.index_view import IndexView
 from pdxfer.serve.load_costs import LoadCostScraper
 from pdxfer.serve.proxy_metrics import ProxyMetrics
 from pdxfer.serve.router import NoHealthyInstance, Route, RouteConfig, Router
-from pdxfer.vllm.publish_hint import merge_hints
+from pdxfer.contracts.publish_hint import merge_hints
 
 log = logging.getLogger("pdxfer.proxy")
 

@@ -2,7 +2,8 @@
 tiny model are in :mod:`pdxfer.serve`, which never imports vLLM).
 
 ``PdxferConnector`` is resolved lazily (module ``__getattr__``) so that importing a module of this
-package that needs no vLLM (``publish_hint``, ``config``) does not import it.
+package that needs no vLLM does not import it. What the serving layer shares with the connector
+(its configuration, the publish hint, its metric definitions) is in :mod:`pdxfer.contracts`.
 """
 
 from __future__ import annotations

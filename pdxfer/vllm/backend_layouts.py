@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdxfer.layout import ATTENTION, MLA, KVDescription, LayoutError
-from pdxfer.vllm.connector_layout import UnsupportedKVCache, _spec, derive_kv_dtype
+from pdxfer.vllm.kv_cache_spec import UnsupportedKVCache, attention_spec, derive_kv_dtype
 
 # Backends whose kernels read and write K and V elements in vLLM's generic views.
 ATTENTION_BACKENDS: frozenset[str] = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"})
@@ -91,7 +91,7 @@ def _check_whole_blocks(vllm_config: Any, spec: Any, layer_names: list[str], bac
 def kv_description(vllm_config: Any, kv_cache_config: Any) -> KVDescription:
     """pdxfer's description of this instance's KV blocks on a GPU platform, or
     :class:`UnsupportedKVCache` naming the backend and layout it cannot describe."""
-    spec, layers = _spec(kv_cache_config)
+    spec, layers = attention_spec(kv_cache_config)
     layout = resolved_layout_name(vllm_config, kv_cache_config)
     names = backend_names(vllm_config, layers)
     if len(names) != 1:

@@ -20,13 +20,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from pdxfer.vllm.config import parse_extra_config
+from pdxfer.contracts.connector_config import parse_extra_config
 from pdxfer.vllm.connector_layout import (derive_content_fingerprint, derive_layout_fingerprint, kv_block_size,
                                          derive_kv_dtype, kv_format, kv_refusal, model_identity, total_kv_heads)
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
-from pdxfer.vllm.publish_hint import hinted_tokens, publish_hint
+from pdxfer.contracts.publish_hint import hinted_tokens, publish_hint
 from pdxfer.vllm.write_fence import FenceWriter
 
 if TYPE_CHECKING:
@@ -57,9 +57,9 @@ class PdxferConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         self.cfg = parse_extra_config(ktc.kv_connector_extra_config)
         _setup_logging(self.cfg.log_level)
-        from pdxfer.vllm.spin import apply_from_env
+        from pdxfer.contracts.spin import apply_from_env
 
-        apply_from_env()  # opt-in (PDXFER_VLLM_SPIN_SLEEP_US): see pdxfer/vllm/spin.py
+        apply_from_env()  # opt-in (PDXFER_VLLM_SPIN_SLEEP_US): see pdxfer/contracts/spin.py
         self.engine_id = str(ktc.engine_id)
         self.block_size = kv_block_size(vllm_config, kv_cache_config)
         self.scheduler_side = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pdxfer.vllm.config import TEST_HOOKS_ENV
+from pdxfer.contracts.connector_config import TEST_HOOKS_ENV
 
 
 def test_hooks_on() -> bool:

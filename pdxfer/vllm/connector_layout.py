@@ -22,27 +22,12 @@ from typing import Any
 from pdxfer.layout import (ATTENTION, CPU, CPU_AMX, MLA, VIEW_FORMATS, KVDescription, KVLayout, Region, Segment,
                            content_fingerprint)
 from pdxfer.vllm.keyability import runtime_kv_scales_reason, weights_fingerprint
-
-
-class UnsupportedKVCache(ValueError):
-    """A KV cache configuration this connector version cannot move (named in the message)."""
-
-
-def _spec(kv_cache_config: Any) -> tuple[Any, list[str]]:
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        raise UnsupportedKVCache(f"pdxfer supports one KV cache group (plain attention models), got {len(groups)}")
-    g = groups[0]
-    spec = g.kv_cache_spec
-    for attr in ("num_kv_heads", "head_size", "dtype", "block_size"):
-        if not hasattr(spec, attr):
-            raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} has no {attr}: not an attention cache")
-    return spec, list(g.layer_names)
+from pdxfer.vllm.kv_cache_spec import UnsupportedKVCache, attention_spec, derive_kv_dtype
 
 
 def kv_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     if kv_cache_config is not None and getattr(kv_cache_config, "kv_cache_groups", None):
-        return int(_spec(kv_cache_config)[0].block_size)
+        return int(attention_spec(kv_cache_config)[0].block_size)
     return int(vllm_config.cache_config.block_size)
 
 
@@ -55,10 +40,6 @@ PROBED_CPU_BLOCKS: frozenset[tuple[str, str]] = frozenset(
 # Pairs whose blocks move only byte for byte between instances of the same pair (never converted
 # or sliced: see pdxfer.vllm.holder_routes), so no assumption about their interior is made.
 BYTE_FOR_BYTE_ONLY: frozenset[tuple[str, str]] = frozenset({("amx", "bfloat16")})
-
-# vLLM's fp8 cache dtypes and the element type each stores ("fp8" is e4m3 on CPU and CUDA).
-_FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-
 
 class UnprobedKVBlocks(UnsupportedKVCache):
     """vLLM would write this instance's KV blocks with kernels whose block interior no test probed."""
@@ -83,33 +64,18 @@ def check_probed(isa: str, kv_dtype: str) -> None:
         "--dtype / --kv-cache-dtype that give a checked pair (e.g. without --kv-cache-dtype fp8 on x86)")
 
 
-def kv_dtype_name(spec_dtype: Any, cache_dtype: str | None) -> str:
-    """The exact element type of the KV cache. vLLM stores every fp8 variant as uint8, so the
-    variant comes from ``--kv-cache-dtype``; another quantized cache dtype is named as vLLM
-    names it (no pdxfer test probed one, so it never matches a probed pair)."""
-    name = str(spec_dtype).removeprefix("torch.")
-    if cache_dtype in (None, "auto", name):
-        return name
-    return _FP8_CACHE_DTYPES.get(str(cache_dtype), str(cache_dtype))
-
-
 def attn_isa(vllm_config: Any, kv_cache_config: Any) -> str:
     """The ISA vLLM's CPU attention runs with: asked as its metadata builder asks, with the
     MODEL dtype (an fp8 cache of a bf16 model on an AMX host is written by the AMX kernels)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    spec, _ = _spec(kv_cache_config)
+    spec, _ = attention_spec(kv_cache_config)
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
     try:
         return _get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size), int(spec.head_size),
                              cache_dtype)
     except NotImplementedError as exc:  # vLLM will refuse to start with this config too
         raise UnsupportedKVCache(f"vLLM's CPU attention has no kernels for this KV cache: {exc}") from exc
-
-
-def derive_kv_dtype(vllm_config: Any, kv_cache_config: Any) -> str:
-    """This instance's exact KV element type (see :func:`kv_dtype_name`)."""
-    return kv_dtype_name(_spec(kv_cache_config)[0].dtype, getattr(vllm_config.cache_config, "cache_dtype", None))
 
 
 def kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -154,7 +120,7 @@ def kv_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
 def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     """The fingerprint ``describe_kv_caches`` will compute for the worker's tensors."""
     fmt = kv_format(vllm_config, kv_cache_config)
-    spec, layers = _spec(kv_cache_config)
+    spec, layers = attention_spec(kv_cache_config)
     if fmt in VIEW_FORMATS:
         desc = gpu_kv_description(vllm_config, kv_cache_config)
         part = "latent" if desc.kind == MLA else "kv"
@@ -186,7 +152,7 @@ def _uses_mla(vllm_config: Any) -> bool:
 def derive_content_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     """What the KV holds, whatever its format, block size and TP split: the namespace's part
     (``pdxfer.layout.content_fingerprint``; the worker's handshake is checked against it)."""
-    spec, layers = _spec(kv_cache_config)
+    spec, layers = attention_spec(kv_cache_config)
     return content_fingerprint(derive_kv_dtype(vllm_config, kv_cache_config), len(layers), total_kv_heads(vllm_config),
                                int(spec.head_size), MLA if _uses_mla(vllm_config) else ATTENTION)
 

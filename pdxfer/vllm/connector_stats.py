@@ -8,11 +8,11 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from pdxfer.vllm.connector_metric_defs import (COMPUTE_COST, COMPUTE_COST_KEY, COST_KEYS, COUNTERS, COUNTER_KEYS,
+from pdxfer.contracts.connector_metric_defs import (COMPUTE_COST, COMPUTE_COST_KEY, COST_KEYS, COUNTERS, COUNTER_KEYS,
                                                GAUGE_KEYS, GAUGES, LOAD_COST, LOAD_COST_KEYS, LOAD_SECONDS,
                                                LOAD_SECONDS_BUCKETS, OFFLOAD_SECONDS, OFFLOAD_SECONDS_BUCKETS,
                                                PHASE_BUCKETS, PHASE_SECONDS)
-from pdxfer.vllm.phase_times import PHASES, stats_key
+from pdxfer.contracts.phase_times import PHASES, stats_key
 
 # Counters summed across workers and the scheduler; gauges latest-wins (only the scheduler sends
 # them, and only when they changed): counts as ints, the load gate's per-token costs as floats;

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 from pdxfer.keys import IncrementalHasher
 from pdxfer.master import MasterError, MasterUnavailable, NodeInfo, NodeSession, PublishFenced
 from pdxfer.plan import chunk_span
-from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.contracts.connector_config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.block_pool import BlockPoolHolder
 from pdxfer.vllm.host_slots import HostSlots

@@ -25,7 +25,7 @@ import torch
 from pdxfer.device import DeviceEvent, DeviceOps
 from pdxfer.layout import KVLayout, LayoutError, Region, Segment
 from pdxfer.transport.base import RegisteredRegion
-from pdxfer.master.tiers import HOST_LAYOUT_KEY
+from pdxfer.contracts.tiers import HOST_LAYOUT_KEY
 from pdxfer.vllm.metadata import OffloadJob
 
 log = logging.getLogger("pdxfer.vllm.worker")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from pdxfer.master.tiers import HOST_TIER, host_block_base, tier_of
+from pdxfer.contracts.tiers import HOST_TIER, host_block_base, tier_of
 
 
 def serves_from_host(block_ids: Sequence[int], holder_layout: Mapping[str, Any]) -> bool:

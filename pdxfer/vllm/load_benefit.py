@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pdxfer.master.tiers import DEVICE_TIER, HOST_TIER
+from pdxfer.contracts.tiers import DEVICE_TIER, HOST_TIER
 
 HolderKey = tuple[str, str]  # (node id, tier)
 

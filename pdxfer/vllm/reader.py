@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from pdxfer.keys import IncrementalHasher
 from pdxfer.layout import KVLayout, LayoutError
 from pdxfer.master import MasterError
-from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.contracts.connector_config import ConnectorConfig
 from pdxfer.vllm.connector_hooks import test_hook_float, test_hooks_on
 from pdxfer.vllm.hint_wait import HintPoller, HintWait
 from pdxfer.vllm.holder_routes import NotReadable, holder_total_heads, layouts_of, routes

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdxfer.vllm.connector_metric_defs import COMPUTE_COST_KEY, COST_KEYS, LOAD_COST_KEYS
+from pdxfer.contracts.connector_metric_defs import COMPUTE_COST_KEY, COST_KEYS, LOAD_COST_KEYS
 from pdxfer.vllm.host_slots import serves_from_host
 from pdxfer.vllm.load_benefit import (DEVICE_TIER, HOST_TIER, LOAD, PARTIAL, RECOMPUTE, BenefitModel, Decision, Piece,
                                        holder_key)

@@ -16,7 +16,7 @@ from pdxfer.keys import IncrementalHasher, Namespace
 from pdxfer.layout import KVLayout, LayoutError
 from pdxfer.master import MasterClient, NodeInfo, RankEndpoint
 from pdxfer.plan import chunk_span
-from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.contracts.connector_config import ConnectorConfig
 from pdxfer.vllm.block_pool import BlockPoolHolder
 from pdxfer.vllm.holder import HolderPath
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake

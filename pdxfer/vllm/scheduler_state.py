@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from pdxfer.vllm.phase_times import PhaseTimes
+from pdxfer.contracts.phase_times import PhaseTimes
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
 

@@ -26,17 +26,17 @@ from pdxfer.vllm.worker_staging import (ReaderStaging, ScatterHandle, StagedStre
 from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import (PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion,
                                    TransferCancelled)
-from pdxfer.vllm.config import ConnectorConfig, check_reachable
+from pdxfer.contracts.connector_config import ConnectorConfig, check_reachable
 from pdxfer.vllm.connector_hooks import test_hook_float
 from pdxfer.vllm.load_corruption import maybe_corrupt_load
 from pdxfer.vllm import repull as rp_plan
 from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.host_pool import AUTO_HOST_SHARE, HostPool, auto_host_tier_mib, host_slots_for
 from pdxfer.vllm.load_plan import split_by_tier
-from pdxfer.master.tiers import HOST_LAYOUT_KEY
+from pdxfer.contracts.tiers import HOST_LAYOUT_KEY
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
 from pdxfer.layout import Region
-from pdxfer.vllm.phase_times import PhaseTimes
+from pdxfer.contracts.phase_times import PhaseTimes
 
 log = logging.getLogger("pdxfer.vllm.worker")
 

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from pdxfer.keys import IncrementalHasher
 from pdxfer.master import MasterClient
-from pdxfer.vllm.config import ConnectorConfig
+from pdxfer.contracts.connector_config import ConnectorConfig
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
 from pdxfer.vllm.reader import ReaderPath
 from pdxfer.vllm.scheduler_state import SchedulerStats

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pdxfer.ports import parse_port_spec
-from pdxfer.vllm.config import check_reachable, parse_extra_config
+from pdxfer.contracts.connector_config import check_reachable, parse_extra_config
 from tests.deploy.kustomize_lite import load_yaml_docs, pod_spec, render, resource_id
 
 REPO = Path(__file__).resolve().parents[2]

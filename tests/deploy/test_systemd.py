@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from pdxfer.master import cli as master_cli
-from pdxfer.master.service import DEFAULT_MAX_CONNECTIONS
-from pdxfer.vllm.config import ConnectorConfigError, check_reachable, parse_extra_config
+from pdxfer.master.server import DEFAULT_MAX_CONNECTIONS
+from pdxfer.contracts.connector_config import ConnectorConfigError, check_reachable, parse_extra_config
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMD = REPO / "deploy" / "systemd"

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdxfer.master import protocol as P
 from pdxfer.master.metrics import MASTER_METRICS, REQUEST_BUCKETS
-from pdxfer.master.service import MasterService
+from pdxfer.master.server import MasterService
 
 from .conftest import keys_for, node_info, sample_value, scrape_master, wait_until
 

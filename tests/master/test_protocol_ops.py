@@ -14,7 +14,8 @@ from pdxfer.master import MasterClient, MasterProtocolError, MasterUnavailable, 
 from pdxfer.master import etcd_layout
 from pdxfer.master import protocol as P
 from pdxfer.master import protocol_ops as ops
-from pdxfer.master.coordinator import Standalone, coordinator_for
+from pdxfer.master.coordinator import Standalone
+from pdxfer.master.coordinator_choice import coordinator_for
 from pdxfer.master.locations import ChunkLocations
 from pdxfer.master.records import ChunkLocation
 from pdxfer.master.locator import EtcdLocator, StaticLocator, locator_for

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdxfer.master import protocol as P
-from pdxfer.master.service import MasterService
+from pdxfer.master.server import MasterService
 
 _values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=True) | st.text(max_size=8),

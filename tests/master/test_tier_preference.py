@@ -13,7 +13,7 @@ from pdxfer.master import MasterClient
 from pdxfer.master import protocol as P
 from pdxfer.master.index import ChunkIndex
 from pdxfer.master.protocol import pack_u32
-from pdxfer.master.tiers import DEVICE_TIER, HOST_LAYOUT_KEY, HOST_TIER, host_block_base, tier_of
+from pdxfer.contracts.tiers import DEVICE_TIER, HOST_LAYOUT_KEY, HOST_TIER, host_block_base, tier_of
 
 from .conftest import keys_for, node_info
 from .test_peek_nodes import _raw_frame, address  # noqa: F401  (the same fixture)

@@ -13,7 +13,7 @@ import yaml
 
 from tests.monitoring.monitoring_files import (concrete_expr, load_dashboard, panel_queries,
                                                prometheus_tool)
-from pdxfer.vllm.phase_times import PHASES
+from pdxfer.contracts.phase_times import PHASES
 
 # Series the panels must read (the dashboard's purpose, one entry per thing watched).
 REQUIRED_SERIES = (

@@ -38,7 +38,7 @@ def load_cost_page(host: float = 0.0, device: float = 0.0, compute: float = 0.0,
     measured), rendered by prometheus_client as vLLM renders it, amid metrics of vLLM's own."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-    from pdxfer.vllm.connector_metric_defs import COMPUTE_COST, LABELS, LOAD_COST
+    from pdxfer.contracts.connector_metric_defs import COMPUTE_COST, LABELS, LOAD_COST
 
     reg = CollectorRegistry()
     Counter("vllm:prompt_tokens", "Prompt tokens", LABELS, registry=reg).labels("tiny", "0").inc(5)

@@ -13,7 +13,7 @@ import pytest
 
 from pdxfer.serve.backends import BackendPool
 from pdxfer.serve.load_costs import DecodeCosts, LoadCostScraper, parse_costs
-from pdxfer.vllm.connector_metric_defs import COMPUTE_COST, LOAD_COST
+from pdxfer.contracts.connector_metric_defs import COMPUTE_COST, LOAD_COST
 
 from .stand_ins import StandIn, load_cost_page
 

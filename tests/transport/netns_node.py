@@ -24,7 +24,7 @@ import torch
 from vllm.v1.core.block_pool import BlockPool
 
 from pdxfer.layout import describe_kv_caches
-from pdxfer.vllm.config import parse_extra_config
+from pdxfer.contracts.connector_config import parse_extra_config
 from pdxfer.vllm.scheduler_side import SchedulerSide
 from pdxfer.vllm.worker_side import WorkerSide
 

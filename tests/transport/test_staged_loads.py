@@ -22,7 +22,7 @@ import torch
 
 from pdxfer.layout import CPU, KVLayout
 from pdxfer.transport.base import ReadHandle, ReadState, TransferCancelled
-from pdxfer.vllm.config import parse_extra_config
+from pdxfer.contracts.connector_config import parse_extra_config
 from pdxfer.vllm.metadata import EndpointRef, HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
 from pdxfer.vllm.worker_side import WorkerSide
 from tests.kv_pattern import as_cache, decode, describe, encode, pattern_logical

@@ -117,7 +117,7 @@ def test_a_holders_host_tier_is_measured_apart_from_its_kv_cache():
     vouch for a slow host path, nor the other way round."""
     from types import SimpleNamespace
 
-    from pdxfer.master.tiers import HOST_LAYOUT_KEY
+    from pdxfer.contracts.tiers import HOST_LAYOUT_KEY
     from pdxfer.vllm.reader_benefit import LoadGate
     from pdxfer.vllm.scheduler_state import SchedulerStats
 
@@ -203,7 +203,7 @@ def test_per_token_costs_are_a_typical_load_from_each_tiers_best_holder():
 def test_the_gate_sets_its_cost_gauges_when_it_measures():
     """The gauges start at 0 (not measured), the compute cost follows prefill steps, the load
     costs follow loads; a host tier measured slower per token than computing reads so."""
-    from pdxfer.vllm.connector_metric_defs import COMPUTE_COST_KEY, COST_KEYS, LOAD_COST_KEYS
+    from pdxfer.contracts.connector_metric_defs import COMPUTE_COST_KEY, COST_KEYS, LOAD_COST_KEYS
     from pdxfer.vllm.reader_benefit import LoadGate
     from pdxfer.vllm.scheduler_state import SchedulerStats
 

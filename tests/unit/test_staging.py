@@ -11,7 +11,7 @@ import torch
 from pdxfer.convert import StagingArea
 from pdxfer.device import CpuStandIn
 from pdxfer.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, describe_kv_caches
-from pdxfer.vllm.config import ConnectorConfigError, parse_extra_config
+from pdxfer.contracts.connector_config import ConnectorConfigError, parse_extra_config
 from pdxfer.vllm.metadata import NodeRead
 from pdxfer.vllm.worker_staging import ReaderStaging, auto_staging_bytes, region_tensors
 from tests.kv_pattern import describe, encode, play_plan

@@ -18,7 +18,7 @@ import torch
 from vllm.v1.core.block_pool import BlockPool
 
 from pdxfer.device import DeviceEvent, device_ops_for, flat_bytes
-from pdxfer.vllm.config import parse_extra_config
+from pdxfer.contracts.connector_config import parse_extra_config
 from pdxfer.vllm.connector_layout import (derive_content_fingerprint, derive_kv_dtype, derive_layout_fingerprint,
                                          kv_format, total_kv_heads)
 from pdxfer.vllm.scheduler_side import SchedulerSide

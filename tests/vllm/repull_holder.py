@@ -23,7 +23,7 @@ import time
 from pdxfer.device import device_ops_for
 from pdxfer.layout import CPU, Region
 from pdxfer.master import MasterClient, NodeInfo
-from pdxfer.master.tiers import HOST_LAYOUT_KEY
+from pdxfer.contracts.tiers import HOST_LAYOUT_KEY
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion
 from pdxfer.vllm.host_pool import HostPool

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdxfer.vllm.config import MASTER_ENV, SERVE_URL_ENV, ConnectorConfigError, parse_extra_config
+from pdxfer.contracts.connector_config import MASTER_ENV, SERVE_URL_ENV, ConnectorConfigError, parse_extra_config
 from pdxfer.vllm.metadata import METADATA_VERSION, MetadataVersionError, PdxferConnectorMetadata
 
 

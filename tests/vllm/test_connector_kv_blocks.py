@@ -315,7 +315,7 @@ def test_the_connector_exports_what_it_declares(tiny_model) -> None:
     """docs/metrics.md is rendered from CONNECTOR_METRICS: the exporter must build exactly those."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from pdxfer.vllm.connector_metric_defs import CONNECTOR_METRICS
+    from pdxfer.contracts.connector_metric_defs import CONNECTOR_METRICS
     from pdxfer.vllm.connector_stats import PdxferPromMetrics
 
     vc, _ = _configs(tiny_model, connector=True)
@@ -331,7 +331,7 @@ def test_every_counter_the_connector_keeps_is_exported() -> None:
     docs/metrics.md): the stats pipeline drops keys it does not know."""
     from dataclasses import fields
 
-    from pdxfer.vllm.connector_metric_defs import COUNTER_KEYS
+    from pdxfer.contracts.connector_metric_defs import COUNTER_KEYS
     from pdxfer.vllm.scheduler_state import SchedulerStats
     from pdxfer.vllm.worker_side import WorkerStats
 

@@ -174,7 +174,7 @@ def test_other_gpu_platforms_are_refused_naming_the_platform(monkeypatch):
 def test_the_worker_registers_vllms_tensors_against_the_schedulers_fingerprint(cuda, layout):
     """The worker is built as the connector builds it (format, block size, dtype from the config)
     and accepts vLLM's tensors: what it describes is what the scheduler keyed."""
-    from pdxfer.vllm.config import parse_extra_config
+    from pdxfer.contracts.connector_config import parse_extra_config
     from pdxfer.vllm.connector_layout import derive_kv_dtype
     from pdxfer.vllm.worker_side import LayoutMismatch, WorkerSide
 

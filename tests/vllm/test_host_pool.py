@@ -11,7 +11,7 @@ import torch
 
 from pdxfer.device import CpuStandIn, device_ops_for
 from pdxfer.layout import LayoutError, Region, describe_kv_caches
-from pdxfer.vllm.config import ConnectorConfigError, parse_extra_config
+from pdxfer.contracts.connector_config import ConnectorConfigError, parse_extra_config
 from pdxfer.vllm.host_pool import HostPool, HostTierError, auto_host_tier_mib, host_layout, host_slots_for
 from pdxfer.vllm.metadata import OffloadJob
 from pdxfer.vllm.worker_staging import region_tensors

@@ -15,7 +15,7 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 from pdxfer.layout import describe_kv_caches  # noqa: E402
 from pdxfer.master import MasterClient  # noqa: E402
-from pdxfer.vllm.config import parse_extra_config  # noqa: E402
+from pdxfer.contracts.connector_config import parse_extra_config  # noqa: E402
 from pdxfer.vllm.metadata import PdxferWorkerMeta  # noqa: E402
 from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from pdxfer.layout import describe_kv_caches  # noqa: E402
 from pdxfer.vllm import load_corruption  # noqa: E402
-from pdxfer.vllm.config import TEST_HOOKS_ENV  # noqa: E402
+from pdxfer.contracts.connector_config import TEST_HOOKS_ENV  # noqa: E402
 
 BLOCKS, HEADS, BS, HD = 12, 2, 16, 8
 

@@ -33,7 +33,7 @@ CFG = {"read_timeout_floor_s": 10.0, "load_timeout_s": 20.0, "lease_ttl_s": 20.0
 # vLLM's mp executor busy-waits with sched_yield; while the decode's first load waited for its
 # connection, a TP2 decode spinning on both cores kept every other process (the prefill's TCP
 # holder included: it could not accept() for ~10 s) runnable-but-not-run on this box's kernel, so
-# each rank's first load failed at connect_timeout_s. A 0.2 ms sleep instead: see pdxfer/vllm/spin.py.
+# each rank's first load failed at connect_timeout_s. A 0.2 ms sleep instead: see pdxfer/contracts/spin.py.
 ENV = {"PDXFER_VLLM_SPIN_SLEEP_US": "200"}
 SEED_BASE = 53000  # prompts of this module only (why: test_pd_block_sizes.SEED_BASE)
 

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from pdxfer.serve.proxy import PDProxy, RunningProxy
-from pdxfer.vllm import publish_hint as hints
+from pdxfer.contracts import publish_hint as hints
 from tests.serve.test_proxy import FakeInstance, instances, post  # noqa: F401  (instances: a fixture)
 
 C = 256

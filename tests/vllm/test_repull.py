@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from pdxfer.keys import IncrementalHasher  # noqa: E402
 from pdxfer.layout import CPU  # noqa: E402
 from pdxfer.master import MasterClient  # noqa: E402
-from pdxfer.vllm.config import ConnectorConfig  # noqa: E402
+from pdxfer.contracts.connector_config import ConnectorConfig  # noqa: E402
 from pdxfer.vllm.reader import ReaderPath  # noqa: E402
 from pdxfer.vllm.scheduler_state import SchedulerStats  # noqa: E402
 from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402

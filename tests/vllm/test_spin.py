@@ -1,4 +1,4 @@
-"""pdxfer.vllm.spin: the opt-in that makes vLLM's shm_broadcast busy-wait sleep, not yield."""
+"""pdxfer.contracts.spin: the opt-in that makes vLLM's shm_broadcast busy-wait sleep, not yield."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pdxfer.vllm import spin
+from pdxfer.contracts import spin
 
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
 

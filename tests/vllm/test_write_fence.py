@@ -264,7 +264,7 @@ def test_a_re_registration_does_not_publish_chunks_still_awaiting_their_fence(pa
 
 
 def test_the_fence_wait_is_a_positive_number():
-    from pdxfer.vllm.config import ConnectorConfigError, parse_extra_config
+    from pdxfer.contracts.connector_config import ConnectorConfigError, parse_extra_config
 
     assert parse_extra_config({"master": "h:1"}).publish_fence_wait_s == 2.0
     assert parse_extra_config({"master": "h:1", "publish_fence_wait_s": 0.5}).publish_fence_wait_s == 0.5

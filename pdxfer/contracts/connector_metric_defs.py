@@ -7,9 +7,9 @@ latest values; histograms take every sample."""
 
 from __future__ import annotations
 
-from pdxfer.master.tiers import TIERS
+from pdxfer.contracts.tiers import TIERS
 from pdxfer.metric_defs import MetricDef
-from pdxfer.vllm.phase_times import PHASES
+from pdxfer.contracts.phase_times import PHASES
 
 # vLLM labels every metric of an engine with these (vllm.v1.metrics.loggers).
 LABELS = ("model_name", "engine")
