@@ -438,7 +438,7 @@ class HolderPath:
             for k, h in self._held.items():  # oldest first
                 if len(freed) >= want_blocks:
                     break
-                if k in keep or h.moving:
+                if k in keep or h.moving or h.leaving:
                     continue
                 candidates.append(k)
                 freed.update(x for x in h.blocks if self._held_block_refs.get(x, 0) <= 1)
@@ -450,18 +450,20 @@ class HolderPath:
             self._mark_leaving(candidates)
 
         def run() -> None:
+            moved: list[bytes] = []
+            done: list[bytes] = []
             try:
                 moved = self._move(moves) if moves else []
                 done = self._unpublish(self._hot, candidates) if candidates else []
             except MasterError as exc:
                 log.debug("pdxfer: pressure unpublish failed: %s", exc)
-                return
             finally:
+                self._forget(done)  # before the marks go, so the reaper never picks what this frees
                 with self._lock:
                     self._reclaiming = False
                     self._mark_leaving(candidates, False)
+                    self._wake.notify()  # the reaper skipped them meanwhile: those still held may be due
             self.stats.pressure_reclaims += len(done) + len(moved)
-            self._forget(done)
 
         # On the publisher thread: an unpublish must not overtake a queued publish of the same key.
         try:
@@ -552,9 +554,10 @@ class HolderPath:
             if self._closing:
                 return True
             now = time.monotonic()
-            due = [k for k, h in self._held.items() if h.retain_until <= now and not h.moving]
+            # Not those a pressure reclaim is unpublishing: one unpublish, and one owner of the mark, per chunk.
+            due = [k for k, h in self._held.items() if h.retain_until <= now and not h.moving and not h.leaving]
             if not due:
-                nxt = min((h.retain_until for h in self._held.values()), default=None)
+                nxt = min((h.retain_until for h in self._held.values() if not h.leaving), default=None)
                 self._wake.wait(None if nxt is None else max(nxt - now, 0.01))
                 return False
             # Chunks with a complete host copy move there instead (on the publisher thread).
