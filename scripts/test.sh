@@ -92,6 +92,7 @@ PY
 # keeps its own budget and summary; the run fails if either does. PDXFER_TEST_STREAMS=1 (or less
 # than 16 GiB of free memory: a 2x2 fleet and the soft-RoCE guest together need about 20) runs
 # one session instead.
+PYTEST_ARGS=(-q -rs --durations=25 -p no:cacheprovider)
 PAIR_TIERS=(tests/vllm tests/monitoring tests/chaos)
 OTHER_TIERS=(tests/deploy tests/gpu tests/master tests/rdma tests/serve tests/transport tests/unit)
 
@@ -110,9 +111,9 @@ two_streams() {
   # Both sessions use the tiny model: built once here, not raced by two builders.
   "$py" -c 'from pdxfer.serve.tiny_model import default_tiny_model_dir as d, make_tiny_model as m; m(d())'
   echo "[test.sh] two sessions: ${PAIR_TIERS[*]} (output in $logs/pairs.log, shown at the end) and ${OTHER_TIERS[*]}"
-  "$py" -m pytest "${PAIR_TIERS[@]}" -q -rs --durations=25 -p no:cacheprovider "$@" >"$logs/pairs.log" 2>&1 &
+  "$py" -m pytest "${PAIR_TIERS[@]}" "${PYTEST_ARGS[@]}" "$@" >"$logs/pairs.log" 2>&1 &
   pid=$!
-  "$py" -m pytest "${OTHER_TIERS[@]}" -q -rs --durations=25 -p no:cacheprovider "$@" || rc_other=$?
+  "$py" -m pytest "${OTHER_TIERS[@]}" "${PYTEST_ARGS[@]}" "$@" || rc_other=$?
   wait "$pid" || rc_pairs=$?
   echo "================ the pairs session (${PAIR_TIERS[*]}) ================"
   cat "$logs/pairs.log"
@@ -137,4 +138,4 @@ if [ "$tier" = all ] && [ "${PDXFER_TEST_STREAMS:-2}" != 1 ] && [ "$(free_gib)" 
   two_streams "$py" "$@"
   exit
 fi
-exec "$py" -m pytest "${paths[@]}" -q -rs --durations=25 -p no:cacheprovider "$@"
+exec "$py" -m pytest "${paths[@]}" "${PYTEST_ARGS[@]}" "$@"
