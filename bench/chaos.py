@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdxfer.master.local_etcd import etcd_binary
+from pdxfer.master.backends.local_etcd import etcd_binary
 from tests.chaos import checker
 from tests.chaos.common import ChaosConfig
 from tests.chaos.harness import BASE_FAULTS, HA_FAULTS, OPT_IN_FAULTS, run

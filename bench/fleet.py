@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench.pd_util import bench_model, med  # noqa: E402
-from pdxfer.procs import default_run_dir, free_port  # noqa: E402
+from pdxfer.common.procs import default_run_dir, free_port  # noqa: E402
 from pdxfer.serve.launch import Component, Stack, split_cores_among, start_fleet, start_proxy  # noqa: E402
 
 CONFIGS = ("routed", "rr", "nixl")

@@ -252,7 +252,7 @@ def main() -> None:
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from pdxfer.master import MasterClient, NodeInfo, start_local_master
-    from pdxfer.master.local_etcd import LocalEtcd
+    from pdxfer.master.backends.local_etcd import LocalEtcd
 
     ctx = mp.get_context("spawn")  # grpc (aetcd) must not be forked
     work = tempfile.mkdtemp(prefix="pdxfer-bench-master-")

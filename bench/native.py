@@ -1,12 +1,12 @@
 """Native scatter/repack throughput vs a plain memcpy of the same bytes and vs the torch path.
 
 Each case moves ~128 MiB (default) of KV blocks (bf16; two cpu <-> flash cases fp32) from a staging
-buffer into shuffled blocks of a destination cache through ``pdxfer.native``; in the same run,
+buffer into shuffled blocks of a destination cache through ``pdxfer.device.native``; in the same run,
 interleaved per repeat:
 
 * memcpy: one ``ctypes.memmove`` of the same number of bytes between two contiguous buffers
   (also one torch ``copy_`` of the same size, reported alongside);
-* native: ``pdxfer.native`` with the C++ library, for each ``--threads`` value;
+* native: ``pdxfer.device.native`` with the C++ library, for each ``--threads`` value;
 * torch: the same call with ``PDXFER_NATIVE=0`` (one strided ``copy_`` per run and part).
 
 Medians of ``--repeats`` timed runs after one untimed warm-up per method. The native output is
@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdxfer import blockgeom as bg
-from pdxfer import native
+from pdxfer.kv import blockgeom as bg
+from pdxfer.device import native
 
 DTYPE = torch.bfloat16
 ES = 2
@@ -189,7 +189,7 @@ def main() -> None:
     _use("native")
     lib = native.library_path()
     cpus = sorted(os.sched_getaffinity(0))
-    print(f"pdxfer.native bench: {lib}; cpus {cpus}; native threads {threads}; "
+    print(f"pdxfer.device.native bench: {lib}; cpus {cpus}; native threads {threads}; "
           f"median of {args.repeats}, warm-up excluded; memcpy = ctypes.memmove of the same bytes")
     rows = []
     for make in cases(args.mib):

@@ -78,7 +78,7 @@ from bench.pd_util import (
     scrape,
     settle,
 )
-from pdxfer.procs import default_run_dir
+from pdxfer.common.procs import default_run_dir
 from pdxfer.contracts.phase_times import PHASES
 from pdxfer.transport import KINDS
 from pdxfer.serve.launch import split_cores

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.pd_util import post_json
-from pdxfer.procs import free_port
+from pdxfer.common.procs import free_port
 from pdxfer.serve.launch import Stack, pdxfer_kv_config
 
 CONFIGS = ("plain", "pdxfer", "nixl", "interleaved")
@@ -58,7 +58,7 @@ class Running:
     extra: dict[str, Measure] = field(default_factory=dict)
 
     def pgids(self) -> dict[str, int]:
-        # Each component runs in its own process group (pdxfer.procs), led by its pid.
+        # Each component runs in its own process group (pdxfer.common.procs), led by its pid.
         return {c.name: c.proc.pid for c in self.stack.components}
 
 

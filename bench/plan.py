@@ -19,8 +19,9 @@ import statistics
 import time
 from pathlib import Path
 
-from pdxfer.layout import CPU, KV_HNC, KVLayout, Region, Segment
-from pdxfer.plan import build_plan, blocks_for_chunks
+from pdxfer.kv.layout import CPU, KV_HNC, KVLayout, Region, Segment
+from pdxfer.planning.peer_plan import build_plan
+from pdxfer.kv.chunks import blocks_for_chunks
 
 
 def synthetic_layout(layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,

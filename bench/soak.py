@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.pd_util import post_json, scrape  # noqa: E402
 from bench.proc_fds import fd_targets, group_pids, kinds_by_group  # noqa: E402
 from pdxfer.master import MasterClient, NodeInfo, start_local_master  # noqa: E402
-from pdxfer.procs import free_port  # noqa: E402
+from pdxfer.common.procs import free_port  # noqa: E402
 from pdxfer.serve.launch import Stack, start_fleet  # noqa: E402
 from pdxfer.serve.serve_shim import served_model_name  # noqa: E402
 from pdxfer.serve.tiny_model import make_tiny_model  # noqa: E402

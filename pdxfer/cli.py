@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pdxfer.cli_common import EXIT_OK, HelpFormatter, add_log_level, apply_log_level
+from pdxfer.common.cli_common import EXIT_OK, HelpFormatter, add_log_level, apply_log_level
 from pdxfer.transport import KINDS
 
 # name -> ("module:function", help). The function takes an argv list (or None) and returns an int.
 FORWARDED: dict[str, tuple[str, str]] = {
     "master": ("pdxfer.master.service:main", "run the pdxfer master (same as pdxfer-master)"),
     "probe": ("pdxfer.probe.cli:main", "transport bandwidth/latency probe (same as pdxfer-probe)"),
-    "status": ("pdxfer.master.status_cli:main", "the master's leader and every live node (read-only)"),
+    "status": ("pdxfer.master.client.status_cli:main", "the master's leader and every live node (read-only)"),
 }
 
 

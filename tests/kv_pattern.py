@@ -11,9 +11,9 @@ import ctypes
 import numpy as np
 import torch
 
-from pdxfer import native
-from pdxfer.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout, describe_kv_caches
-from pdxfer.plan import TransferPlan
+from pdxfer.device import native
+from pdxfer.kv.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout, describe_kv_caches
+from pdxfer.transport.plan import TransferPlan
 
 FORMATS = (CPU, FLASH_NHD, FLASH_HND, BLOCKS_FIRST_NHD)
 

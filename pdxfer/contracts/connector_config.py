@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from pdxfer.ports import PortSpecError, is_loopback_host, is_wildcard_host, parse_port_spec
+from pdxfer.common.ports import PortSpecError, is_loopback_host, is_wildcard_host, parse_port_spec
 from pdxfer.transport import KINDS, kind_spec
 
 # The launcher exports the address of the master it started; a config without "master" uses it.

@@ -7,8 +7,8 @@ latest values; histograms take every sample."""
 
 from __future__ import annotations
 
-from pdxfer.contracts.tiers import TIERS
-from pdxfer.metric_defs import MetricDef
+from pdxfer.kv.tiers import TIERS
+from pdxfer.common.metric_defs import MetricDef
 from pdxfer.contracts.phase_times import PHASES
 
 # vLLM labels every metric of an engine with these (vllm.v1.metrics.loggers).

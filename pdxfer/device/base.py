@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pdxfer.blockgeom import BlockGeometry
+from pdxfer.kv.blockgeom import BlockGeometry
 
 
 class DeviceError(RuntimeError):
@@ -83,13 +83,13 @@ class DeviceOps(abc.ABC):
 
     @abc.abstractmethod
     def copy_runs(self, src: torch.Tensor, dst: torch.Tensor, runs: Any, stream: DeviceStream) -> None:
-        """Enqueue :func:`pdxfer.native.copy_runs` (runs checked before anything is enqueued)."""
+        """Enqueue :func:`pdxfer.device.native.copy_runs` (runs checked before anything is enqueued)."""
 
     @abc.abstractmethod
     def scatter_tokens(self, src: torch.Tensor, dst: torch.Tensor, src_geom: BlockGeometry,
                        dst_geom: BlockGeometry, runs: Any, stream: DeviceStream,
                        elem_size: int | None = None) -> None:
-        """Enqueue :func:`pdxfer.native.scatter_tokens` (runs checked before anything is
+        """Enqueue :func:`pdxfer.device.native.scatter_tokens` (runs checked before anything is
         enqueued). ``elem_size``: the KV element size when both buffers are flat bytes."""
 
     @abc.abstractmethod
@@ -102,6 +102,6 @@ class DeviceOps(abc.ABC):
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The whole storage under ``t`` as a flat uint8 tensor on ``t``'s device (byte offsets into
-    it are the region offsets of :mod:`pdxfer.layout`)."""
+    it are the region offsets of :mod:`pdxfer.kv.layout`)."""
     storage = t.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))

@@ -1,6 +1,6 @@
 """The CPU stand-in of :class:`pdxfer.device.base.DeviceOps`.
 
-Memory is host memory and the kernels are the CPU ones (:mod:`pdxfer.native`). Two modes:
+Memory is host memory and the kernels are the CPU ones (:mod:`pdxfer.device.native`). Two modes:
 
 * ``asynchronous=False`` (what a CPU instance of vLLM uses): every operation runs at once on
   the caller's thread and every event is complete when recorded -- no thread, no cost;
@@ -22,8 +22,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pdxfer import native
-from pdxfer.blockgeom import BlockGeometry
+from pdxfer.device import native
+from pdxfer.kv.blockgeom import BlockGeometry
 from pdxfer.device.base import DeviceError, DeviceEvent, DeviceOps, DeviceStream
 
 

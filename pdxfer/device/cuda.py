@@ -6,8 +6,8 @@ NEVER RUN ON A GPU: the development machines have none. Importing this module wo
 a :class:`CudaDevice` on a machine without CUDA, or a kernel launch without the library, raises
 :class:`DeviceError` saying what is missing.
 
-Run lists are checked on the host (:func:`pdxfer.native.check_copy_runs` /
-:func:`~pdxfer.native.check_scatter_tokens`: the kernels do no bounds checks), uploaded to device
+Run lists are checked on the host (:func:`pdxfer.device.native.check_copy_runs` /
+:func:`~pdxfer.device.native.check_scatter_tokens`: the kernels do no bounds checks), uploaded to device
 memory on the launch's stream and kept referenced until an event recorded after the launch is
 seen complete: freeing them earlier would let a queued kernel read reused memory.
 """
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdxfer import native
-from pdxfer.blockgeom import BlockGeometry
+from pdxfer.device import native
+from pdxfer.kv.blockgeom import BlockGeometry
 from pdxfer.device.base import DeviceError, DeviceEvent, DeviceOps, DeviceStream
 from pdxfer.device.cuda_lib import cuda_library
 

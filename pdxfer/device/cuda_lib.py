@@ -14,7 +14,7 @@ import os
 import threading
 from pathlib import Path
 
-from pdxfer import native
+from pdxfer.device import native
 from pdxfer.device.base import DeviceError
 
 LIB_NAME = "libpdxfer_native_cuda.so"

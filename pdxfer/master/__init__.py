@@ -1,8 +1,9 @@
 """pdxfer-master: the chunk index (key -> holder node, block ids) and its lifetime rules.
 
-Client API, imported from this package: ``MasterClient`` (client.py), ``NodeSession`` (node_session.py),
-``start_local_master`` / ``LocalMaster`` (local.py), the records and errors it returns and raises.
-Module map: docs/master.md.
+Client API, imported from this package: ``MasterClient`` (client/master_client.py), ``NodeSession``
+(client/node_session.py), ``start_local_master`` / ``LocalMaster`` (local.py), the records and errors
+it returns and raises. They resolve on first use (module ``__getattr__``), so a module of the server,
+the wire or the backends does not load the client with its package. Module map: docs/master.md.
 
 CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
 
@@ -47,21 +48,33 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
 Without ``--etcd`` it is one process with everything in memory.
 """
 
-from pdxfer.master.client import MasterClient
-from pdxfer.master.errors import (
-    MasterAuthError,
-    MasterError,
-    MasterProtocolError,
-    MasterUnavailable,
-    NotLeader,
-    PublishFenced,
-    RegistrationSuperseded,
-    UnknownNode,
-)
-from pdxfer.master.registrations import Registrations
-from pdxfer.master.local import LocalMaster, start_local_master
-from pdxfer.master.node_session import NodeSession
-from pdxfer.master.records import ChunkLocation, LookupResult, NodeInfo, PeekResult, RankEndpoint, Registration
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOME = {
+    "MasterClient": "pdxfer.master.client.master_client",
+    "Registrations": "pdxfer.master.client.registrations",
+    "NodeSession": "pdxfer.master.client.node_session",
+    "LocalMaster": "pdxfer.master.local",
+    "start_local_master": "pdxfer.master.local",
+    **{name: "pdxfer.master.wire.errors" for name in (
+        "MasterAuthError", "MasterError", "MasterProtocolError", "MasterUnavailable", "NotLeader",
+        "PublishFenced", "RegistrationSuperseded", "UnknownNode")},
+    **{name: "pdxfer.master.wire.records" for name in (
+        "ChunkLocation", "LookupResult", "NodeInfo", "PeekResult", "RankEndpoint", "Registration")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'pdxfer.master' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
 
 __all__ = [
     "ChunkLocation",

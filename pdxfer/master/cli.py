@@ -14,11 +14,12 @@ from typing import Mapping
 
 import uvloop
 
-from pdxfer.cli_common import EXIT_INTERRUPTED, EXIT_OK, LOG_FORMAT, HelpFormatter, add_log_level
-from pdxfer.master import etcd_layout, etcd_security, master_tls
-from pdxfer.master.coordinator_choice import coordinator_for
-from pdxfer.ports import PortRange, PortSpecError, parse_port_spec
-from pdxfer.master.server import (
+from pdxfer.common.cli_common import EXIT_INTERRUPTED, EXIT_OK, LOG_FORMAT, HelpFormatter, add_log_level
+from pdxfer.master.backends import etcd_layout, etcd_security
+from pdxfer.master.wire import tls as master_tls
+from pdxfer.master.backends.choice import coordinator_for
+from pdxfer.common.ports import PortRange, PortSpecError, parse_port_spec
+from pdxfer.master.server.master_service import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from pdxfer.master.client import MasterClient
-from pdxfer.master.errors import MasterError
-from pdxfer.procs import ManagedProcess, python_env, read_port_file, wait_for
+from pdxfer.master.client.master_client import MasterClient
+from pdxfer.master.wire.errors import MasterError
+from pdxfer.common.procs import ManagedProcess, python_env, read_port_file, wait_for
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The pdxfer-master process's entry points: the console script ``pdxfer-master`` (``main``) and
-``python -m pdxfer.master.service``. The server is in server.py and the process around it (flags,
+``python -m pdxfer.master.service``. The server is in server/master_service.py and the process around it (flags,
 signals, the coordinator) in cli.py; this module only starts it, so nothing imports back."""
 
 from __future__ import annotations

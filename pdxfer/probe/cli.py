@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pdxfer.cli_common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_UNREACHABLE, HelpFormatter,
+from pdxfer.common.cli_common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_UNREACHABLE, HelpFormatter,
                                add_log_level, apply_log_level)
 from pdxfer.probe import regions, report, server, sweep
 from pdxfer.probe.pattern import mismatches

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.procs import close_stdin_and_reap
+from pdxfer.common.procs import close_stdin_and_reap
 from pdxfer.transport.nixl.env import load_nixl, prepare_ucx_env
 
 # Before UCX loads, here and in the holder this spawns (else rc 139 at exit, measured with NIXL 1.5).
@@ -247,7 +247,7 @@ def compare_with_pdxfer(block_size: int, batch: int, iters: int, seed: int = 0, 
     """
     from contextlib import ExitStack
 
-    from pdxfer.plan import TransferPlan, TransferRun
+    from pdxfer.transport.plan import TransferPlan, TransferRun
     from pdxfer.transport import create_transport
     from pdxfer.transport.base import RegisteredRegion
 

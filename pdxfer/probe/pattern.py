@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.transport.plan import TransferPlan, TransferRun
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

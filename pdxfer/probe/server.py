@@ -21,7 +21,7 @@ import socket
 import struct
 import threading
 
-from pdxfer import netio
+from pdxfer.common import netio
 from pdxfer.probe.regions import ProbeBuffer
 from pdxfer.transport import available_kinds, create_transport, transport_options
 from pdxfer.transport.base import RegisteredRegion, Transport, TransportError

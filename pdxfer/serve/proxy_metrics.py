@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdxfer.metric_defs import MetricDef
+from pdxfer.common.metric_defs import MetricDef
 from pdxfer.serve.backends import Backend
 
 ROUTES = MetricDef("pdxfer_proxy_routes", "counter", "Requests by route: decision (prefill+decode or "

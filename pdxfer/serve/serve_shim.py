@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from pdxfer.procs import ManagedProcess, default_run_dir, python_env
+from pdxfer.common.procs import ManagedProcess, default_run_dir, python_env
 from pdxfer.serve.tiny_model import is_tiny_model
 
 

@@ -15,7 +15,7 @@ import random
 import shutil
 from pathlib import Path
 
-from pdxfer.procs import default_run_dir
+from pdxfer.common.procs import default_run_dir
 
 TINY_COMPLETE_MARKER = ".pdxfer-tiny-model"
 TINY_VOCAB = 4096

@@ -1,7 +1,7 @@
 """The interface every pdxfer transport implements.
 
 A holder registers its KV regions and exports metadata bytes; a reader connects to a peer from
-those bytes and posts batched READs of a :class:`~pdxfer.layout.TransferPlan` (offsets are
+those bytes and posts batched READs of a :class:`~pdxfer.kv.layout.TransferPlan` (offsets are
 region-relative; each transport maps region indices to what its wire needs). Reads are
 asynchronous: ``read`` returns a handle that is polled or waited on with a bound.
 """
@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from pdxfer.plan import TransferPlan
+from pdxfer.transport.plan import TransferPlan
 
 
 class TransportError(RuntimeError):

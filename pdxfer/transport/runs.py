@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pdxfer.plan import TransferPlan
+from pdxfer.transport.plan import TransferPlan
 from pdxfer.transport.base import OutOfRange, RegionUnknown
 
 COLUMNS = ("remote_region", "remote_offset", "local_region", "local_offset", "nbytes")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdxfer.layout import ATTENTION, MLA, KVDescription, LayoutError
+from pdxfer.kv.layout import ATTENTION, MLA, KVDescription, LayoutError
 from pdxfer.vllm.kv_cache_spec import UnsupportedKVCache, attention_spec, derive_kv_dtype
 
 # Backends whose kernels read and write K and V elements in vLLM's generic views.

@@ -1,7 +1,7 @@
 """``PdxferConnector``: the vLLM 0.32 ``KVConnectorBase_V1`` front of pdxfer.
 
 A thin adapter: vLLM objects are turned into plain values here and handed to
-:mod:`pdxfer.vllm.scheduler_side` (engine-core process) or :mod:`pdxfer.vllm.worker_side`
+:mod:`pdxfer.vllm.scheduler.scheduler_side` (engine-core process) or :mod:`pdxfer.vllm.worker.worker_side`
 (worker process). Load with::
 
     --kv-transfer-config '{"kv_connector":"PdxferConnector","kv_connector_module_path":"pdxfer.vllm",
@@ -78,7 +78,7 @@ class PdxferConnector(KVConnectorBase_V1):
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         total_heads = total_kv_heads(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
-            from pdxfer.vllm.scheduler_side import SchedulerSide
+            from pdxfer.vllm.scheduler.scheduler_side import SchedulerSide
 
             # pdxfer's contract is "any failed load is a cache miss": vLLM's default policy
             # ("fail") would turn a dead holder or an expired lock into a failed request. The
@@ -99,7 +99,7 @@ class PdxferConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            from pdxfer.vllm.worker_side import WorkerSide
+            from pdxfer.vllm.worker.worker_side import WorkerSide
 
             rank = get_tensor_model_parallel_rank()
             self._rank = rank

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdxfer.layout import (ATTENTION, CPU, CPU_AMX, MLA, VIEW_FORMATS, KVDescription, KVLayout, Region, Segment,
+from pdxfer.kv.layout import (ATTENTION, CPU, CPU_AMX, MLA, VIEW_FORMATS, KVDescription, KVLayout, Region, Segment,
                            content_fingerprint)
 from pdxfer.vllm.keyability import runtime_kv_scales_reason, weights_fingerprint
 from pdxfer.vllm.kv_cache_spec import UnsupportedKVCache, attention_spec, derive_kv_dtype
@@ -33,7 +33,7 @@ def kv_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
 
 # (ISA, KV dtype) pairs whose block interior a test checked against vLLM's own cache-write kernel
 # (tests/unit/test_native_vllm_layout.py probes every pair listed here): pdxfer labels their blocks
-# ``cpu`` and converts and head-slices them with :func:`pdxfer.blockgeom.cpu_kv`. vec and vec16 write
+# ``cpu`` and converts and head-slices them with :func:`pdxfer.kv.blockgeom.cpu_kv`. vec and vec16 write
 # the same interior, so they share the label.
 PROBED_CPU_BLOCKS: frozenset[tuple[str, str]] = frozenset(
     (isa, dtype) for isa in ("vec", "vec16") for dtype in ("float32", "bfloat16", "float16"))
@@ -139,7 +139,7 @@ def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
 def total_kv_heads(vllm_config: Any) -> int:
     """The model's KV heads over all TP ranks (the KV cache spec has one rank's share). An MLA
     latent counts as one head that every rank holds whole, so any reader rank reads it from
-    any holder rank (:func:`pdxfer.heads.head_sources` with one head)."""
+    any holder rank (:func:`pdxfer.kv.heads.head_sources` with one head)."""
     if _uses_mla(vllm_config):
         return 1
     return int(vllm_config.model_config.get_total_num_kv_heads())
@@ -151,7 +151,7 @@ def _uses_mla(vllm_config: Any) -> bool:
 
 def derive_content_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     """What the KV holds, whatever its format, block size and TP split: the namespace's part
-    (``pdxfer.layout.content_fingerprint``; the worker's handshake is checked against it)."""
+    (``pdxfer.kv.layout.content_fingerprint``; the worker's handshake is checked against it)."""
     spec, layers = attention_spec(kv_cache_config)
     return content_fingerprint(derive_kv_dtype(vllm_config, kv_cache_config), len(layers), total_kv_heads(vllm_config),
                                int(spec.head_size), MLA if _uses_mla(vllm_config) else ATTENTION)

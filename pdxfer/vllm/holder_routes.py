@@ -1,20 +1,20 @@
 """How one reader rank reads a holder engine's chunks: from which holder rank, which heads, and
 whether the bytes go straight into place or through staging and conversion.
 
-Keys name KV content, not its layout (namespace v2, :mod:`pdxfer.keys`): a chunk found at the
+Keys name KV content, not its layout (namespace v2, :mod:`pdxfer.kv.keys`): a chunk found at the
 master may sit on a holder of another TP size, byte format or block size. The scheduler asks
 this module, once per holder, whether *every* reader rank can read it (a chunk is only usable
 when all ranks can load their heads; vLLM waits for all of them); each worker asks it again for
 its own rank, with its real tensors' layout, to plan.
 
-Per holder rank a reader rank reads from (:func:`pdxfer.heads.head_sources`):
+Per holder rank a reader rank reads from (:func:`pdxfer.kv.heads.head_sources`):
 
 - **direct**: the bytes need no rearranging, so they are READ straight into the reader's blocks
-  (:class:`pdxfer.plan.PeerPlanner`): same byte format and block size with all heads, or a head
+  (:class:`pdxfer.planning.peer_plan.PeerPlanner`): same byte format and block size with all heads, or a head
   slice between head-major blocks (cpu, flash_hnd) of equal size, where a head is one byte range;
-- **converted**: anything else that :func:`pdxfer.convert.check_convertible` accepts (another
+- **converted**: anything else that :func:`pdxfer.planning.convert.check_convertible` accepts (another
   format, block size, or a slice of the holder rank's heads), READ into the registered staging
-  area and scattered (:class:`pdxfer.convert.ConvertingPlanner`); needs ``staging_mib`` > 0;
+  area and scattered (:class:`pdxfer.planning.convert.ConvertingPlanner`); needs ``staging_mib`` > 0;
 - **not readable**: AMX-packed blocks on either side (unless byte-identical), a dtype mismatch,
   another total of KV heads, anything conversion refuses. :class:`NotReadable` names both sides.
 """
@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pdxfer.convert import check_convertible
-from pdxfer.heads import head_sources
-from pdxfer.layout import CPU_AMX, KVLayout, LayoutError
-from pdxfer.plan import PeerPlanner
+from pdxfer.planning.convert import check_convertible
+from pdxfer.kv.heads import head_sources
+from pdxfer.kv.layout import CPU_AMX, KVLayout, LayoutError
+from pdxfer.planning.peer_plan import PeerPlanner
 
 
 class NotReadable(ValueError):

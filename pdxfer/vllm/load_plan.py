@@ -12,8 +12,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from pdxfer.hit_sources import ChunkPlace, Piece, hit_pieces, servable_end, token_reads
-from pdxfer.plan import pair_hit_blocks
+from pdxfer.planning.hit_sources import ChunkPlace, Piece, hit_pieces, servable_end, token_reads
+from pdxfer.planning.hit_sources import pair_hit_blocks
 from pdxfer.vllm.metadata import NodeRead
 
 

@@ -106,7 +106,7 @@ class NodeRead:
 @dataclass(frozen=True)
 class RepullSpec:
     """What a worker needs to look a load's range up again, excluding the holders that failed
-    it, and plan the reads from another holder (:mod:`pdxfer.vllm.repull`)."""
+    it, and plan the reads from another holder (:mod:`pdxfer.vllm.worker.repull`)."""
 
     reader: str  # the reader id the lookups are made under
     keys: tuple[bytes, ...]  # the hit's keys, chunk ``first_chunk`` on (the tail key last when tail_tokens)

@@ -12,9 +12,9 @@ import sys
 from dataclasses import dataclass, field
 
 from pdxfer.master import LocalMaster, MasterClient, MasterError, start_local_master
-from pdxfer.master.etcd_layout import etcd_url
-from pdxfer.master.local_etcd import etcd_binary
-from pdxfer.procs import ManagedProcess, free_port, http_ok, python_env, wait_for
+from pdxfer.master.backends.etcd_layout import etcd_url
+from pdxfer.master.backends.local_etcd import etcd_binary
+from pdxfer.common.procs import ManagedProcess, free_port, http_ok, python_env, wait_for
 from tests.chaos.common import ChaosConfig, node_id_of
 from tests.chaos.proxy import Proxy
 

@@ -1,6 +1,6 @@
 """A chaos holder: a block pool registered with a real transport, published through the real
 master client under a real NodeSession, freed only by the rules the real holder
-(pdxfer/vllm/holder.py) follows.
+(pdxfer/vllm/scheduler/holder.py) follows.
 
   python -m tests.chaos.holder_proc --config CFG --holder H --node-id ID --inc N --log FILE --master ADDR
 

@@ -20,8 +20,8 @@ import blake3
 import numpy as np
 import torch
 
-from pdxfer.keys import KEY_BYTES, IncrementalHasher
-from pdxfer.layout import BLOCKS_FIRST_NHD, CPU, CPU_AMX, FLASH_HND, FLASH_NHD, KVLayout, describe_kv_caches
+from pdxfer.kv.keys import KEY_BYTES, IncrementalHasher
+from pdxfer.kv.layout import BLOCKS_FIRST_NHD, CPU, CPU_AMX, FLASH_HND, FLASH_NHD, KVLayout, describe_kv_caches
 from tests import kv_pattern
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4

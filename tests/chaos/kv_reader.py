@@ -22,13 +22,13 @@ import random
 import time
 from typing import Any, Sequence
 
-from pdxfer.keys import IncrementalHasher
+from pdxfer.kv.keys import IncrementalHasher
 from pdxfer.master import MasterClient
 from pdxfer.contracts.connector_config import ConnectorConfig
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
-from pdxfer.vllm.reader import ReaderPath
-from pdxfer.vllm.scheduler_state import SchedulerStats
-from pdxfer.vllm.worker_side import WorkerSide
+from pdxfer.vllm.scheduler.reader import ReaderPath
+from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats
+from pdxfer.vllm.worker.worker_side import WorkerSide
 from tests.chaos import kv
 from tests.chaos.common import ChaosConfig, OpLog, Timed
 
@@ -101,7 +101,7 @@ def split_blocks(lk: Any, chunk_tokens: int) -> int:
 def _break_repull() -> None:
     """The deliberately wrong re-pull: it starts one block after the first position a failed
     read may have written, so that block keeps the failed holder's bytes next to the new ones."""
-    from pdxfer.vllm import repull
+    from pdxfer.vllm.worker import repull
 
     right = repull.restart_token
 

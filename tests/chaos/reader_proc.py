@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from pdxfer.master import MasterClient, MasterError
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.transport.plan import TransferPlan, TransferRun
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion, TransportError
 from tests.chaos.common import (

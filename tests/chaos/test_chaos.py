@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from pdxfer.master.local_etcd import etcd_binary
+from pdxfer.master.backends.local_etcd import etcd_binary
 from pdxfer.transport import unavailable_reason
 from tests.chaos.cluster import Cluster
 from tests.chaos.common import ChaosConfig, node_id_of

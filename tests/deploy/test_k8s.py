@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdxfer.ports import parse_port_spec
+from pdxfer.common.ports import parse_port_spec
 from pdxfer.contracts.connector_config import check_reachable, parse_extra_config
 from tests.deploy.kustomize_lite import load_yaml_docs, pod_spec, render, resource_id
 
@@ -403,7 +403,8 @@ def _handshake(server: "ssl.SSLContext", client: "ssl.SSLContext", name: str) ->
 
 def test_tls_settings_are_accepted_by_pdxfers_etcd_and_master_tls_code(overlay, pod_files):
     from pdxfer.master import cli as master_cli
-    from pdxfer.master import etcd_layout, etcd_security, master_tls
+    from pdxfer.master.backends import etcd_layout, etcd_security
+    from pdxfer.master.wire import tls as master_tls
 
     name, objs = overlay
     by_id = _by_id(objs)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pdxfer.master import cli as master_cli
-from pdxfer.master.server import DEFAULT_MAX_CONNECTIONS
+from pdxfer.master.server.master_service import DEFAULT_MAX_CONNECTIONS
 from pdxfer.contracts.connector_config import ConnectorConfigError, check_reachable, parse_extra_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -316,7 +316,8 @@ def _pem_files(settings: dict[str, str], root: Path, trustme_mod) -> dict[str, s
 
 def test_commented_tls_settings_are_accepted_by_pdxfers_tls_code(tmp_path):
     trustme = pytest.importorskip("trustme", reason="no trustme (scripts/setup.sh installs it)")
-    from pdxfer.master import etcd_security, master_tls
+    from pdxfer.master.backends import etcd_security
+    from pdxfer.master.wire import tls as master_tls
 
     env = _pem_files(_commented_settings(SYSTEMD / "env" / "master.env"), tmp_path, trustme)
     assert set(master_tls.SERVER_ENV.values()) - {"PDXFER_MASTER_HTTP_TLS"} <= set(env)

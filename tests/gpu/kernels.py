@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from bench import native as bench_native
-from pdxfer import blockgeom as bg
+from pdxfer.kv import blockgeom as bg
 from tests.gpu.report import Report
 from tests.gpu.target import Target, d2d_copy_seconds, first_difference, median_time, size_text
 from tests.unit.native_ref import (

@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from pdxfer import layout as L
+from pdxfer.kv import layout as L
 from pdxfer.device import flat_bytes
-from pdxfer.plan import TransferPlan
+from pdxfer.transport.plan import TransferPlan
 from pdxfer.transport.base import RegisteredRegion
 
 Shape = Callable[[int, int, int, int], tuple[int, ...]]  # (num_blocks, block_size, heads, head_dim)
@@ -25,7 +25,7 @@ class VramLayout:
     """How vLLM allocates one cache in VRAM. ``shape``: one allocation per layer of that shape
     (the shape-detected formats). ``vllm_layout``: a KVCacheLayout member instead, whose layers
     are ``[B, H, N, C]`` views of one allocation (:func:`_vllm_views`), described the way the
-    connector does, from a :class:`pdxfer.layout.KVDescription`."""
+    connector does, from a :class:`pdxfer.kv.layout.KVDescription`."""
 
     kv_format: str
     shape: Shape | None = None

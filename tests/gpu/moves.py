@@ -26,11 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdxfer import layout as L
-from pdxfer.plan import TransferPlan, build_plan
+from pdxfer.kv import layout as L
+from pdxfer.transport.plan import TransferPlan
+from pdxfer.planning.peer_plan import build_plan
 from pdxfer.transport import create_transport, transport_options, unavailable_reason
 from pdxfer.transport.base import ReadState, Transport
-from pdxfer.procs import close_stdin_and_reap
+from pdxfer.common.procs import close_stdin_and_reap
 from tests.gpu.kv import (
     HOST_ONLY,
     VRAM_LAYOUTS,

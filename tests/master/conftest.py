@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from pdxfer.master import LocalMaster, MasterClient, NodeInfo, start_local_master
-from pdxfer.master.local_etcd import LocalEtcd, etcd_binary
+from pdxfer.master.backends.local_etcd import LocalEtcd, etcd_binary
 
 
 def node_info(node_id: str, rank: int = 0) -> NodeInfo:
@@ -124,7 +124,7 @@ def ping_speaking_version(address: str, version: int):
     JSON body (what a peer of another version meets)."""
     import socket
 
-    from pdxfer.master import protocol as P
+    from pdxfer.master.wire import protocol as P
 
     host, port = address.rsplit(":", 1)
     frame = P.HEADER.pack(P.MAGIC, version, P.OP_PING, 1, 2, 0) + b"{}"

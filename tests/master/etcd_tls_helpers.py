@@ -10,7 +10,7 @@ from urllib.parse import urlencode
 
 import trustme
 
-from pdxfer.master.local_etcd import EtcdTls, LocalEtcd, LocalEtcdCluster, enable_auth, gateway_call
+from pdxfer.master.backends.local_etcd import EtcdTls, LocalEtcd, LocalEtcdCluster, enable_auth, gateway_call
 
 USER = "pdxfer"
 PASSWORD = "s3cret-etcd-pw"

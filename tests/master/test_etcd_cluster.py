@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from pdxfer.master.local_etcd import LocalEtcdCluster, etcd_binary
+from pdxfer.master.backends.local_etcd import LocalEtcdCluster, etcd_binary
 
 from .conftest import wait_until
 from .test_etcd_ha import role

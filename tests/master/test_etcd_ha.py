@@ -190,7 +190,7 @@ def test_graceful_stop_hands_over_before_lease_expiry(etcd, masters):
     b = masters.start(extra_args=args)
     wait_until(lambda: role(b.address) is False, 10, "second replica to stand by")
     # a client whose first etcd endpoint is dead still finds the leader through the second
-    from pdxfer.procs import free_port
+    from pdxfer.common.procs import free_port
 
     c = masters.client(f"etcd://127.0.0.1:{free_port()},{etcd.endpoint}{PREFIX}", timeout_s=2.0)
     assert c.stats()["leader_address"] == a.address

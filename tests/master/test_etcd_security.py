@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from pdxfer.master import etcd_layout
-from pdxfer.master.etcd_security import EtcdSecurity
-from pdxfer.procs import python_env
+from pdxfer.master.backends import etcd_layout
+from pdxfer.master.backends.etcd_security import EtcdSecurity
+from pdxfer.common.procs import python_env
 
 
 @pytest.fixture

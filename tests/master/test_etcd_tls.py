@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("trustme", reason="no trustme (certificates for the TLS tests; scripts/setup.sh installs it)")
 
 from pdxfer.master import MasterClient, MasterUnavailable, NodeSession, NotLeader, start_local_master  # noqa: E402
-from pdxfer.master.local_etcd import LocalEtcdCluster, etcd_binary  # noqa: E402
-from pdxfer.master.locator import EtcdLocator  # noqa: E402
+from pdxfer.master.backends.local_etcd import LocalEtcdCluster, etcd_binary  # noqa: E402
+from pdxfer.master.client.locator import EtcdLocator  # noqa: E402
 
 from . import etcd_tls_helpers as H  # noqa: E402
 from .conftest import keys_for, node_info, wait_until  # noqa: E402

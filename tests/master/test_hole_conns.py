@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.master import protocol as P
+from pdxfer.master.wire import protocol as P
 
 from .conftest import keys_for, master_value, node_info, wait_until
 

@@ -4,7 +4,7 @@ description cache keyed by (node, epoch) never serves an old holder's metadata a
 from __future__ import annotations
 
 from pdxfer.master import NodeInfo
-from pdxfer.procs import free_port
+from pdxfer.common.procs import free_port
 
 from .conftest import keys_for
 

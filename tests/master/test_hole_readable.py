@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from pdxfer.master import NodeInfo
-from pdxfer.master import protocol as P
-from pdxfer.master import protocol_ops as ops
+from pdxfer.master.wire import protocol as P
+from pdxfer.master.wire import ops as ops
 
 from .conftest import keys_for, node_info, ping_speaking_version
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from pdxfer.master import MasterError, NodeInfo, NodeSession
-from pdxfer.procs import python_env
+from pdxfer.common.procs import python_env
 
 from .conftest import keys_for, wait_until
 
@@ -66,7 +66,7 @@ def test_node_session_stops_when_superseded(master, masters, caplog):
                     on_superseded=superseded.set)
     s.start()
     try:
-        with caplog.at_level(logging.ERROR, logger="pdxfer.master.client"):
+        with caplog.at_level(logging.ERROR, logger="pdxfer.master.client.master_client"):
             _second_process_registers(master.address, keys_for("theirs", 1))
             assert superseded.wait(3.0), "NodeSession did not report that it was superseded"
             wait_until(lambda: not s._thread.is_alive(), 3, "the session thread to stop")

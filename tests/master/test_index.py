@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdxfer.master.index import ChunkIndex, UnknownNodeError
-from pdxfer.master.protocol import pack_u32, unpack_u32
+from pdxfer.master.server.index import ChunkIndex, UnknownNodeError
+from pdxfer.master.wire.protocol import pack_u32, unpack_u32
 
 from .conftest import keys_for
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdxfer.master.index import (
+from pdxfer.master.server.index import (
     ChunkIndex,
     FencedError,
     SupersededError,
     UnknownNodeError,
 )
-from pdxfer.master.protocol import pack_u32
+from pdxfer.master.wire.protocol import pack_u32
 
 from .conftest import keys_for
 

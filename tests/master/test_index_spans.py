@@ -12,8 +12,8 @@ import random
 
 import blake3
 
-from pdxfer.master.index import ChunkIndex, UnknownNodeError
-from pdxfer.master.protocol import pack_u32
+from pdxfer.master.server.index import ChunkIndex, UnknownNodeError
+from pdxfer.master.wire.protocol import pack_u32
 
 NODES = ["a", "b", "c"]
 

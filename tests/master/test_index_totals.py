@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from pdxfer.master.index import ChunkIndex
-from pdxfer.master.protocol import pack_u32
+from pdxfer.master.server.index import ChunkIndex
+from pdxfer.master.wire.protocol import pack_u32
 
 from .conftest import keys_for
 

@@ -10,9 +10,9 @@ import urllib.request
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdxfer.master import protocol as P
-from pdxfer.master.metrics import MASTER_METRICS, REQUEST_BUCKETS
-from pdxfer.master.server import MasterService
+from pdxfer.master.wire import protocol as P
+from pdxfer.master.server.metrics import MASTER_METRICS, REQUEST_BUCKETS
+from pdxfer.master.server.master_service import MasterService
 
 from .conftest import keys_for, node_info, sample_value, scrape_master, wait_until
 
@@ -125,7 +125,7 @@ def test_services_in_one_process_have_registries_of_their_own():
 
 
 def test_the_definitions_import_without_prometheus_client():
-    code = ("import sys, pdxfer.master.metrics as m; assert m.MASTER_METRICS; "
+    code = ("import sys, pdxfer.master.server.metrics as m; assert m.MASTER_METRICS; "
             "assert 'prometheus_client' not in sys.modules, 'imported prometheus_client'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -18,7 +18,7 @@ trustme = pytest.importorskip("trustme", reason="no trustme (certificates for th
                               "scripts/setup.sh installs it)")
 
 from pdxfer.master import MasterAuthError, MasterClient, MasterUnavailable, start_local_master  # noqa: E402
-from pdxfer.master.master_tls import MasterTlsError  # noqa: E402
+from pdxfer.master.wire.tls import MasterTlsError  # noqa: E402
 
 from .conftest import keys_for, node_info  # noqa: E402
 

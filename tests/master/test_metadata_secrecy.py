@@ -13,8 +13,8 @@ import time
 import urllib.request
 
 from pdxfer.master import NodeInfo
-from pdxfer.master import protocol as P
-from pdxfer.master import protocol_ops as ops
+from pdxfer.master.wire import protocol as P
+from pdxfer.master.wire import ops as ops
 
 from .conftest import keys_for
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pdxfer.master import MasterClient, MasterProtocolError, NodeInfo, PeekResult
-from pdxfer.master import protocol as P
+from pdxfer.master.wire import protocol as P
 
 from .conftest import keys_for, node_info, wait_until
 from .test_etcd_ha import PREFIX, etcd_keys, ha_args, role
@@ -205,7 +205,7 @@ def test_nodes_lists_the_live_registrations_with_their_serving_fields(address, m
 
 
 def test_registration_without_new_fields_is_byte_for_byte_as_before():
-    from pdxfer.master import protocol_ops as ops
+    from pdxfer.master.wire import ops as ops
 
     req = ops.encode_register(node_info("old"), 10.0)
     assert not {"serve_url", "ns", "ct", "role"} & req.doc.keys()

@@ -13,7 +13,7 @@ import struct
 
 import pytest
 
-from pdxfer.master import protocol as P
+from pdxfer.master.wire import protocol as P
 
 from .conftest import keys_for, node_info
 

@@ -11,15 +11,15 @@ import time
 import pytest
 
 from pdxfer.master import MasterClient, MasterProtocolError, MasterUnavailable, NodeInfo
-from pdxfer.master import etcd_layout
-from pdxfer.master import protocol as P
-from pdxfer.master import protocol_ops as ops
-from pdxfer.master.coordinator import Standalone
-from pdxfer.master.coordinator_choice import coordinator_for
-from pdxfer.master.locations import ChunkLocations
-from pdxfer.master.records import ChunkLocation
-from pdxfer.master.locator import EtcdLocator, StaticLocator, locator_for
-from pdxfer.procs import free_port
+from pdxfer.master.backends import etcd_layout
+from pdxfer.master.wire import protocol as P
+from pdxfer.master.wire import ops as ops
+from pdxfer.master.backends.coordinator import Standalone
+from pdxfer.master.backends.choice import coordinator_for
+from pdxfer.master.client.locations import ChunkLocations
+from pdxfer.master.wire.records import ChunkLocation
+from pdxfer.master.client.locator import EtcdLocator, StaticLocator, locator_for
+from pdxfer.common.procs import free_port
 
 from .conftest import keys_for
 

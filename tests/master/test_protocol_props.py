@@ -9,8 +9,8 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer.master import protocol as P
-from pdxfer.master.server import MasterService
+from pdxfer.master.wire import protocol as P
+from pdxfer.master.server.master_service import MasterService
 
 _values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=True) | st.text(max_size=8),

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from pdxfer.master import MasterClient, NodeSession, start_local_master
-from pdxfer.procs import free_port
+from pdxfer.common.procs import free_port
 from tests.fd_census import census_with_master, thread_names, without
 from tests.master.conftest import keys_for, node_info, wait_until
 

@@ -146,7 +146,7 @@ def test_node_session_keeps_lease_and_deregisters(master, masters):
 
 
 def test_node_session_reregisters_and_republishes_after_master_restart(masters, tmp_path):
-    from pdxfer.procs import free_port
+    from pdxfer.common.procs import free_port
 
     port = free_port()
     m1 = masters.start(extra_args=("--port", str(port)))
@@ -253,7 +253,7 @@ def test_metrics_and_health(master, masters):
 
 
 def test_unreachable_master_fails_within_timeout(tmp_path):
-    from pdxfer.procs import free_port
+    from pdxfer.common.procs import free_port
 
     c = MasterClient(f"127.0.0.1:{free_port()}", timeout_s=0.5)
     t0 = time.monotonic()
@@ -286,7 +286,7 @@ def test_a_master_trickling_its_reply_costs_at_most_timeout_s(cut_in):
     whole call is under timeout_s, not each receive. Sent to the client over a real socket."""
     import socket
 
-    from pdxfer.master import protocol as P
+    from pdxfer.master.wire import protocol as P
 
     srv = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()

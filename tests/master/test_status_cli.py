@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pdxfer.master import status_cli
+from pdxfer.master.client import status_cli
 
 from .conftest import keys_for, node_info, wait_until
 from .test_etcd_ha import PREFIX, ha_args, role

@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 
 from pdxfer.master import MasterClient
-from pdxfer.master import protocol as P
-from pdxfer.master.index import ChunkIndex
-from pdxfer.master.protocol import pack_u32
-from pdxfer.contracts.tiers import DEVICE_TIER, HOST_LAYOUT_KEY, HOST_TIER, host_block_base, tier_of
+from pdxfer.master.wire import protocol as P
+from pdxfer.master.server.index import ChunkIndex
+from pdxfer.master.wire.protocol import pack_u32
+from pdxfer.kv.tiers import DEVICE_TIER, HOST_LAYOUT_KEY, HOST_TIER, host_block_base, tier_of
 
 from .conftest import keys_for, node_info
 from .test_peek_nodes import _raw_frame, address  # noqa: F401  (the same fixture)
@@ -99,7 +99,7 @@ def test_preference_leaves_single_holder_runs_and_rotation_alone():
 
 @pytest.mark.parametrize("tier", [DEVICE_TIER, HOST_TIER, None])
 def test_the_client_sends_the_tier_only_when_asked(tier):
-    from pdxfer.master import protocol_ops as ops
+    from pdxfer.master.wire import ops as ops
 
     req = ops.encode_lookup(b"".join(keys_for("t", 1)), "r", 5.0, {}, prefer_tier=tier)
     assert req.doc.get("tier") == tier and ("tier" in req.doc) == (tier is not None)
@@ -127,7 +127,7 @@ def test_peek_says_how_far_each_holders_kv_cache_holds_a_prefix(address, masters
 @pytest.mark.parametrize("device", [{"ghost": 0}, {"a": 3}, {"a": -1}, {"a": "1"}, ["a"]])
 def test_a_peek_reply_with_a_bad_device_map_is_refused_by_name(device):
     """A reply naming a node outside 'prefix', or not fewer chunks than its prefix, is malformed."""
-    from pdxfer.master import protocol_ops as ops
+    from pdxfer.master.wire import ops as ops
 
     doc = {"hit": 3, "prefix": {"a": 3}, "device": device, "nodes": {"a": {"epoch": 1}}}
     with pytest.raises(P.ProtocolError, match="'device'"):

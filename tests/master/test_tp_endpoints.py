@@ -7,8 +7,8 @@ import json
 import pytest
 
 from pdxfer.master import NodeInfo, RankEndpoint
-from pdxfer.master import protocol as P
-from pdxfer.master import protocol_ops as ops
+from pdxfer.master.wire import protocol as P
+from pdxfer.master.wire import ops as ops
 
 from .conftest import keys_for, ping_speaking_version
 

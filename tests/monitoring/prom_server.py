@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
+from pdxfer.common.procs import ManagedProcess, free_port, wait_http_ready
 
 READY_TIMEOUT_S = 60
 

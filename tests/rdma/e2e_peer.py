@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from pdxfer.keys import chunk_hashes
-from pdxfer.layout import KVLayout, describe_kv_caches
+from pdxfer.kv.keys import chunk_hashes
+from pdxfer.kv.layout import KVLayout, describe_kv_caches
 from pdxfer.master import MasterClient, NodeInfo, NodeSession
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion

@@ -8,10 +8,10 @@ import sys
 
 import torch
 
-from pdxfer.keys import chunk_hashes
-from pdxfer.layout import KVLayout
+from pdxfer.kv.keys import chunk_hashes
+from pdxfer.kv.layout import KVLayout
 from pdxfer.master import MasterClient, start_local_master
-from pdxfer.plan import build_plan
+from pdxfer.planning.peer_plan import build_plan
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import ReadState, RegisteredRegion
 from tests.transport.conftest import REPO, child_env, read_line, stop

@@ -293,7 +293,7 @@ def test_the_index_names_a_dns_found_pod_by_its_serve_url(fleet, tmp_path) -> No
     """A pod's connector registers serve_url http://<its address>:PORT; the proxy knows the pod
     by the URL it makes of that address's DNS record: the two are equal, so the router sends a
     prompt to the decode pod holding it."""
-    from pdxfer.keys import Namespace
+    from pdxfer.kv.keys import Namespace
     from pdxfer.master import MasterClient, NodeInfo, start_local_master
     from pdxfer.serve.index_view import lookup_keys
 

@@ -1,5 +1,5 @@
 """`pdxfer launch`'s startup display (pdxfer/serve/launch_status.py) and what every command shares
-(pdxfer/cli_common.py): help with defaults, --log-level, exit codes."""
+(pdxfer/common/cli_common.py): help with defaults, --log-level, exit codes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.procs import ManagedProcess, free_port, python_env
+from pdxfer.common.procs import ManagedProcess, free_port, python_env
 from pdxfer.serve.launch import Component, Stack
 from pdxfer.serve.launch_status import Phase, ProcStatus, StatusDisplay, classify, render
 
@@ -134,7 +134,7 @@ def test_a_child_that_dies_is_shown_with_its_code_and_log(tmp_path: Path) -> Non
 def _parsers() -> list[tuple[list[str], argparse.ArgumentParser]]:
     from pdxfer import cli
     from pdxfer.master.cli import build_parser as master_parser
-    from pdxfer.master.status_cli import build_parser as status_parser
+    from pdxfer.master.client.status_cli import build_parser as status_parser
     from pdxfer.probe.cli import build_parser as probe_parser
 
     top = cli.build_parser()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pdxfer.procs import free_port, http_ok, wait_http_ready
+from pdxfer.common.procs import free_port, http_ok, wait_http_ready
 from pdxfer.serve.launch import proxy_ready_url
 from pdxfer.serve.proxy import PDProxy, RunningProxy
 

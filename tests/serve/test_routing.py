@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from pdxfer.keys import Namespace, chunk_hashes, tail_key
+from pdxfer.kv.keys import Namespace, chunk_hashes, tail_key
 from pdxfer.master import MasterClient, NodeInfo, start_local_master
 from pdxfer.serve.index_view import IndexView, lookup_keys
 from pdxfer.serve.proxy import PDProxy, RunningProxy

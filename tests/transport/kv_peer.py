@@ -3,7 +3,7 @@
   python -m tests.transport.kv_peer --kind tcp --format flash_hnd --block 16 --num-blocks 12 \\
       --layers 2 --total-heads 4 --tp 2 --rank 1 --head-dim 8 --ntokens 100 --blocks 3,0,2,... [--opt k=v]
 
-builds the TP rank's KV (its heads per vLLM's split, ``pdxfer.heads.rank_heads``) for a
+builds the TP rank's KV (its heads per vLLM's split, ``pdxfer.kv.heads.rank_heads``) for a
 ``ntokens``-token sequence stored in ``--blocks`` with ``tests.kv_pattern``'s value per (layer,
 K/V, token, model head, dim), -1 everywhere else; registers the tensor's regions with the
 transport, prints ``META <hex> <layout JSON>`` and serves until SIGTERM. Dies with its parent.
@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from pdxfer.heads import rank_heads
+from pdxfer.kv.heads import rank_heads
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion
 from tests.kv_pattern import describe, encode, pattern_logical

@@ -23,10 +23,10 @@ import time
 import torch
 from vllm.v1.core.block_pool import BlockPool
 
-from pdxfer.layout import describe_kv_caches
+from pdxfer.kv.layout import describe_kv_caches
 from pdxfer.contracts.connector_config import parse_extra_config
-from pdxfer.vllm.scheduler_side import SchedulerSide
-from pdxfer.vllm.worker_side import WorkerSide
+from pdxfer.vllm.scheduler.scheduler_side import SchedulerSide
+from pdxfer.vllm.worker.worker_side import WorkerSide
 
 BS = 128
 NUM_BLOCKS = 32

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.transport.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import mismatches, scattered_plan
 from pdxfer.transport.base import (
     MetadataError,

@@ -3,7 +3,7 @@
 Each holder process (``kv_peer``) registers real KV tensors in one vLLM format, filled with a known
 value per (layer, K/V, token, model head, dim) for its TP rank's heads; this process is the reader:
 KV tensors in another format and block size plus a registered staging area, a
-``ConvertingPlanner`` per holder rank (``pdxfer.heads.head_sources`` says which heads come from
+``ConvertingPlanner`` per holder rank (``pdxfer.kv.heads.head_sources`` says which heads come from
 where), a real READ into staging, the native scatter, then every reader element is compared with
 the value it must hold, and the tokens it did not read must still hold the filler.
 """
@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from pdxfer import native
-from pdxfer.convert import ConvertingPlanner, planner_for
-from pdxfer.heads import HeadSource, head_sources, rank_heads
-from pdxfer.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout
-from pdxfer.plan import PeerPlanner
+from pdxfer.device import native
+from pdxfer.planning.convert import ConvertingPlanner, planner_for
+from pdxfer.kv.heads import HeadSource, head_sources, rank_heads
+from pdxfer.kv.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout
+from pdxfer.planning.peer_plan import PeerPlanner
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import ReadState, RegisteredRegion
 from tests.kv_pattern import decode, describe, encode, pattern_logical

@@ -186,7 +186,7 @@ def _without_tls(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[
 
 
 def test_manifest_settings_load_across_three_hosts(three_hosts, tmp_path):
-    from pdxfer.master.local_etcd import etcd_binary
+    from pdxfer.master.backends.local_etcd import etcd_binary
     from tests.deploy.kustomize_lite import render
 
     binary = etcd_binary()

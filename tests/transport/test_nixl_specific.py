@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.transport.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import fill, mismatches, scattered_plan
 from pdxfer.transport import unavailable_reason
 from pdxfer.transport.base import (
@@ -120,7 +120,7 @@ def test_process_that_never_closes_its_transports_exits_cleanly():
     code = ("import numpy as np\n"
             "from pdxfer.transport.nixl import NixlTransport\n"
             "from pdxfer.transport.base import RegisteredRegion\n"
-            "from pdxfer.plan import TransferPlan, TransferRun\n"
+            "from pdxfer.planning.peer_plan import TransferPlan, TransferRun\n"
             "b = np.zeros(1 << 20, np.uint8)\n"
             "t = NixlTransport(); t.register([RegisteredRegion(0, b.ctypes.data, b.nbytes)])\n"
             "p = t.connect(t.metadata()); t.read(p, TransferPlan((TransferRun(0, 0, 0, 4096, 4096),), 1)).wait(5)\n"

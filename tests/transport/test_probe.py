@@ -99,7 +99,7 @@ def test_memory_spec_is_checked_and_cpu_stays_the_default():
 def test_device_check_zeroes_reads_then_compares_a_host_copy():
     """check_device_point over a host region standing in for a GPU one (to_host returns a copy):
     a read that lands nothing must fail even after an earlier good read left the right bytes."""
-    from pdxfer.plan import TransferPlan
+    from pdxfer.transport.plan import TransferPlan
     from pdxfer.probe import regions, server
     from pdxfer.probe.cli import check_device_point
     from pdxfer.probe.pattern import scattered_plan

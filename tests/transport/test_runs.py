@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.transport.plan import TransferPlan, TransferRun
 from pdxfer.transport.base import TransportError
 from pdxfer.transport.runs import SMALL_PLAN, check_array, check_small_runs, fault, first_fault, plan_array
 

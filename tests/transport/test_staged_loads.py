@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from pdxfer.layout import CPU, KVLayout
+from pdxfer.kv.layout import CPU, KVLayout
 from pdxfer.transport.base import ReadHandle, ReadState, TransferCancelled
 from pdxfer.contracts.connector_config import parse_extra_config
 from pdxfer.vllm.metadata import EndpointRef, HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata
-from pdxfer.vllm.worker_side import WorkerSide
+from pdxfer.vllm.worker.worker_side import WorkerSide
 from tests.kv_pattern import as_cache, decode, describe, encode, pattern_logical
 
 from .conftest import REPO, _opt_args, child_env, read_line, transport_options
@@ -306,7 +306,7 @@ class _LandsAfter(ReadHandle):
 @pytest.mark.parametrize("honours_disconnect", [True, False])
 def test_a_read_that_never_stopped_cannot_overwrite_the_next_load(start_holder, make_reader, monkeypatch,
                                                                  caplog, honours_disconnect):
-    import pdxfer.vllm.worker_staging as ws
+    import pdxfer.vllm.worker.staging as ws
 
     holder = start_holder("tcp", 128)
     reader = make_reader("tcp", 32, staging_mib=4, load_timeout_s=0.3, read_timeout_floor_s=0.1)

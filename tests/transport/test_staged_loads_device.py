@@ -15,7 +15,7 @@ import time
 import pytest
 
 import pdxfer.device as device
-import pdxfer.native as native
+import pdxfer.device.native as native
 from tests.transport.test_staged_loads import NTOK, TOKEN_BYTES, make_reader, start_holder  # noqa: F401 (fixtures)
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pdxfer.device import CpuStandIn
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.transport.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import mismatches, pattern, scattered_plan
 from pdxfer.transport.base import PeerDied, ReadHandle, ReadState, RegisteredRegion, TransportError
 from pdxfer.transport.tcp import TcpTransport

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.transport.plan import TransferPlan, TransferRun
 from pdxfer.transport.base import OutOfRange, RegionUnknown
 from pdxfer.transport.runs import SMALL_PLAN, check_plan
 from pdxfer.transport.tcp.plan import split_runs

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from pdxfer.plan import TransferPlan, TransferRun
+from pdxfer.transport.plan import TransferPlan, TransferRun
 from pdxfer.probe.pattern import pattern
 from pdxfer.transport.tcp import handshake, wire
 from pdxfer.transport.base import (

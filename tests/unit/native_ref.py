@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pdxfer import blockgeom as bg
+from pdxfer.kv import blockgeom as bg
 
 # format -> number of parts (K and V apart or together = 2; a lone K or V = 1)
 FORMATS = {"nhd": 1, "hnd": 1, "cpu": 2, "flash_nhd": 2, "flash_hnd": 2, "blocks_first": 2}

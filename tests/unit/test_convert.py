@@ -11,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdxfer import native
-from pdxfer.convert import ConvertingPlanner, StagingArea, check_convertible, planner_for
-from pdxfer.heads import head_sources, rank_heads
-from pdxfer.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD, LayoutError, content_fingerprint, describe_kv_caches
-from pdxfer.plan import PeerPlanner
+from pdxfer.device import native
+from pdxfer.planning.convert import ConvertingPlanner, StagingArea, check_convertible, planner_for
+from pdxfer.kv.heads import head_sources, rank_heads
+from pdxfer.kv.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD, LayoutError, content_fingerprint, describe_kv_caches
+from pdxfer.planning.peer_plan import PeerPlanner
 from tests.kv_pattern import FORMATS, decode, describe, encode, layer_names, pattern_logical, play_plan
 from tests.kv_pattern import raw as raw_buf
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdxfer.master import cli as master_cli
-from pdxfer.ports import PortRange, PortRangeExhausted, PortSpecError, bind_in_range, is_loopback_host, parse_port_spec
+from pdxfer.common.ports import PortRange, PortRangeExhausted, PortSpecError, bind_in_range, is_loopback_host, parse_port_spec
 from pdxfer.transport import create_transport, transport_options
 from pdxfer.transport.base import TransportError
 from pdxfer.contracts.connector_config import ADDRESS_ENV, ConnectorConfigError, check_reachable, parse_extra_config

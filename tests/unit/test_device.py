@@ -18,13 +18,13 @@ import torch
 
 import pdxfer.device as device
 import pdxfer.device.cpu as cpu_mod
-from pdxfer import native
-from pdxfer.blockgeom import segment_geometry
+from pdxfer.device import native
+from pdxfer.kv.blockgeom import segment_geometry
 from pdxfer.device import CpuStandIn, DeviceError, device_ops_for
 from pdxfer.device import cuda_lib
-from pdxfer.layout import CPU, describe_kv_caches
+from pdxfer.kv.layout import CPU, describe_kv_caches
 from pdxfer.vllm.metadata import NodeRead
-from pdxfer.vllm.worker_staging import ReaderStaging, region_tensors
+from pdxfer.vllm.worker.staging import ReaderStaging, region_tensors
 from tests.kv_pattern import as_cache, describe, encode
 from tests.unit.test_staging import CASES as STAGING_CASES
 from tests.unit.test_staging import _route as staging_route
@@ -261,7 +261,7 @@ def test_run_arrays_match_the_c_structs_the_cuda_kernels_read():
     # pdx_run / pdx_tok_run, field for field.
     import ctypes
 
-    from pdxfer.blockgeom import TOK_RUN_FIELDS
+    from pdxfer.kv.blockgeom import TOK_RUN_FIELDS
 
     class Run(ctypes.Structure):
         _fields_ = [(f, ctypes.c_int64) for f in ("src_off", "dst_off", "len")]

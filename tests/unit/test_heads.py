@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pdxfer.heads import HeadSlice, HeadSource, head_sources, rank_heads
+from pdxfer.kv.heads import HeadSlice, HeadSource, head_sources, rank_heads
 
 SIZES = (1, 2, 4, 8)
 

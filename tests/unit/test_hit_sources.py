@@ -1,11 +1,11 @@
-"""pdxfer.hit_sources on its own: which holder blocks serve which tokens, and where a hit must stop."""
+"""pdxfer.planning.hit_sources on its own: which holder blocks serve which tokens, and where a hit must stop."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdxfer.hit_sources import ChunkPlace, Piece, hit_pieces, servable_end, token_reads
-from pdxfer.layout import LayoutError
+from pdxfer.planning.hit_sources import ChunkPlace, Piece, hit_pieces, servable_end, token_reads
+from pdxfer.kv.layout import LayoutError
 
 
 def test_the_last_chunk_reaching_a_block_serves_all_of_it():

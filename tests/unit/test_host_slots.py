@@ -1,10 +1,10 @@
-"""The host tier's slot allocator and host-only LRU (pdxfer.vllm.host_slots)."""
+"""The host tier's slot allocator and host-only LRU (pdxfer.vllm.scheduler.host_slots)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdxfer.vllm.host_slots import HostSlotError, HostSlots
+from pdxfer.vllm.scheduler.host_slots import HostSlotError, HostSlots
 
 
 def test_allocate_is_all_or_nothing_and_free_makes_room():

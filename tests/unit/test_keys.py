@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer.keys import IncrementalHasher, Namespace, chunk_hashes, validate_keys
+from pdxfer.kv.keys import IncrementalHasher, Namespace, chunk_hashes, validate_keys
 
 
 def reference_chain(tokens: list[int], chunk: int, root: bytes) -> list[bytes]:
@@ -158,7 +158,7 @@ def test_tail_key_names_exactly_those_tokens_after_that_prefix():
 
     import blake3
 
-    from pdxfer.keys import IncrementalHasher, chunk_hashes, tail_key
+    from pdxfer.kv.keys import IncrementalHasher, chunk_hashes, tail_key
 
     toks = list(range(1000, 1000 + 2 * 256 + 7))
     full = chunk_hashes(toks, 256)

@@ -17,13 +17,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdxfer import native
-from pdxfer.blockgeom import segment_geometry
-from pdxfer.convert import ConvertingPlanner, check_convertible, planner_for
-from pdxfer.heads import head_sources
-from pdxfer.layout import (ATTENTION, CPU, KV_HEAD_NC, KV_HNC, KV_NHC, MLA, MLA_NC, VLLM_LAYOUTS, KVDescription,
+from pdxfer.device import native
+from pdxfer.kv.blockgeom import segment_geometry
+from pdxfer.planning.convert import ConvertingPlanner, check_convertible, planner_for
+from pdxfer.kv.heads import head_sources
+from pdxfer.kv.layout import (ATTENTION, CPU, KV_HEAD_NC, KV_HNC, KV_NHC, MLA, MLA_NC, VLLM_LAYOUTS, KVDescription,
                            LayoutError, describe_kv_caches)
-from pdxfer.plan import PeerPlanner
+from pdxfer.planning.peer_plan import PeerPlanner
 from tests.kv_pattern import decode, describe, encode, play_plan
 from tests.kv_pattern import raw as raw_buf
 

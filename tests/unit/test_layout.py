@@ -4,9 +4,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer.layout import (BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout, LayoutError, describe_kv_caches,
+from pdxfer.kv.layout import (BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, KVLayout, LayoutError, describe_kv_caches,
                            detect_format)
-from pdxfer.plan import blocks_for_chunks, blocks_for_tokens, build_plan, chunk_span
+from pdxfer.kv.chunks import blocks_for_chunks, blocks_for_tokens, chunk_span
+from pdxfer.planning.peer_plan import build_plan
 
 
 def make_caches(fmt, layers, blocks, block_size, heads=2, head_dim=8, dtype=torch.float16,

@@ -1,4 +1,4 @@
-"""The load-or-recompute rule (pdxfer.vllm.load_benefit): fed observations, asked decisions."""
+"""The load-or-recompute rule (pdxfer.vllm.scheduler.load_benefit): fed observations, asked decisions."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdxfer.vllm.load_benefit import LOAD, PARTIAL, RECOMPUTE, BenefitModel, HolderCost, Piece, holder_key
+from pdxfer.vllm.scheduler.load_benefit import LOAD, PARTIAL, RECOMPUTE, BenefitModel, HolderCost, Piece, holder_key
 
 MB = 1 << 20
 C = 256  # tokens per chunk
@@ -117,9 +117,9 @@ def test_a_holders_host_tier_is_measured_apart_from_its_kv_cache():
     vouch for a slow host path, nor the other way round."""
     from types import SimpleNamespace
 
-    from pdxfer.contracts.tiers import HOST_LAYOUT_KEY
-    from pdxfer.vllm.reader_benefit import LoadGate
-    from pdxfer.vllm.scheduler_state import SchedulerStats
+    from pdxfer.kv.tiers import HOST_LAYOUT_KEY
+    from pdxfer.vllm.scheduler.reader_benefit import LoadGate
+    from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats
 
     gate = LoadGate(margin=0.1, stats=SchedulerStats())
     gate.bytes_per_token = MB // C
@@ -162,8 +162,8 @@ def test_faster_tier_is_the_one_measured_clearly_faster_for_a_typical_load():
 
 
 def test_the_gate_tells_lookups_which_tier_to_prefer_once_measured():
-    from pdxfer.vllm.reader_benefit import LoadGate
-    from pdxfer.vllm.scheduler_state import SchedulerStats
+    from pdxfer.vllm.scheduler.reader_benefit import LoadGate
+    from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats
 
     gate = LoadGate(margin=0.1, stats=SchedulerStats())
     assert gate.preferred_tier is None
@@ -204,8 +204,8 @@ def test_the_gate_sets_its_cost_gauges_when_it_measures():
     """The gauges start at 0 (not measured), the compute cost follows prefill steps, the load
     costs follow loads; a host tier measured slower per token than computing reads so."""
     from pdxfer.contracts.connector_metric_defs import COMPUTE_COST_KEY, COST_KEYS, LOAD_COST_KEYS
-    from pdxfer.vllm.reader_benefit import LoadGate
-    from pdxfer.vllm.scheduler_state import SchedulerStats
+    from pdxfer.vllm.scheduler.reader_benefit import LoadGate
+    from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats
 
     gate = LoadGate(margin=0.1, stats=SchedulerStats())
     gate.bytes_per_token = MB // C

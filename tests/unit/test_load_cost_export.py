@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdxfer.vllm.load_benefit import Piece
-from pdxfer.vllm.reader_benefit import LoadGate
-from pdxfer.vllm.scheduler_state import SchedulerStats
+from pdxfer.vllm.scheduler.load_benefit import Piece
+from pdxfer.vllm.scheduler.reader_benefit import LoadGate
+from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats
 
 MB = 1 << 20
 C = 256

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from pdxfer.metrics_doc import DOC_PATH, all_exposed_names, render
+from pdxfer.docgen.metrics import DOC_PATH, all_exposed_names, render
 from pdxfer.serve.proxy_metrics import PROXY_METRICS, ProxyMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ _CITED = re.compile(r"(?<![\w.:/-])((?:vllm:pdxfer|pdxfer_master|pdxfer_proxy)_[
 
 def test_the_reference_page_matches_the_code() -> None:
     assert DOC_PATH.read_text() == render(), (
-        "docs/metrics.md differs from the metric definitions: run `python -m pdxfer.metrics_doc --write`")
+        "docs/metrics.md differs from the metric definitions: run `python -m pdxfer.docgen.metrics --write`")
 
 
 def _cited(text: str) -> set[tuple[str, bool]]:

@@ -1,4 +1,4 @@
-"""pdxfer.native kernels against a torch reference, on both backends (C++ library and torch path)."""
+"""pdxfer.device.native kernels against a torch reference, on both backends (C++ library and torch path)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from native_ref import (FORMATS, PAD_KEYS, apply_runs, encode, encode_padded, geometry, keep_disjoint, padded_geometry,
                         random_logical)
 
-from pdxfer import blockgeom as bg
-from pdxfer import native
+from pdxfer.kv import blockgeom as bg
+from pdxfer.device import native
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32]
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -486,7 +486,7 @@ def test_c_library_checks_runs_itself():
 @pytest.mark.parametrize("fmt", ["cpu", "flash_nhd", "flash_hnd", "blocks_first_nhd"])
 def test_segment_geometry_reads_vllm_shaped_tensors(backend, fmt):
     """Block 1 of a vLLM-shaped KV tensor, located by layout.py and read through blockgeom into NHD."""
-    from pdxfer import layout
+    from pdxfer.kv import layout
 
     nb, b, h, d = 3, 4, 2, 8
     shape = {"cpu": (nb, h, b, 2 * d), "flash_nhd": (2, nb, b, h, d), "flash_hnd": (2, nb, h, b, d),

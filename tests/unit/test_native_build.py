@@ -1,4 +1,4 @@
-"""How pdxfer.native finds, builds or gives up on its library, and the CUDA twins' compile check."""
+"""How pdxfer.device.native finds, builds or gives up on its library, and the CUDA twins' compile check."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdxfer import native
+from pdxfer.device import native
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "native" / "build.sh"
@@ -32,7 +32,7 @@ def fresh(monkeypatch, tmp_path):
 
 def test_forced_torch_path_says_why(fresh, monkeypatch, caplog):
     monkeypatch.setenv("PDXFER_NATIVE", "0")
-    with caplog.at_level(logging.INFO, logger="pdxfer.native"):
+    with caplog.at_level(logging.INFO, logger="pdxfer.device.native"):
         assert native.reload() == "torch"
     assert "PDXFER_NATIVE=0" in native.backend_reason()
     assert [r.levelno for r in caplog.records] == [logging.INFO]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdxfer import blockgeom as bg
-from pdxfer import native
+from pdxfer.kv import blockgeom as bg
+from pdxfer.device import native
 from pdxfer.vllm.connector_layout import PROBED_CPU_BLOCKS
 
 # Block sizes and head dims each ISA's kernels take (vec needs block_size % 32 == 0), with an

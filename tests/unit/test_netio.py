@@ -1,4 +1,4 @@
-"""pdxfer.netio: exact reads over real sockets, EOF part-way named with how far it got."""
+"""pdxfer.common.netio: exact reads over real sockets, EOF part-way named with how far it got."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pdxfer import netio
+from pdxfer.common import netio
 
 
 def test_recv_exact_joins_pieces_sent_apart():

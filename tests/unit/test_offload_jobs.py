@@ -1,4 +1,4 @@
-"""Offload job bookkeeping of the host tier (pdxfer.vllm.offload_jobs): complete only when every
+"""Offload job bookkeeping of the host tier (pdxfer.vllm.scheduler.offload_jobs): complete only when every
 TP rank answered, failed on any rank's failure or after the answer bound."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdxfer.vllm.metadata import PdxferWorkerMeta
-from pdxfer.vllm.offload_jobs import OffloadJobs
+from pdxfer.vllm.scheduler.offload_jobs import OffloadJobs
 
 
 def test_a_job_completes_when_every_rank_reported_it_over_steps():

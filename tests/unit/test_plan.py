@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdxfer.layout import CPU, LayoutError, describe_kv_caches
-from pdxfer.plan import PeerPlanner, build_plan, pair_hit_blocks
+from pdxfer.kv.layout import CPU, LayoutError, describe_kv_caches
+from pdxfer.planning.peer_plan import PeerPlanner, build_plan
+from pdxfer.planning.hit_sources import pair_hit_blocks
 from tests.unit.test_layout import make_caches
 
 

@@ -1,4 +1,4 @@
-"""pdxfer/procs.py with real processes and sockets: group stop, parent death, bounded waits."""
+"""pdxfer/common/procs.py with real processes and sockets: group stop, parent death, bounded waits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.procs import (
+from pdxfer.common.procs import (
     ManagedProcess,
     free_port,
     read_port_file,
@@ -56,7 +56,7 @@ def test_managed_process_stop_kills_whole_group_even_if_term_ignored(tmp_path: P
 
 def test_die_with_parent_child_goes_when_parent_is_killed(tmp_path: Path) -> None:
     # A parent that is SIGKILLed cannot run cleanup: its managed child must still go.
-    code = ("import sys, time; from pathlib import Path; from pdxfer.procs import ManagedProcess;"
+    code = ("import sys, time; from pathlib import Path; from pdxfer.common.procs import ManagedProcess;"
             f"p = ManagedProcess(['sleep', '300'], Path({str(tmp_path / 'c.log')!r}), "
             "die_with_parent=True); print(p.pid, flush=True); time.sleep(300)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

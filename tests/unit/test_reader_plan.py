@@ -19,12 +19,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdxfer.keys import IncrementalHasher
-from pdxfer.layout import CPU, describe_kv_caches
+from pdxfer.kv.keys import IncrementalHasher
+from pdxfer.kv.layout import CPU, describe_kv_caches
 from pdxfer.master import ChunkLocation, LookupResult, NodeInfo
 from pdxfer.contracts.connector_config import parse_extra_config
-from pdxfer.vllm.reader import ReaderPath
-from pdxfer.vllm.scheduler_state import SchedulerStats
+from pdxfer.vllm.scheduler.reader import ReaderPath
+from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats
 from tests.unit.test_layout import make_caches
 
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from pdxfer.convert import StagingArea
+from pdxfer.planning.convert import StagingArea
 from pdxfer.device import CpuStandIn
-from pdxfer.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, describe_kv_caches
+from pdxfer.kv.layout import BLOCKS_FIRST_NHD, CPU, FLASH_HND, FLASH_NHD, describe_kv_caches
 from pdxfer.contracts.connector_config import ConnectorConfigError, parse_extra_config
 from pdxfer.vllm.metadata import NodeRead
-from pdxfer.vllm.worker_staging import ReaderStaging, auto_staging_bytes, region_tensors
+from pdxfer.vllm.worker.staging import ReaderStaging, auto_staging_bytes, region_tensors
 from tests.kv_pattern import describe, encode, play_plan
 from tests.unit.test_convert import cpu_cache, tokens_kv
 
@@ -235,7 +235,7 @@ def test_region_tensors_must_be_the_layouts_regions():
 def test_a_scatter_handle_reads_its_event_like_a_read():
     from pdxfer.device import DeviceError
     from pdxfer.transport.base import ReadState, TransferTimeout
-    from pdxfer.vllm.worker_staging import ScatterHandle
+    from pdxfer.vllm.worker.staging import ScatterHandle
 
     slow = CpuStandIn(asynchronous=True, delay_s=0.2)
     try:

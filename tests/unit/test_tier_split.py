@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from pdxfer.vllm.load_plan import split_by_tier
 from pdxfer.vllm.metadata import NodeRead
-from pdxfer.vllm.worker_staging import StagedStream
+from pdxfer.vllm.worker.staging import StagedStream
 
 N = 100  # the holder's device block count: host slot s is block N + s
 

@@ -15,7 +15,7 @@ pdxfer (the decode's log line for that request) and by vLLM (the request's ``cac
 and ``vllm:external_prefix_cache_hits`` in sequential tests). Greedy text alone is no oracle
 with a random-weight model: wrong KV in a quarter of a prompt left 8 greedy tokens unchanged
 while moving the top-5 logprobs by 0.5. :func:`assert_oracle_catches_corruption` proves the
-oracle's power on each pair: loads corrupted on purpose (pdxfer.vllm.load_corruption) must fail it.
+oracle's power on each pair: loads corrupted on purpose (pdxfer.vllm.faults.load_corruption) must fail it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Callable
 import pytest
 
 from pdxfer.master import LocalMaster, start_local_master
-from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
+from pdxfer.common.procs import ManagedProcess, free_port, wait_http_ready
 from pdxfer.serve.launch import pdxfer_kv_config
 from pdxfer.serve.serve_shim import start_vllm
 from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model

@@ -21,8 +21,8 @@ from pdxfer.device import DeviceEvent, device_ops_for, flat_bytes
 from pdxfer.contracts.connector_config import parse_extra_config
 from pdxfer.vllm.connector_layout import (derive_content_fingerprint, derive_kv_dtype, derive_layout_fingerprint,
                                          kv_format, total_kv_heads)
-from pdxfer.vllm.scheduler_side import SchedulerSide
-from pdxfer.vllm.worker_side import WorkerSide
+from pdxfer.vllm.scheduler.scheduler_side import SchedulerSide
+from pdxfer.vllm.worker.worker_side import WorkerSide
 from pdxfer.vllm.write_fence import FenceWriter
 from tests.vllm.test_connector_layout_gpu import _configs, _vllm_tensors
 

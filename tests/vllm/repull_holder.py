@@ -21,14 +21,14 @@ import sys
 import time
 
 from pdxfer.device import device_ops_for
-from pdxfer.layout import CPU, Region
+from pdxfer.kv.layout import CPU, Region
 from pdxfer.master import MasterClient, NodeInfo
-from pdxfer.contracts.tiers import HOST_LAYOUT_KEY
+from pdxfer.kv.tiers import HOST_LAYOUT_KEY
 from pdxfer.transport import create_transport
 from pdxfer.transport.base import RegisteredRegion
-from pdxfer.vllm.host_pool import HostPool
+from pdxfer.vllm.worker.host_pool import HostPool
 from pdxfer.vllm.metadata import OffloadJob
-from pdxfer.vllm.worker_staging import region_tensors
+from pdxfer.vllm.worker.staging import region_tensors
 from tests.chaos import kv
 from tests.transport.peer_proc import _die_with_parent
 

@@ -27,7 +27,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from pdxfer.vllm.connector_layout import derive_kv_dtype, kv_format
-from pdxfer.vllm.worker_side import WorkerSide
+from pdxfer.vllm.worker.worker_side import WorkerSide
 from pdxfer.vllm.write_fence import FenceWriter
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]  # the tiny model's attention layers

@@ -19,13 +19,13 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from pdxfer.layout import describe_kv_caches  # noqa: E402
+from pdxfer.kv.layout import describe_kv_caches  # noqa: E402
 from pdxfer.master import start_local_master  # noqa: E402
 from pdxfer.contracts.connector_config import TEST_HOOKS_ENV, parse_extra_config  # noqa: E402
 from pdxfer.contracts.publish_hint import hinted_tokens, prompt_digest, publish_hint  # noqa: E402
 from tests.vllm.conftest import finish_request, wait_until  # noqa: E402
-from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
-from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
+from pdxfer.vllm.scheduler.scheduler_side import SchedulerSide  # noqa: E402
+from pdxfer.vllm.worker.worker_side import WorkerSide  # noqa: E402
 
 BS = 128  # vLLM CPU default block size
 C = 256

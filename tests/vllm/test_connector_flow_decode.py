@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from pdxfer.keys import IncrementalHasher  # noqa: E402
+from pdxfer.kv.keys import IncrementalHasher  # noqa: E402
 from pdxfer.master import MasterClient  # noqa: E402
 from tests.vllm.conftest import wait_until  # noqa: E402
 from tests.vllm.sched_engine import BS, CHUNK, LAYERS, NUM_BLOCKS, Engine, token_kv  # noqa: E402

@@ -25,8 +25,8 @@ from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from pdxfer.convert import check_convertible  # noqa: E402
-from pdxfer.layout import CPU, LayoutError, describe_kv_caches  # noqa: E402
+from pdxfer.planning.convert import check_convertible  # noqa: E402
+from pdxfer.kv.layout import CPU, LayoutError, describe_kv_caches  # noqa: E402
 from pdxfer.vllm.connector_layout import (UnsupportedKVCache, attn_isa, cpu_kv_format,  # noqa: E402
                                          derive_content_fingerprint, kv_format)
 
@@ -332,8 +332,8 @@ def test_every_counter_the_connector_keeps_is_exported() -> None:
     from dataclasses import fields
 
     from pdxfer.contracts.connector_metric_defs import COUNTER_KEYS
-    from pdxfer.vllm.scheduler_state import SchedulerStats
-    from pdxfer.vllm.worker_side import WorkerStats
+    from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats
+    from pdxfer.vllm.worker.worker_side import WorkerStats
 
     kept = {f.name for cls in (SchedulerStats, WorkerStats) for f in fields(cls) if f.type in (int, "int")}
     assert kept and kept <= set(COUNTER_KEYS), sorted(kept - set(COUNTER_KEYS))

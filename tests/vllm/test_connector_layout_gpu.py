@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
                                         create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from pdxfer.layout import KV_HEAD_NC, KV_HNC, KV_NHC, MLA_NC, describe_kv_caches  # noqa: E402
+from pdxfer.kv.layout import KV_HEAD_NC, KV_HNC, KV_NHC, MLA_NC, describe_kv_caches  # noqa: E402
 from pdxfer.vllm.connector_layout import (UnsupportedKVCache, derive_content_fingerprint,  # noqa: E402
                                          derive_layout_fingerprint, kv_format, total_kv_heads)
 
@@ -176,7 +176,7 @@ def test_the_worker_registers_vllms_tensors_against_the_schedulers_fingerprint(c
     and accepts vLLM's tensors: what it describes is what the scheduler keyed."""
     from pdxfer.contracts.connector_config import parse_extra_config
     from pdxfer.vllm.connector_layout import derive_kv_dtype
-    from pdxfer.vllm.worker_side import LayoutMismatch, WorkerSide
+    from pdxfer.vllm.worker.worker_side import LayoutMismatch, WorkerSide
 
     cuda(_backend(*ATTENTION["FLASH_ATTN"], "FLASH_ATTN"))
     vc, kcc = _configs(layout)

@@ -18,13 +18,13 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from pdxfer.heads import rank_heads  # noqa: E402
-from pdxfer.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD, LayoutError  # noqa: E402
+from pdxfer.kv.heads import rank_heads  # noqa: E402
+from pdxfer.kv.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD, LayoutError  # noqa: E402
 from pdxfer.master import MasterClient, NodeInfo  # noqa: E402
 from pdxfer.contracts.connector_config import parse_extra_config  # noqa: E402
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, NodeRead, PdxferConnectorMetadata  # noqa: E402
-from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
-from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
+from pdxfer.vllm.scheduler.scheduler_side import SchedulerSide  # noqa: E402
+from pdxfer.vllm.worker.worker_side import WorkerSide  # noqa: E402
 from tests.kv_pattern import as_cache, decode, describe, encode  # noqa: E402
 from tests.vllm.conftest import finish_request  # noqa: E402
 

@@ -34,11 +34,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from pdxfer.keys import KEY_BYTES
-from pdxfer.procs import ManagedProcess, free_port, wait_http_ready
+from pdxfer.kv.keys import KEY_BYTES
+from pdxfer.common.procs import ManagedProcess, free_port, wait_http_ready
 from pdxfer.master import MasterClient
-from pdxfer.master.index import TEST_HOOKS_ENV, TIE_HOOK, ChunkIndex
-from pdxfer.master.protocol import pack_u32
+from pdxfer.master.server.index import TEST_HOOKS_ENV, TIE_HOOK, ChunkIndex
+from pdxfer.master.wire.protocol import pack_u32
 from pdxfer.serve.index_view import IndexView, lookup_keys
 from pdxfer.serve.launch import TRANSFER_COUNTER, proxy_ready_url, read_prom_counter, run_demo
 from pdxfer.serve.serve_shim import start_vllm

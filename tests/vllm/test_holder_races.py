@@ -1,4 +1,4 @@
-"""Races in the real holder (pdxfer.vllm.holder.HolderPath) between its publisher thread, its reaper
+"""Races in the real holder (pdxfer.vllm.scheduler.holder.HolderPath) between its publisher thread, its reaper
 and a re-registration's re-publish, each replayed in one deterministic order against the real
 scheduler half, vLLM's BlockPool and a real master.
 

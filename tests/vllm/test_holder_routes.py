@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdxfer.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD
+from pdxfer.kv.layout import CPU, CPU_AMX, FLASH_HND, FLASH_NHD
 from pdxfer.vllm.holder_routes import NotReadable, Route, routes
 from tests.kv_pattern import describe
 

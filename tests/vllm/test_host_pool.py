@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from pdxfer.device import CpuStandIn, device_ops_for
-from pdxfer.layout import LayoutError, Region, describe_kv_caches
+from pdxfer.kv.layout import LayoutError, Region, describe_kv_caches
 from pdxfer.contracts.connector_config import ConnectorConfigError, parse_extra_config
-from pdxfer.vllm.host_pool import HostPool, HostTierError, auto_host_tier_mib, host_layout, host_slots_for
+from pdxfer.vllm.worker.host_pool import HostPool, HostTierError, auto_host_tier_mib, host_layout, host_slots_for
 from pdxfer.vllm.metadata import OffloadJob
-from pdxfer.vllm.worker_staging import region_tensors
+from pdxfer.vllm.worker.staging import region_tensors
 
 BLOCK = 16
 

@@ -13,12 +13,12 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from pdxfer.layout import describe_kv_caches  # noqa: E402
+from pdxfer.kv.layout import describe_kv_caches  # noqa: E402
 from pdxfer.master import MasterClient  # noqa: E402
 from pdxfer.contracts.connector_config import parse_extra_config  # noqa: E402
 from pdxfer.vllm.metadata import PdxferWorkerMeta  # noqa: E402
-from pdxfer.vllm.scheduler_side import SchedulerSide  # noqa: E402
-from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
+from pdxfer.vllm.scheduler.scheduler_side import SchedulerSide  # noqa: E402
+from pdxfer.vllm.worker.worker_side import WorkerSide  # noqa: E402
 from tests.vllm.conftest import finish_request, wait_until  # noqa: E402
 from tests.vllm.test_connector_flow import BS, C, NUM_BLOCKS, _kv, _tokens  # noqa: E402
 
@@ -156,7 +156,7 @@ def test_a_failed_copy_leaves_the_chunk_to_be_unpublished_as_before(host_holder)
 
 
 def test_an_unanswered_copy_is_dropped_after_the_bound(host_holder, monkeypatch):
-    import pdxfer.vllm.holder as holder_mod
+    import pdxfer.vllm.scheduler.holder as holder_mod
 
     h = host_holder(retention_s=30.0)
     h.sched.holder._jobs.answer_bound_s = 0.2

@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pdxfer.convert import ConvertingPlanner  # noqa: E402
-from pdxfer.layout import CPU, FLASH_HND  # noqa: E402
-from pdxfer.plan import PeerPlanner  # noqa: E402
+from pdxfer.planning.convert import ConvertingPlanner  # noqa: E402
+from pdxfer.kv.layout import CPU, FLASH_HND  # noqa: E402
+from pdxfer.planning.peer_plan import PeerPlanner  # noqa: E402
 from tests.vllm.test_repull import Reader, holders, master, reader  # noqa: E402,F401
 
 

@@ -52,7 +52,7 @@ def test_weights_fingerprint_follows_the_bytes_not_the_path_or_mtime(tmp_path, t
 def test_amx_packed_blocks_never_share_a_fingerprint_with_plain_cpu_blocks():
     """vLLM's CPU attention packs blocks for AMX tiles on AMX hosts (same tensor shape, other
     bytes): an AMX prefill host and a non-AMX decode host must not find each other's chunks."""
-    from pdxfer.layout import CPU, CPU_AMX, describe_kv_caches
+    from pdxfer.kv.layout import CPU, CPU_AMX, describe_kv_caches
     from pdxfer.vllm.connector_layout import cpu_kv_format
 
     buf = torch.zeros(2, 8, 2, 16, 2 * 8, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The load-corruption test hook (pdxfer.vllm.load_corruption) on real tensors, without vLLM:
+"""The load-corruption test hook (pdxfer.vllm.faults.load_corruption) on real tensors, without vLLM:
 each mode damages exactly what it says, and nothing happens without the hook."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pdxfer.layout import describe_kv_caches  # noqa: E402
-from pdxfer.vllm import load_corruption  # noqa: E402
+from pdxfer.kv.layout import describe_kv_caches  # noqa: E402
+from pdxfer.vllm.faults import load_corruption  # noqa: E402
 from pdxfer.contracts.connector_config import TEST_HOOKS_ENV  # noqa: E402
 
 BLOCKS, HEADS, BS, HD = 12, 2, 16, 8

@@ -1,7 +1,7 @@
 """Issue 11: real instances with different KV block sizes, KV moved both ways.
 
 The reader reads the holder's whole blocks into its staging area and scatters the tokens into
-its own blocks (pdxfer.convert, native kernels): its top-k logprobs equal the holder's own, and
+its own blocks (pdxfer.planning.convert, native kernels): its top-k logprobs equal the holder's own, and
 it loaded every prompt token but the last (the pair oracle, conftest); loads corrupted on purpose
 after the scatter fail that oracle.
 

@@ -20,13 +20,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pdxfer.keys import IncrementalHasher  # noqa: E402
-from pdxfer.layout import CPU  # noqa: E402
+from pdxfer.kv.keys import IncrementalHasher  # noqa: E402
+from pdxfer.kv.layout import CPU  # noqa: E402
 from pdxfer.master import MasterClient  # noqa: E402
 from pdxfer.contracts.connector_config import ConnectorConfig  # noqa: E402
-from pdxfer.vllm.reader import ReaderPath  # noqa: E402
-from pdxfer.vllm.scheduler_state import SchedulerStats  # noqa: E402
-from pdxfer.vllm.worker_side import WorkerSide  # noqa: E402
+from pdxfer.vllm.scheduler.reader import ReaderPath  # noqa: E402
+from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats  # noqa: E402
+from pdxfer.vllm.worker.worker_side import WorkerSide  # noqa: E402
 from tests.chaos import kv  # noqa: E402
 from tests.chaos.checker import repull_violations  # noqa: E402
 from tests.transport.conftest import REPO, child_env, freeze, read_line, stop  # noqa: E402
@@ -206,7 +206,7 @@ def test_history_checker_catches_a_late_repull(holders, reader, monkeypatch):
     """A re-pull that starts one block after the failed read's first block: that block keeps
     bytes the failed holder's read was to write; the history checker must report it (and the KV
     shows it)."""
-    from pdxfer.vllm import repull
+    from pdxfer.vllm.worker import repull
 
     right = repull.restart_token
     monkeypatch.setattr(repull, "restart_token", lambda rp, reads, inc, bs: right(rp, reads, inc, bs) + bs)

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from pdxfer.master import start_local_master  # noqa: E402
-from pdxfer.procs import free_port  # noqa: E402
+from pdxfer.common.procs import free_port  # noqa: E402
 from tests.fd_census import census_with_master, thread_names, without  # noqa: E402
 from tests.vllm.conftest import wait_until  # noqa: E402
 from tests.vllm.test_connector_flow import C, Node, _tokens  # noqa: E402

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pdxfer.plan import TransferPlan
+from pdxfer.transport.plan import TransferPlan
 from pdxfer.transport.base import (
     MetadataError,
     OutOfRange,

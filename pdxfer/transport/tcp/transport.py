@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from pdxfer.device import DeviceOps
-from pdxfer.plan import TransferPlan
+from pdxfer.transport.plan import TransferPlan
 from pdxfer.transport.base import (
     PeerDied,
     PeerUnreachable,
@@ -50,7 +50,7 @@ from pdxfer.transport.tcp.metadata import encode_metadata, parse_metadata
 from pdxfer.transport.runs import SMALL_PLAN, check_plan
 from pdxfer.transport.tcp.plan import split_runs
 from pdxfer.transport.tcp.server import RegionTable, TcpServer
-from pdxfer.ports import bind_in_range, parse_port_spec
+from pdxfer.common.ports import bind_in_range, parse_port_spec
 
 
 class TcpTransport(Transport):

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdxfer import netio
+from pdxfer.common import netio
 from pdxfer.transport.base import (
     OutOfRange,
     PeerDied,

@@ -1,0 +1,3 @@
+"""Helpers every part may use and that know no protocol: sockets, listen ports, child processes,
+the command lines' shared flags, metric definitions and the metrics reference renderer.
+"""
