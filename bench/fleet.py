@@ -43,7 +43,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from bench.pd_util import bench_model, med  # noqa: E402
 from pdxfer.common.procs import default_run_dir, free_port  # noqa: E402
-from pdxfer.serve.launch import Component, Stack, split_cores_among, start_fleet, start_proxy  # noqa: E402
+from pdxfer.launch.fleet import Component, Stack, start_fleet, start_proxy  # noqa: E402
+from pdxfer.launch.plan import split_cores_among  # noqa: E402
 
 CONFIGS = ("routed", "rr", "nixl")
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")

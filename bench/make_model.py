@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pdxfer.serve.tiny_model import TINY_COMPLETE_MARKER, TINY_MAX_POSITIONS, default_tiny_model_dir, make_tiny_model
+from pdxfer.launch.tiny_model import TINY_COMPLETE_MARKER, TINY_MAX_POSITIONS, default_tiny_model_dir, make_tiny_model
 
 _MARKER = ".pdxfer-bench-model"
 

@@ -81,7 +81,7 @@ from bench.pd_util import (
 from pdxfer.common.procs import default_run_dir
 from pdxfer.contracts.phase_times import PHASES
 from pdxfer.transport import KINDS
-from pdxfer.serve.launch import split_cores
+from pdxfer.launch.plan import split_cores
 
 
 def _progress() -> Any:

@@ -26,7 +26,8 @@ from typing import Any
 
 from bench.pd_util import post_json
 from pdxfer.common.procs import free_port
-from pdxfer.serve.launch import Stack, pdxfer_kv_config
+from pdxfer.launch.fleet import Stack
+from pdxfer.launch.plan import pdxfer_kv_config
 
 CONFIGS = ("plain", "pdxfer", "nixl", "interleaved")
 

@@ -239,8 +239,8 @@ def floor_ms(step_n: float | None, one_token_ttft: float | None, step_1: float |
 def bench_model(model: Path | None) -> tuple[Path, dict[str, Any], str]:
     """The model directory (default: the project's tiny model, built if missing), its
     config.json and the name its instances serve it under."""
-    from pdxfer.serve.serve_shim import served_model_name
-    from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
+    from pdxfer.launch.serve_shim import served_model_name
+    from pdxfer.launch.tiny_model import default_tiny_model_dir, make_tiny_model
 
     model_dir = (model or make_tiny_model(default_tiny_model_dir())).resolve()
     return model_dir, json.loads((model_dir / "config.json").read_text()), served_model_name(model_dir)

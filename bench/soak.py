@@ -53,9 +53,9 @@ from bench.pd_util import post_json, scrape  # noqa: E402
 from bench.proc_fds import fd_targets, group_pids, kinds_by_group  # noqa: E402
 from pdxfer.master import MasterClient, NodeInfo, start_local_master  # noqa: E402
 from pdxfer.common.procs import free_port  # noqa: E402
-from pdxfer.serve.launch import Stack, start_fleet  # noqa: E402
-from pdxfer.serve.serve_shim import served_model_name  # noqa: E402
-from pdxfer.serve.tiny_model import make_tiny_model  # noqa: E402
+from pdxfer.launch.fleet import Stack, start_fleet  # noqa: E402
+from pdxfer.launch.serve_shim import served_model_name  # noqa: E402
+from pdxfer.launch.tiny_model import make_tiny_model  # noqa: E402
 
 # Allowed drift per hour, after warm-up: a series is flat when its fitted slope stays inside.
 TOLERANCE = {"rss_mib": ("relative", 0.05), "fds": ("absolute", 4.0), "threads": ("absolute", 4.0),

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from bench.fleet import add_model_args, add_run_args, counters, parse_configs, stream_completion  # noqa: E402
 from bench.pd_util import bench_model, med  # noqa: E402
 from pdxfer.common.procs import default_run_dir  # noqa: E402
-from pdxfer.serve.launch import read_prom_counter, start_pair  # noqa: E402
+from pdxfer.launch.fleet import read_prom_counter, start_pair  # noqa: E402
 
 CONFIGS = ("off", "on", "gated")
 PDXFER_COUNTERS = ("vllm:pdxfer_tokens_loaded_total", "vllm:pdxfer_host_tier_tokens_loaded_total",

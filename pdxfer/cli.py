@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     apply_log_level(args.log_level)
     if args.cmd == "make-tiny-model":
-        from pdxfer.serve.tiny_model import make_tiny_model
+        from pdxfer.launch.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.out_dir, seed=args.seed))
         return EXIT_OK
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_proxy_cli(args)
     if args.cmd == "launch":
-        from pdxfer.serve.launch import run_launch_cli
+        from pdxfer.launch.fleet import run_launch_cli
 
         return run_launch_cli(args)
     raise AssertionError(args.cmd)  # argparse rejects unknown commands

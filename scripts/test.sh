@@ -109,7 +109,7 @@ two_streams() {
   logs=.pdxfer-run/test-streams
   mkdir -p "$logs"
   # Both sessions use the tiny model: built once here, not raced by two builders.
-  "$py" -c 'from pdxfer.serve.tiny_model import default_tiny_model_dir as d, make_tiny_model as m; m(d())'
+  "$py" -c 'from pdxfer.launch.tiny_model import default_tiny_model_dir as d, make_tiny_model as m; m(d())'
   echo "[test.sh] two sessions: ${PAIR_TIERS[*]} (output in $logs/pairs.log, shown at the end) and ${OTHER_TIERS[*]}"
   "$py" -m pytest "${PAIR_TIERS[@]}" "${PYTEST_ARGS[@]}" "$@" >"$logs/pairs.log" 2>&1 &
   pid=$!

@@ -1,3 +1,4 @@
 """Helpers every part may use and that know no protocol: sockets, listen ports, child processes,
-the command lines' shared flags, metric definitions and the metrics reference renderer.
+secret files, a cache emptied when full, the command lines' shared flags, metric definitions and
+the metrics reference renderer.
 """

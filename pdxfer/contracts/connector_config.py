@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from pdxfer.common.ports import PortSpecError, is_loopback_host, is_wildcard_host, parse_port_spec
+from pdxfer.common.secret_file import SecretFileError, read_secret_file
 from pdxfer.transport import KINDS, kind_spec
 
 # The launcher exports the address of the master it started; a config without "master" uses it.
@@ -105,9 +105,9 @@ class ConnectorConfig:
         if not self.master_token_file:
             return None
         try:
-            return Path(self.master_token_file).read_text().strip()
-        except OSError as exc:
-            raise ConnectorConfigError(f"master_token_file {self.master_token_file!r}: {exc}") from exc
+            return read_secret_file(self.master_token_file, "master_token_file")
+        except SecretFileError as exc:
+            raise ConnectorConfigError(str(exc)) from exc
 
 
 _FLOATS = {"lookup_timeout_s", "master_timeout_s", "lock_ttl_s", "retention_s", "load_timeout_s",

@@ -40,6 +40,7 @@ READING_ORDER = (
     "pdxfer.transport.nixl",
     "pdxfer.device",
     "pdxfer.serve",
+    "pdxfer.launch",
     "pdxfer.probe",
     "pdxfer.common",
     "pdxfer.docgen",
@@ -50,21 +51,27 @@ READING_ORDER = (
 # the code's own imports by tests/unit/test_import_graph.py.
 DEPENDENCY_RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("pdxfer.common", ("pdxfer.kv", "pdxfer.planning", "pdxfer.transport", "pdxfer.device", "pdxfer.master",
-                       "pdxfer.vllm", "pdxfer.serve", "pdxfer.contracts", "pdxfer.probe"), "helpers sit below everything"),
+                       "pdxfer.vllm", "pdxfer.serve", "pdxfer.launch", "pdxfer.contracts", "pdxfer.probe"),
+     "helpers sit below everything"),
     ("pdxfer.kv", ("pdxfer.planning", "pdxfer.transport", "pdxfer.device", "pdxfer.master", "pdxfer.vllm",
-                   "pdxfer.serve", "pdxfer.contracts", "pdxfer.probe"), "KV geometry knows no part that moves it"),
+                   "pdxfer.serve", "pdxfer.launch", "pdxfer.contracts", "pdxfer.probe"),
+     "KV geometry knows no part that moves it"),
     ("pdxfer.device", ("pdxfer.planning", "pdxfer.transport", "pdxfer.master", "pdxfer.vllm", "pdxfer.serve"),
      "kernels and device ops know only KV geometry"),
     ("pdxfer.transport", ("pdxfer.master", "pdxfer.vllm", "pdxfer.serve", "pdxfer.planning", "pdxfer.kv"),
      "a transport moves byte runs and knows nothing of chunks, blocks or anything above it"),
     ("pdxfer.planning", ("pdxfer.master", "pdxfer.vllm", "pdxfer.serve"), "plans know no master and no vLLM"),
-    ("pdxfer.master", ("pdxfer.vllm", "pdxfer.transport", "pdxfer.serve", "pdxfer.planning"), "the master moves no KV"),
+    ("pdxfer.master", ("pdxfer.vllm", "pdxfer.transport", "pdxfer.serve", "pdxfer.launch", "pdxfer.planning"),
+     "the master moves no KV"),
     ("pdxfer.master.wire", ("pdxfer.master.client", "pdxfer.master.server", "pdxfer.master.backends"),
      "the wire is shared by both ends and sits below them"),
     ("pdxfer.master.client", ("pdxfer.master.server",), "the client inside vLLM never loads the server"),
     ("pdxfer.master.server", ("pdxfer.master.client",), "the server answers clients and is not one"),
-    ("pdxfer.serve", ("pdxfer.vllm",), "serving shares only pdxfer.contracts with the connector"),
-    ("pdxfer.contracts", ("pdxfer.vllm", "pdxfer.serve", "pdxfer.master"), "contracts sit below all three"),
+    ("pdxfer.serve", ("pdxfer.vllm", "pdxfer.launch"),
+     "the proxy shares only pdxfer.contracts with the connector, and runs without the launcher"),
+    ("pdxfer.launch", ("pdxfer.vllm",), "every instance is a child process: the launcher imports no vLLM"),
+    ("pdxfer.contracts", ("pdxfer.vllm", "pdxfer.serve", "pdxfer.launch", "pdxfer.master"),
+     "contracts sit below everything that shares them"),
     ("pdxfer.vllm.scheduler", ("pdxfer.vllm.worker",), "the halves talk only through pdxfer.vllm.metadata"),
     ("pdxfer.vllm.worker", ("pdxfer.vllm.scheduler",), "the halves talk only through pdxfer.vllm.metadata"),
     ("pdxfer.vllm.faults", ("pdxfer.vllm.scheduler", "pdxfer.vllm.worker"), "fault hooks know no path they hook"),
@@ -119,7 +126,7 @@ def render() -> str:
               "`tests/unit/test_import_graph.py`, which also finds no import circles:", ""]
     for importer, forbidden, why in DEPENDENCY_RULES:
         lines.append(f"- `{importer}` never imports {', '.join(f'`{f}`' for f in forbidden)}: {why}.")
-    lines += ["", "Nothing outside `pdxfer/vllm/` imports vLLM (`pdxfer/serve/` runs every instance as a child",
+    lines += ["", "Nothing outside `pdxfer/vllm/` imports vLLM (`pdxfer/launch/` runs every instance as a child",
               "process), and `pdxfer.vllm` and `pdxfer.master` resolve their public names on first use, so",
               "importing one module of them loads no more than it needs.", "", END]
     return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from pdxfer.master.backends import etcd_layout, etcd_security
 from pdxfer.master.wire import tls as master_tls
 from pdxfer.master.backends.choice import coordinator_for
 from pdxfer.common.ports import PortRange, PortSpecError, parse_port_spec
+from pdxfer.common.secret_file import SecretFileError, read_secret_file
 from pdxfer.master.server.master_service import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -174,13 +175,9 @@ async def _start_on_range(svc: MasterService, args: argparse.Namespace) -> None:
 
 def _read_token(path: str) -> str:
     try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise SystemExit(f"pdxfer-master: cannot read token file {path}: {exc}") from None
-    if not token:
-        raise SystemExit(f"pdxfer-master: token file {path} is empty")
-    return token
+        return read_secret_file(path, "token file")
+    except SecretFileError as exc:
+        raise SystemExit(f"pdxfer-master: {exc}") from None
 
 
 async def _amain(args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 from pdxfer.master.client.master_client import MasterClient
 from pdxfer.master.wire.errors import MasterError
 from pdxfer.common.procs import ManagedProcess, python_env, read_port_file, wait_for
+from pdxfer.common.secret_file import read_secret_file
 
 
 @dataclass
@@ -99,7 +100,7 @@ def start_local_master(
         token_file = stem + ".token"
         _write_secret(str(token_file), token)
     elif token_file is not None:
-        token = Path(token_file).read_text().strip()
+        token = read_secret_file(token_file, "token file")
     if token_file is not None:
         cmd += ["--token-file", str(token_file)]
     cmd += list(extra_args)  # later flags win: "--port N" here fixes the port

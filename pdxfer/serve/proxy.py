@@ -24,7 +24,7 @@ prefill for `kv_transfer_params`, which carry its block ids.
 
 Failures: an instance that fails its health check or cannot be reached is taken out until its
 health check passes again (backends.py). A step whose instance fails before anything reached the
-client is retried once on another healthy instance. A prefill step that still fails is skipped:
+client is retried once on another healthy instance (the steps: proxy_steps.py). A prefill step that still fails is skipped:
 the decode computes the prompt itself (reason ``prefill-failed``; with
 ``prefill_failure="error"`` the client gets the error instead). A decode step that still fails
 gives a JSON error naming the instance (502; 504 for a timeout, which is not retried: the
@@ -35,96 +35,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdxfer.common.cli_common import LOG_FORMAT
+from pdxfer.common.secret_file import read_secret_file
 
 from pdxfer.serve.backends import Backend, BackendPool, HealthChecker, load_backends_file
 from pdxfer.serve.discovery import Discovery, split_specs
-from pdxfer.serve.http_headers import request_headers, response_headers
+from pdxfer.serve.http_headers import request_headers
 from pdxfer.serve.index_view import IndexView
 from pdxfer.serve.load_costs import LoadCostScraper
 from pdxfer.serve.proxy_metrics import ProxyMetrics
-from pdxfer.serve.router import NoHealthyInstance, Route, RouteConfig, Router
-from pdxfer.contracts.publish_hint import merge_hints
+from pdxfer.serve.proxy_steps import NET_ERRORS, StepFailed, Steps, error_response
+from pdxfer.serve.router import NoHealthyInstance, RouteConfig, Router
 
 log = logging.getLogger("pdxfer.proxy")
 
 HANDOFFS = ("none", "nixl")
 PREFILL_FAILURE = ("error", "decode")
-# Sampling fields that conflict with max_tokens=1 or would make the prefill step do extra work.
-# Nothing that shapes the prompt may be dropped (messages, tools, chat_template_kwargs, ...):
-# prefill and decode must see the same prompt tokens, or decode finds no chunks.
-_PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
-                 "best_of", "n", "echo", "stop", "stop_token_ids", "response_format",
-                 "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar")
-_NET_ERRORS = (aiohttp.ClientError, OSError)
-
-
-def _error_response(status: int, message: str, etype: str, backend: Backend | None = None,
-                    headers: Mapping[str, str] | None = None) -> web.Response:
-    body: dict[str, Any] = {"error": {"message": message, "type": etype, "code": status}}
-    if backend is not None:
-        body["error"]["instance"] = backend.url
-        body["error"]["role"] = backend.role
-    return web.json_response(body, status=status, headers=headers)
-
-
-def prefill_body(body: dict[str, Any], handoff: str) -> dict[str, Any]:
-    """The request the prefill instance gets: same prompt, one token, no streaming."""
-    p = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
-    p["max_tokens"] = 1
-    if "max_completion_tokens" in p:
-        p["max_completion_tokens"] = 1
-    p["stream"] = False
-    if handoff == "nixl":
-        p["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                   "remote_engine_id": None, "remote_block_ids": None,
-                                   "remote_host": None, "remote_port": None}
-    return p
-
-
-def split_prompts(body: dict[str, Any]) -> list[Any] | None:
-    """The prompts of a completion of several prompts (strings or token id lists), else None.
-    A flat list of token ids is one prompt."""
-    prompts = body.get("prompt")
-    if (isinstance(prompts, list) and len(prompts) > 1
-            and all(isinstance(p, (str, list)) for p in prompts)):
-        return prompts
-    return None
-
-
-class StepFailed(Exception):
-    """One step failed at one instance. ``retry``: nothing reached the client and another
-    instance may answer; ``status``: what the client gets if it is not retried (or the retry
-    fails too); ``data``/``content_type``: an instance's own client-error answer, passed through."""
-
-    def __init__(self, backend: Backend, status: int, message: str, retry: bool,
-                 data: bytes | None = None, content_type: str = "application/json") -> None:
-        super().__init__(message)
-        self.backend = backend
-        self.status = status
-        self.retry = retry
-        self.data = data
-        self.content_type = content_type
-
-    def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
-        if self.data is not None:  # the instance's own 4xx: the client's error, not ours
-            return web.Response(body=self.data, status=self.status,
-                                content_type=self.content_type, headers=headers)
-        etype = "gateway_timeout" if self.status == 504 else "bad_gateway"
-        return _error_response(self.status, str(self), etype, self.backend, headers)
 
 
 class PDProxy:
@@ -171,6 +107,8 @@ class PDProxy:
         self.metrics.recent_blocks.set_function(self.router.recent.total_blocks)
         for b in self.prefill.backends + self.decode.backends:
             self.metrics.healthy.labels(b.role, b.url).set(1)
+        self.steps = Steps(self.prefill, self.decode, self.metrics, lambda: self.session,
+                           self._unreachable, timeout, connect_timeout, handoff)
         self.health = HealthChecker((self.prefill, self.decode), health_interval, health_timeout,
                                     self._backend_changed)
         self.discovery = (Discovery((self.prefill, self.decode), p_dns + d_dns, discovery_interval,
@@ -290,91 +228,23 @@ class PDProxy:
                                     content_type=r.content_type)
         except asyncio.TimeoutError:
             backend.errors += 1
-            return _error_response(504, f"decode instance {backend.url} timed out",
-                                   "gateway_timeout", backend)
-        except _NET_ERRORS as e:
+            return error_response(504, f"decode instance {backend.url} timed out",
+                                  "gateway_timeout", backend)
+        except NET_ERRORS as e:
             self._unreachable(backend, e)
-            return _error_response(502, f"decode instance {backend.url} unreachable: "
-                                   f"{e.__class__.__name__}: {e}", "bad_gateway", backend)
+            return error_response(502, f"decode instance {backend.url} unreachable: "
+                                  f"{e.__class__.__name__}: {e}", "bad_gateway", backend)
 
     # --- the P/D flow ------------------------------------------------------------------------
-
-    def _failed(self, b: Backend, e: BaseException, what: str) -> StepFailed:
-        """A StepFailed for a network error or timeout of ``what`` at ``b``."""
-        self.metrics.failures.labels(b.role).inc()
-        if isinstance(e, asyncio.TimeoutError):
-            b.errors += 1
-            return StepFailed(b, 504, f"{b.role} instance {b.url} timed out ({what})", retry=False)
-        self._unreachable(b, e)
-        return StepFailed(b, 502, f"{b.role} instance {b.url} unreachable ({what}): "
-                          f"{e.__class__.__name__}: {e}", retry=True)
-
-    async def _post_prefill(self, b: Backend, path: str, body: dict[str, Any],
-                            headers: CIMultiDict[str]) -> dict | None:
-        """POST the prefill request to ``b``; its kv_transfer_params (None: none)."""
-        b.in_flight += 1
-        b.requests += 1
-        t0 = time.monotonic()
-        try:
-            async with self.session.post(
-                b.url + path, json=prefill_body(body, self.handoff), headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout),
-            ) as r:
-                data = await r.read()
-                if r.status != 200:
-                    if r.status < 500:
-                        raise StepFailed(b, r.status, f"HTTP {r.status}", retry=False, data=data,
-                                         content_type=r.content_type)
-                    b.errors += 1
-                    self.metrics.failures.labels(b.role).inc()
-                    raise StepFailed(b, 502, f"prefill instance {b.url} answered HTTP {r.status}: "
-                                     f"{data[:300].decode('utf-8', 'replace')}", retry=True)
-                try:
-                    return json.loads(data).get("kv_transfer_params")
-                except (ValueError, AttributeError):
-                    if self.handoff != "nixl":
-                        return None  # pdxfer's hint only shortens a wait: go on without it
-                    raise StepFailed(b, 502, f"prefill instance {b.url} sent a non-JSON answer",
-                                     retry=True) from None
-        except (asyncio.TimeoutError, *_NET_ERRORS) as e:
-            raise self._failed(b, e, "prefill") from e
-        finally:
-            b.in_flight -= 1
-            self.metrics.step_took(b, time.monotonic() - t0)
-
-    async def _prefill_one(self, first: Backend, path: str, body: dict[str, Any],
-                           headers: CIMultiDict[str]) -> tuple[Backend, dict | None]:
-        """The prefill of one prompt on ``first``, retried once on another healthy instance."""
-        try:
-            return first, await self._post_prefill(first, path, body, headers)
-        except StepFailed as e:
-            other = self.prefill.pick(exclude=[first]) if e.retry else None
-            if other is None:
-                raise
-            self.metrics.retries.labels("prefill").inc()
-            log.warning("%s; retrying the prefill on %s", e, other.url)
-            return other, await self._post_prefill(other, path, body, headers)
-
-    async def _prefill(self, first: Backend, path: str, body: dict[str, Any],
-                       headers: CIMultiDict[str]) -> tuple[Backend, dict | None]:
-        """The prefill step. Several prompts: one prefill request per prompt, concurrently (an
-        answer's hint is its own prompt's), and the decode gets all their hints."""
-        prompts = split_prompts(body) if self.handoff == "none" else None
-        if prompts is None:
-            return await self._prefill_one(first, path, body, headers)
-        done = await asyncio.gather(*(self._prefill_one(first, path, {**body, "prompt": p}, headers)
-                                      for p in prompts))
-        merged = merge_hints(params for _, params in done)
-        return done[0][0], merged if merged is not None else done[0][1]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            return _error_response(400, "request body is not valid JSON", "invalid_request_error")
+            return error_response(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
-            return _error_response(400, "request body must be a JSON object",
-                                   "invalid_request_error")
+            return error_response(400, "request body must be a JSON object",
+                                  "invalid_request_error")
         path = request.path
         headers = request_headers(request.headers)
         try:
@@ -387,7 +257,8 @@ class PDProxy:
         kv_params: dict | None = None
         if route.prefill is not None:
             try:
-                route.prefill, kv_params = await self._prefill(route.prefill, path, body, headers)
+                route.prefill, kv_params = await self.steps.prefill(route.prefill, path, body,
+                                                                     headers)
             except StepFailed as e:
                 if e.data is not None or self.prefill_failure == "error":
                     # Client errors (bad prompt, too long) are the client's: pass them through.
@@ -401,100 +272,7 @@ class PDProxy:
         decode_req = dict(body)
         if kv_params is not None:
             decode_req["kv_transfer_params"] = kv_params
-        return await self._decode(request, route, path, decode_req, headers, prefill_ms)
-
-    def _route_headers(self, route: Route, prefill_ms: float) -> dict[str, str]:
-        h = {"x-pdxfer-route": route.route_header(), "x-pdxfer-route-reason": route.reason_header(),
-             "X-Pdxfer-Decode": route.decode.url, "X-Pdxfer-Prefill-Ms": f"{prefill_ms:.2f}"}
-        if route.prefill is not None:
-            h["X-Pdxfer-Prefill"] = route.prefill.url
-        return h
-
-    async def _decode(self, request: web.Request, route: Route, path: str, body: dict[str, Any],
-                      headers: CIMultiDict[str], prefill_ms: float) -> web.StreamResponse:
-        """The decode step on the route's instance, retried once elsewhere while nothing reached
-        the client."""
-        backend = route.decode
-        for attempt in range(2):
-            try:
-                return await self._forward_decode(request, backend, path, body, headers,
-                                                  self._route_headers(route, prefill_ms))
-            except StepFailed as e:
-                other = self.decode.pick(exclude=[backend]) if e.retry and attempt == 0 else None
-                if other is None:
-                    if attempt:
-                        e = StepFailed(e.backend, e.status, f"{e} (after a retry: the first "
-                                       f"decode instance failed too)", e.retry, e.data,
-                                       e.content_type)
-                    return e.response(self._route_headers(route, prefill_ms))
-                self.metrics.retries.labels("decode").inc()
-                log.warning("%s; retrying the decode on %s", e, other.url)
-                route.decode = backend = other
-        raise AssertionError("unreachable")
-
-    async def _forward_decode(self, request: web.Request, backend: Backend, path: str,
-                              body: dict[str, Any], headers: CIMultiDict[str],
-                              route_headers: dict[str, str]) -> web.StreamResponse:
-        """Raises StepFailed only while nothing was sent to the client."""
-        streaming = bool(body.get("stream"))
-        # Non-streaming: one total bound. Streaming: bound the gap between chunks instead, so a
-        # long generation is not cut while a stalled instance still is.
-        timeout = (aiohttp.ClientTimeout(total=None, connect=self.connect_timeout,
-                                         sock_read=self.timeout) if streaming else
-                   aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout))
-        backend.in_flight += 1
-        backend.requests += 1
-        t0 = time.monotonic()
-        try:
-            try:
-                r = await self.session.post(backend.url + path, json=body, headers=headers,
-                                            timeout=timeout)
-            except (asyncio.TimeoutError, *_NET_ERRORS) as e:
-                raise self._failed(backend, e, "decode") from e
-            async with r:
-                out_headers = response_headers(r.headers)
-                out_headers.update(route_headers)
-                try:
-                    first = await (r.read() if not streaming or r.status != 200
-                                   else r.content.readany())
-                except (asyncio.TimeoutError, *_NET_ERRORS) as e:
-                    raise self._failed(backend, e, "decode, before its first byte") from e
-                if not streaming or r.status != 200:
-                    if r.status >= 500:
-                        backend.errors += 1
-                        self.metrics.failures.labels(backend.role).inc()
-                        raise StepFailed(backend, 502, f"decode instance {backend.url} answered "
-                                         f"HTTP {r.status}: {first[:300].decode('utf-8', 'replace')}",
-                                         retry=True)
-                    return web.Response(body=first, status=r.status, content_type=r.content_type,
-                                        headers=out_headers)
-                if not first:  # the instance closed the stream before sending anything
-                    self.metrics.failures.labels(backend.role).inc()
-                    raise StepFailed(backend, 502, f"decode instance {backend.url} closed its "
-                                     "stream before sending anything", retry=True)
-                resp = web.StreamResponse(status=200, headers=out_headers)
-                resp.content_type = r.content_type or "text/event-stream"
-                await resp.prepare(request)
-                await resp.write(first)
-                try:
-                    async for chunk in r.content.iter_any():
-                        await resp.write(chunk)
-                except (asyncio.TimeoutError, *_NET_ERRORS) as e:
-                    # Headers are gone already: tell the client in-band, as an SSE error event.
-                    backend.errors += 1
-                    self.metrics.failures.labels(backend.role).inc()
-                    msg = {"error": {"message": f"decode instance {backend.url} failed mid-stream: "
-                                     f"{e.__class__.__name__}: {e}", "type": "bad_gateway",
-                                     "code": 502, "instance": backend.url}}
-                    try:
-                        await resp.write(f"data: {json.dumps(msg)}\n\n".encode())
-                    except (ConnectionError, RuntimeError):
-                        pass
-                await resp.write_eof()
-                return resp
-        finally:
-            backend.in_flight -= 1
-            self.metrics.step_took(backend, time.monotonic() - t0)
+        return await self.steps.decode(request, route, path, decode_req, headers, prefill_ms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,12 +350,8 @@ async def _serve_forever(proxy: PDProxy, host: str, port: int, port_file: Path |
 
 
 def _read_token(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return path.read_text().strip()
-    except OSError as e:
-        raise ValueError(f"--master-token-file {path}: {e}") from None
+    # A SecretFileError is a ValueError: the caller turns it into the CLI's exit message.
+    return read_secret_file(path, "--master-token-file") if path is not None else None
 
 
 def run_proxy_cli(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ from pdxfer.serve.backends import Backend, BackendPool
 from pdxfer.serve.index_view import Holding, IndexUnavailable, IndexView
 from pdxfer.serve.load_costs import LoadCostScraper
 from pdxfer.serve.recent_prompts import RecentPrompts
-from pdxfer.serve.tokenize import TokenizeError, prompt_tokens, single_prompt
+from pdxfer.serve.prompt_tokens import TokenizeError, prompt_tokens, single_prompt
 
 log = logging.getLogger("pdxfer.proxy")
 

@@ -22,7 +22,7 @@ Per holder rank a reader rank reads from (:func:`pdxfer.kv.heads.head_sources`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pdxfer.planning.convert import check_convertible
 from pdxfer.kv.heads import head_sources
@@ -118,4 +118,17 @@ def layouts_of(endpoints: Sequence[Any]) -> list[KVLayout]:
         raise NotReadable(f"holder layout does not parse: {exc}") from exc
 
 
-__all__ = ["NotReadable", "Route", "check_convertible", "holder_total_heads", "layouts_of", "routes"]
+def holder_route_key(holder: Any, endpoint_part: Callable[[Any], object]) -> tuple[str, str]:
+    """The key under which what was decided about ``holder`` (a lookup's node or a
+    :class:`~pdxfer.vllm.metadata.HolderRef`) is kept: its node id, and its total KV heads with,
+    per endpoint, the rank, ``endpoint_part(endpoint)`` and the block size. A holder that
+    registers again with another layout or transport address gets a new key, so nothing
+    decided about its previous registration is reused."""
+    # repr: one hashable text of the announcement whatever types its wire values have (a
+    # layout value decoded from JSON may be a list).
+    sig = repr([(e.rank, endpoint_part(e), e.layout.get("block_size")) for e in holder.endpoints])
+    return (holder.node_id, f"{holder.total_kv_heads}:{sig}")
+
+
+__all__ = ["NotReadable", "Route", "check_convertible", "holder_route_key", "holder_total_heads", "layouts_of",
+           "routes"]

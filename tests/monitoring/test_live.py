@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import pytest
 
 from pdxfer.common.procs import wait_http_ready
-from pdxfer.serve.launch import proxy_ready_url, start_proxy
+from pdxfer.launch.fleet import proxy_ready_url, start_proxy
 from tests.monitoring.monitoring_files import (ALERTS, EXAMPLE_CONFIG, concrete_expr, load_alert_rules,
                                                load_dashboard, panel_queries, prometheus_tool)
 from tests.monitoring.prom_server import PrometheusServer, config_from_example, positive

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.serve.launch import (instance_names, instances_share_cores, parse_core_list, parse_kv_config_args,
-                                 pdxfer_kv_config, shared_cores_env, split_cores, split_cores_among, start_fleet)
-from pdxfer.serve.serve_shim import vllm_serve_argv, vllm_serve_env
-from pdxfer.serve.tiny_model import make_tiny_model
+from pdxfer.launch.fleet import start_fleet
+from pdxfer.launch.plan import (instance_names, instances_share_cores, parse_core_list, parse_kv_config_args,
+                             pdxfer_kv_config, shared_cores_env, split_cores, split_cores_among)
+from pdxfer.launch.serve_shim import vllm_serve_argv, vllm_serve_env
+from pdxfer.launch.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +54,7 @@ def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
 def test_vllm_argv_and_env(tmp_path: Path) -> None:
     argv = vllm_serve_argv(tmp_path, 1234, {"kv_connector": "PdxferConnector", "kv_role": "kv_both"},
                            ["--max-model-len", "4096"])
-    assert argv[:4] == [sys.executable, "-m", "pdxfer.serve.serve_shim", "serve"]
+    assert argv[:4] == [sys.executable, "-m", "pdxfer.launch.serve_shim", "serve"]
     assert argv[argv.index("--port") + 1] == "1234"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert "--enforce-eager" in argv and argv[-2:] == ["--max-model-len", "4096"]

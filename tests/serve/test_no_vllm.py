@@ -1,5 +1,5 @@
-"""pdxfer.serve never imports vLLM: the proxy and launcher must run where vLLM is not installed
-(or would take seconds to import). Checked in a fresh interpreter, where nothing else imported it."""
+"""pdxfer.serve and pdxfer.launch never import vLLM: the proxy and launcher must run where vLLM is
+not installed (or would take seconds to import). Checked in a fresh interpreter, where nothing else imported it."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pdxfer.launch
 import pdxfer.serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_no_module_of_pdxfer_serve_imports_vllm() -> None:
-    names = sorted(m.name for m in pkgutil.iter_modules(pdxfer.serve.__path__, "pdxfer.serve."))
-    assert {"pdxfer.serve.proxy", "pdxfer.serve.launch", "pdxfer.serve.serve_shim",
-            "pdxfer.serve.tiny_model"} <= set(names)
+def test_no_module_of_pdxfer_serve_or_launch_imports_vllm() -> None:
+    names = sorted(m.name for pkg in (pdxfer.serve, pdxfer.launch)
+                   for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."))
+    assert {"pdxfer.serve.proxy", "pdxfer.launch.fleet", "pdxfer.launch.serve_shim",
+            "pdxfer.launch.tiny_model"} <= set(names)
     code = ("import importlib, sys\n"
             f"for n in {names!r}: importlib.import_module(n)\n"
             "import pdxfer.cli\n"

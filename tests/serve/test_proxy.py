@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from pdxfer.common.procs import free_port, http_ok, wait_http_ready
-from pdxfer.serve.launch import proxy_ready_url
+from pdxfer.launch.fleet import proxy_ready_url
 from pdxfer.serve.proxy import PDProxy, RunningProxy
 
 from .stand_ins import ThreadServer

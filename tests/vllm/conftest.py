@@ -34,9 +34,9 @@ import pytest
 
 from pdxfer.master import LocalMaster, start_local_master
 from pdxfer.common.procs import ManagedProcess, free_port, wait_http_ready
-from pdxfer.serve.launch import pdxfer_kv_config
-from pdxfer.serve.serve_shim import start_vllm
-from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
+from pdxfer.launch.plan import pdxfer_kv_config
+from pdxfer.launch.serve_shim import start_vllm
+from pdxfer.launch.tiny_model import default_tiny_model_dir, make_tiny_model
 
 READY_TIMEOUT_S = 420  # cold start of two instances on two busy cores
 REQUEST_TIMEOUT_S = 120

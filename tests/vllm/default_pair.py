@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from pdxfer.serve.tiny_model import default_tiny_model_dir, make_tiny_model
+from pdxfer.launch.tiny_model import default_tiny_model_dir, make_tiny_model
 from tests.vllm.conftest import PDPair, make_pair
 
 KEEPER = "default_pair_keeper"  # the fixture every user of the default pair depends on

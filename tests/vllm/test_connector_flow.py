@@ -259,7 +259,7 @@ def test_at_the_cap_each_new_request_is_still_published_whole(pair):
         if published != len(toks):
             partial.append(i)
         # Between requests (an engine step or more) the background reclaim lands.
-        wait_until(lambda: not holder.sched.holder._reclaiming, "reclaim never finished", 5, poll=0.005)
+        wait_until(lambda: not holder.sched.holder.cap.reclaiming, "reclaim never finished", 5, poll=0.005)
         holder.sched.drain_frees()
     assert not partial, f"requests {partial} were published only in part"
 

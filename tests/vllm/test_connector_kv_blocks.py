@@ -333,7 +333,7 @@ def test_every_counter_the_connector_keeps_is_exported() -> None:
 
     from pdxfer.contracts.connector_metric_defs import COUNTER_KEYS
     from pdxfer.vllm.scheduler.scheduler_state import SchedulerStats
-    from pdxfer.vllm.worker.worker_side import WorkerStats
+    from pdxfer.vllm.worker.worker_stats import WorkerStats
 
     kept = {f.name for cls in (SchedulerStats, WorkerStats) for f in fields(cls) if f.type in (int, "int")}
     assert kept and kept <= set(COUNTER_KEYS), sorted(kept - set(COUNTER_KEYS))

@@ -183,9 +183,9 @@ def test_tp1_reader_gathers_its_heads_from_both_holder_ranks(engines):
     assert ext == len(toks) - 1 and not errors
     assert _moved(holder, h_ids, reader, r_ids, ext)
     assert reader.workers[0].connected_holders() == [holder.name]
-    assert sorted(reader.workers[0]._peers) == [(holder.name, 0), (holder.name, 1)]  # one connection per rank
+    assert sorted(reader.workers[0].peers.connections) == [(holder.name, 0), (holder.name, 1)]  # one connection per rank
     # CPU blocks are head-major: each rank's half is one byte range per block, read into place.
-    assert {type(p[2]).__name__ for p in reader.workers[0]._peers.values()} == {"PeerPlanner"}
+    assert {type(p[2]).__name__ for p in reader.workers[0].peers.connections.values()} == {"PeerPlanner"}
     assert reader.workers[0].stats.tokens_loaded == ext
 
 
@@ -229,7 +229,7 @@ def test_tp1_flash_reader_gathers_interleaved_heads_through_staging(engines):
     ext, r_ids, errors = reader.load("d", toks)
     assert ext == len(toks) - 1 and not errors
     assert _moved(holder, h_ids, reader, r_ids, ext)
-    assert {type(p[2]).__name__ for p in reader.workers[0]._peers.values()} == {"ConvertingPlanner"}
+    assert {type(p[2]).__name__ for p in reader.workers[0].peers.connections.values()} == {"ConvertingPlanner"}
 
 
 def test_tp2_flash_holder_to_tp2_cpu_reader(engines):
@@ -241,7 +241,7 @@ def test_tp2_flash_holder_to_tp2_cpu_reader(engines):
     ext, r_ids, errors = reader.load("d", toks)
     assert ext == len(toks) - 1 and not errors
     assert _moved(holder, h_ids, reader, r_ids, ext)
-    assert [sorted(w._peers) for w in reader.workers] == [[(holder.name, 0)], [(holder.name, 1)]]
+    assert [sorted(w.peers.connections) for w in reader.workers] == [[(holder.name, 0)], [(holder.name, 1)]]
 
 
 def _foreign_holder(master_addr: str, reader: Engine, node_id: str, toks: list[int], *, dtype: str = "float16",

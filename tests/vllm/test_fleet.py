@@ -40,8 +40,8 @@ from pdxfer.master import MasterClient
 from pdxfer.master.server.index import TEST_HOOKS_ENV, TIE_HOOK, ChunkIndex
 from pdxfer.master.wire.protocol import pack_u32
 from pdxfer.serve.index_view import IndexView, lookup_keys
-from pdxfer.serve.launch import TRANSFER_COUNTER, proxy_ready_url, read_prom_counter, run_demo
-from pdxfer.serve.serve_shim import start_vllm
+from pdxfer.launch.fleet import TRANSFER_COUNTER, proxy_ready_url, read_prom_counter, run_demo
+from pdxfer.launch.serve_shim import start_vllm
 from tests.vllm.conftest import (kill_process_groups, EXTERNAL_HITS, PAIR_VLLM_ARGS, READY_TIMEOUT_S, TOP_K, Answer,
                                  ask_url, check_logprobs, post_json, prompt_of)
 

@@ -65,8 +65,8 @@ def test_a_re_publish_never_re_points_a_reclaimed_chunk(pair, monkeypatch):
         out = real_publish(*args, **kwargs)
         calls.append([k for k, _ in args[1]])
         if len(calls) == 1:  # between the groups: a reclaim takes the oldest chunks (a's)
-            hp._reclaim_async(4)
-            wait_until(lambda: not hp._reclaiming, "the reclaim never ran", 5, poll=0.005)
+            hp.cap.reclaim_async(4)
+            wait_until(lambda: not hp.cap.reclaiming, "the reclaim never ran", 5, poll=0.005)
             assert all(k not in hp._held for k in ka), "the reclaim did not take a's chunks"
         return out
 

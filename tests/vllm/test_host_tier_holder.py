@@ -156,10 +156,10 @@ def test_a_failed_copy_leaves_the_chunk_to_be_unpublished_as_before(host_holder)
 
 
 def test_an_unanswered_copy_is_dropped_after_the_bound(host_holder, monkeypatch):
-    import pdxfer.vllm.scheduler.holder as holder_mod
+    import pdxfer.vllm.scheduler.holder_host_tier as host_tier_mod
 
     h = host_holder(retention_s=30.0)
-    h.sched.holder._jobs.answer_bound_s = 0.2
+    h.sched.holder.host_tier.jobs.answer_bound_s = 0.2
     h.finish("p", _tokens(C + 3, 10))
     h.step_jobs()
     assert h.sched.has_pending_push_work()
@@ -167,7 +167,7 @@ def test_an_unanswered_copy_is_dropped_after_the_bound(host_holder, monkeypatch)
     h.answer()  # a step without any answer: the bound passed
     assert not h.sched.has_pending_push_work() and h.sched.stats.offloads_failed == 2
     assert h.sched.gauges()["host_slots_used"] == 0
-    assert holder_mod.OFFLOAD_ANSWER_BOUND_S > 1  # the default is far above a copy's time
+    assert host_tier_mod.OFFLOAD_ANSWER_BOUND_S > 1  # the default is far above a copy's time
 
 
 def test_a_full_host_pool_evicts_the_oldest_host_chunk_before_reusing_its_slots(host_holder):

@@ -27,7 +27,7 @@ def _load_checked(r: Reader, prompt: int, staged: bool) -> None:
     _, errors = r.load(req, blocks)
     stats = r.worker.stats.take() or {}
     reads = [rd for spec in r.meta.loads for rd in spec.reads]
-    _, n_device = r.worker._host_planners[("h", 0)]
+    _, n_device = r.worker.peers.host_planners[("h", 0)]
     ids = [b for rd in reads for b in rd.remote_blocks]
     assert min(ids) < n_device <= max(ids), f"the load names no blocks of both tiers: {reads}"
     assert all(bool(rd.remote_block_size) == staged for rd in reads), reads
@@ -47,8 +47,8 @@ def test_host_chunks_are_read_through_staging(holders, reader, hblock, rblock, r
     start("h", hblock, [0], "--host-chunks", host_chunks)
     r = reader(rblock, rformat)
     _load_checked(r, 0, staged)
-    _, _, planner = r.worker._peers[("h", 0)]
-    host_planner, _ = r.worker._host_planners[("h", 0)]
+    _, _, planner = r.worker.peers.connections[("h", 0)]
+    host_planner, _ = r.worker.peers.host_planners[("h", 0)]
     assert isinstance(planner, ConvertingPlanner) and isinstance(host_planner, ConvertingPlanner)
 
 
@@ -57,12 +57,12 @@ def test_a_direct_device_route_and_a_converting_host_route_mix(holders, reader):
     start("h", 32, [0], "--host-chunks", "0,3,4")
     r = reader(32)
     _load_checked(r, 0, False)  # block for block on both tiers, as before
-    _, _, planner = r.worker._peers[("h", 0)]
-    host_planner, n_device = r.worker._host_planners[("h", 0)]
+    _, _, planner = r.worker.peers.connections[("h", 0)]
+    host_planner, n_device = r.worker.peers.host_planners[("h", 0)]
     assert isinstance(planner, PeerPlanner) and isinstance(host_planner, PeerPlanner)
     # A host layout that needs converting (say, slots in another arrangement): staged, the
     # device blocks still straight into place.
     assert r.worker._staging is not None
-    r.worker._host_planners[("h", 0)] = (ConvertingPlanner(host_planner.remote, r.worker.layout,
+    r.worker.peers.host_planners[("h", 0)] = (ConvertingPlanner(host_planner.remote, r.worker.layout,
                                                            r.worker._staging.region_index), n_device)
     _load_checked(r, 0, False)

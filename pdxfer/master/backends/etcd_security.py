@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import parse_qsl, urlencode
 
+from pdxfer.common.secret_file import SecretFileError, read_secret_file
+
 # URL option -> (field, environment variable)
 OPTIONS = {
     "ca": ("ca_file", "PDXFER_ETCD_CA_FILE"),
@@ -63,13 +65,9 @@ class EtcdSecurity:
         """The password, read now (a rotated file is picked up on the next authentication)."""
         assert self.password_file is not None
         try:
-            with open(self.password_file) as f:
-                password = f.read().strip()
-        except OSError as exc:
-            raise EtcdRefused(f"cannot read the etcd password file {self.password_file}: {exc}") from None
-        if not password:
-            raise EtcdRefused(f"etcd password file {self.password_file} is empty")
-        return password
+            return read_secret_file(self.password_file, "etcd password file")
+        except SecretFileError as exc:
+            raise EtcdRefused(str(exc)) from None
 
     def query(self) -> str:
         """The URL options that give these settings ("" when none)."""

@@ -1,9 +1,9 @@
 """Synchronous pdxfer-master client: thread-safe, every wait bounded.
 
-Each call takes a persistent TCP connection from a small pool (one per concurrent caller), sends
-one frame and waits for its reply, so concurrent threads never wait on each other's round trips.
-Every call finishes within ``timeout_s`` (plus at most a tenth of it, 50 ms at most: the socket
-timeout follows the time left that closely) or raises ``MasterUnavailable``.
+Each call takes a persistent TCP connection (master_conn.py) from a small pool (one per concurrent
+caller), sends one frame and waits for its reply, so concurrent threads never wait on each other's
+round trips. Every call finishes within ``timeout_s`` (plus at most a tenth of it, 50 ms at most:
+the socket timeout follows the time left that closely) or raises ``MasterUnavailable``.
 
 Addresses (see ``locator.py``): ``"host:port"`` of one master, or
 ``"etcd://host:port[,host:port]/prefix"``: the client reads the current leader from etcd and
@@ -16,13 +16,10 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-import ssl
-import struct
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from pdxfer.common import netio
 from pdxfer.master.wire import protocol as P
 from pdxfer.master.wire import ops as ops
 from pdxfer.master.wire.errors import (
@@ -38,14 +35,13 @@ from pdxfer.master.wire.errors import (
 from pdxfer.master.client.locator import locator_for
 from pdxfer.master.wire.tls import (
     CLIENT_ENV,
-    ClientTls,
     MasterTlsError,
     client_tls_from,
     closed_after_handshake,
     explain_client_error,
-    looks_like_tls,
 )
 from pdxfer.master.client.locations import ChunkLocations
+from pdxfer.master.client.master_conn import MasterConn, PlainToTls, Unsendable, _Closed
 from pdxfer.master.wire.records import LookupResult, NodeInfo, PeekResult, Registration
 from pdxfer.master.client.registrations import SHARED, Registrations
 
@@ -54,26 +50,13 @@ log = logging.getLogger("pdxfer.master.client.master_client")
 T = TypeVar("T")
 
 
-_RECV_BYTES = 1 << 16
 # How far past its deadline a call may run (and at most a tenth of its timeout): the socket
 # timeout follows the time left this closely.
 _TIMEOUT_SLACK_S = 0.05
 
 
-class _Closed(Exception):
-    pass
-
-
 class _StaleNodeCache(Exception):
     pass
-
-
-class _PlainToTls(Exception):
-    pass
-
-
-class _Unsendable(Exception):
-    """The request cannot be encoded: nothing was sent, the connection is still good."""
 
 
 def _maybe_tls_hint(exc: BaseException) -> str:
@@ -87,100 +70,6 @@ def _maybe_tls_hint(exc: BaseException) -> str:
 def _backoff(attempt: int, deadline: float) -> None:
     """Pause before the next try at finding the leader: longer each time, never past the deadline."""
     time.sleep(min(0.05 * (attempt + 1), max(deadline - time.monotonic(), 0)))
-
-
-class _Conn:
-    def __init__(self, addr: tuple[str, int], timeout: float, tls: ClientTls | None,
-                 ctx: ssl.SSLContext | None, slack: float) -> None:
-        self.addr = addr
-        self.slack = slack
-        sock = socket.create_connection(addr, timeout=max(timeout, 0.001))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if ctx is not None:
-            assert tls is not None
-            try:  # the handshake runs under the connect timeout: a peer that stays silent cannot hold it
-                sock = ctx.wrap_socket(sock, server_hostname=tls.server_name or addr[0])
-            except BaseException:
-                sock.close()
-                raise
-        self.sock = sock
-        self.sock_timeout = sock.gettimeout() or 0.0
-        # A plain socket waits in blocking mode under the kernel's own send and receive timeouts:
-        # Python's socket timeouts poll before every send and receive, a system call each that a
-        # busy client pays twice per request. TLS sockets keep Python's timeouts.
-        self.kernel_timeouts = ctx is None
-        if self.kernel_timeouts:
-            sock.settimeout(None)
-            self._set_kernel_timeout(self.sock_timeout)
-        self.ids = itertools.count(1)
-        self.used = False
-
-    def _bound(self, deadline: float) -> None:
-        """Keep the socket's timeout within ``slack`` of the time left: each change is a system
-        call, and on a busy client every call would make one per send and receive."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise socket.timeout("the call's deadline passed")
-        if abs(left - self.sock_timeout) > self.slack:
-            if self.kernel_timeouts:
-                self._set_kernel_timeout(left)
-            else:
-                self.sock.settimeout(left)
-            self.sock_timeout = left
-
-    def _set_kernel_timeout(self, t: float) -> None:
-        sec = int(t)
-        usec = int((t - sec) * 1e6) or 1  # never (0, 0): that means no timeout at all
-        tv = struct.pack("ll", sec, usec)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def request(self, op: int, doc: dict[str, Any], blob: bytes, deadline: float) -> tuple[int, dict[str, Any], bytes]:
-        try:
-            return self._exchange(op, doc, blob, deadline)
-        except BlockingIOError:  # a kernel timeout ran out: the same as Python's socket timeout
-            raise socket.timeout("timed out waiting for the master") from None
-
-    def _exchange(self, op: int, doc: dict[str, Any], blob: bytes, deadline: float) -> tuple[int, dict[str, Any], bytes]:
-        req_id = next(self.ids) & 0xFFFFFFFF
-        try:
-            frame = P.encode_frame(op, req_id, doc, blob)
-        except ValueError as exc:
-            raise _Unsendable(str(exc)) from None
-        self._bound(deadline)
-        self.sock.sendall(frame)
-        self.used = True
-        self._bound(deadline)
-        # One recv usually brings the whole reply (header and body): not one call for each.
-        data = self.sock.recv(_RECV_BYTES)
-        while len(data) < P.HEADER_BYTES:
-            self._bound(deadline)
-            more = self.sock.recv(_RECV_BYTES)
-            if not more:
-                raise _Closed(f"connection closed while reading master reply ({len(data)} of {P.HEADER_BYTES} "
-                              "header bytes)")
-            data += more
-        if looks_like_tls(data) and not isinstance(self.sock, ssl.SSLSocket):
-            raise _PlainToTls("the master answered with a TLS record: it serves TLS but this client is plain; "
-                              f"give ca_file (${CLIENT_ENV['ca_file']}) to connect with TLS")
-        hdr = P.parse_header(data[: P.HEADER_BYTES])
-        need = P.HEADER_BYTES + hdr.json_len + hdr.blob_len
-        if len(data) > need:
-            raise P.ProtocolError(P.ERR_MALFORMED, f"{len(data) - need} bytes after the reply to request {req_id}")
-        body = data[P.HEADER_BYTES :]
-        if len(data) < need:
-            body += netio.recv_exact(self.sock, need - len(data), "master reply", _Closed,
-                                     before_recv=lambda: self._bound(deadline))
-        # Request id 0: a refusal the master sent before reading any request (no client certificate).
-        if hdr.req_id != req_id and not (hdr.op == P.OP_ERROR and hdr.req_id == 0):
-            raise P.ProtocolError(P.ERR_MALFORMED, f"reply to request {hdr.req_id}, expected {req_id}")
-        return hdr.op, P.decode_json(body[: hdr.json_len]), body[hdr.json_len :]
 
 
 class MasterClient:
@@ -204,7 +93,7 @@ class MasterClient:
         self._slack = min(_TIMEOUT_SLACK_S, timeout_s / 10)
         self.token = token
         self._lock = threading.Lock()
-        self._pool: list[_Conn] = []
+        self._pool: list[MasterConn] = []
         self._closed = False
         # Node descriptions by (node id, epoch), and the epochs we tell the master we have.
         self._node_cache: dict[tuple[str, int], NodeInfo] = {}
@@ -240,7 +129,7 @@ class MasterClient:
         for c in stale:
             c.close()
 
-    def _take(self, addr: tuple[str, int], deadline: float) -> _Conn:
+    def _take(self, addr: tuple[str, int], deadline: float) -> MasterConn:
         with self._lock:
             if self._closed:
                 raise MasterError("client is closed")
@@ -250,7 +139,7 @@ class MasterClient:
                     return c
                 c.close()
         try:
-            conn = _Conn(addr, deadline - time.monotonic(), self.tls, self._ssl, self._slack)
+            conn = MasterConn(addr, deadline - time.monotonic(), self.tls, self._ssl, self._slack)
         except OSError as exc:
             why = explain_client_error("%s:%d" % addr, exc, self.tls)
             if why is not None:
@@ -260,13 +149,13 @@ class MasterClient:
             self._hello(conn, deadline)
         return conn
 
-    def _hello(self, conn: _Conn, deadline: float) -> None:
+    def _hello(self, conn: MasterConn, deadline: float) -> None:
         """Authenticate a new connection: its first frame carries the token (the master reads
         nothing else from it before)."""
         where = f"master {conn.addr[0]}:{conn.addr[1]}"
         try:
             rop, rdoc, _ = conn.request(*ops.encode_hello(self.token), deadline)
-        except _PlainToTls as exc:
+        except PlainToTls as exc:
             conn.close()
             raise MasterTlsError(f"hello to {where}: {exc}") from None
         except (OSError, _Closed) as exc:
@@ -287,7 +176,7 @@ class MasterClient:
             raise MasterAuthError(msg) if rdoc.get("err") == P.ERR_AUTH else MasterProtocolError(msg)
         conn.used = False  # the hello was its first use: a request that finds it closed is not retried
 
-    def _give(self, conn: _Conn) -> None:
+    def _give(self, conn: MasterConn) -> None:
         with self._lock:
             if not self._closed and len(self._pool) < 64:
                 self._pool.append(conn)
@@ -318,10 +207,10 @@ class MasterClient:
             reused = conn.used
             try:
                 rop, rdoc, rblob = conn.request(op, doc, blob, deadline)
-            except _Unsendable as exc:
+            except Unsendable as exc:
                 self._give(conn)
                 raise ValueError(str(exc)) from None
-            except _PlainToTls as exc:
+            except PlainToTls as exc:
                 conn.close()
                 raise MasterTlsError(f"{P.OP_NAMES.get(op, op)} to master {addr[0]}:{addr[1]}: {exc}") from None
             except (OSError, _Closed) as exc:

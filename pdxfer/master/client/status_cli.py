@@ -13,6 +13,7 @@ import sys
 from typing import Any, Sequence
 
 from pdxfer.common.cli_common import HelpFormatter, add_log_level, apply_log_level
+from pdxfer.common.secret_file import SecretFileError, read_secret_file
 from pdxfer.master.wire.errors import MasterAuthError, MasterError, MasterUnavailable
 
 MASTER_ENV = "PDXFER_MASTER"  # the same variables the vLLM connector reads
@@ -101,10 +102,7 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def _read_token(path: str | None) -> str | None:
-    if not path:
-        return None
-    with open(path) as f:
-        return f.read().strip() or None
+    return read_secret_file(path, "token file") if path else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,8 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     token_file = args.token_file or os.environ.get(TOKEN_FILE_ENV, "").strip() or None
     try:
         token = _read_token(token_file)
-    except OSError as exc:
-        print(f"pdxfer status: cannot read token file {token_file}: {exc}", file=sys.stderr)
+    except SecretFileError as exc:
+        print(f"pdxfer status: {exc}", file=sys.stderr)
         return EXIT_USAGE
     tls = {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file,
            "server_name": args.server_name}

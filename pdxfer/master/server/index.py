@@ -19,7 +19,7 @@ Rules:
   lookup names the registrations it cannot read (``skip``; epoch 0: any registration of the node)
   and its transport, so an unreadable holder's longer run never hides a readable one. A lookup
   may name a preferred tier (``prefer_tier``): candidates holding chunk i in that tier come first,
-  each for as far as its run stays in it (``_in_tier``); the hit's length never depends on it.
+  each for as far as its run stays in it (``index_reads.in_tier``); the hit's length never depends on it.
 - What one publish call sets on a node is also kept as a run (``PublishedRun``): a lookup whose keys
   follow an intact run reads that span with one comparison and one slice. It changes no answer:
   ``ChunkIndex(spans=False)`` reads key by key and answers the same.
@@ -34,7 +34,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import operator
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -52,16 +51,18 @@ from pdxfer.master.server.index_records import (
     SupersededError,
     UnknownNodeError,
 )
-from pdxfer.master.wire.protocol import unpack_u32_array
-from pdxfer.kv.tiers import DEVICE_TIER, tier_of
+from pdxfer.master.server.index_reads import (
+    Picked,
+    block_counts,
+    in_tier,
+    joined_keys,
+    node_run,
+    peek_prefixes,
+    usable_filter,
+)
 
 INF = math.inf
 EPOCH_PREFIX_MASK = (1 << 29) - 1  # epochs stay below 2**61: under the wire's bound of 2**62
-_NBLOCKS = operator.attrgetter("nblocks")
-_BLOCKS = operator.attrgetter("blocks")
-_HOLD = operator.attrgetter("hold_until")
-# What _run picks on one node: its entries, and their block ids joined in pieces.
-Picked = tuple[list[Entry], list[bytes]]
 # The connector's test-hook directory (pdxfer/contracts/connector_config.py): the master reads one hook from it.
 TEST_HOOKS_ENV = "PDXFER_TEST_HOOKS_DIR"
 TIE_HOOK = "tie_break_node"
@@ -321,21 +322,21 @@ class ChunkIndex:
         stays in the tier. The hit is as long either way (it ends where no usable holder holds a
         chunk); only where its chunks are read from changes. ``joined``: the keys joined, when the
         caller has them so (the wire's key blob); spans of published runs are read with it."""
-        joined = self._joined(keys, joined)
+        joined = joined_keys(keys, joined, self.spans)
         c = self.counters
-        usable = self._usable_filter(skip, transport)
+        usable = usable_filter(skip, transport)
         c.lookups += 1
         c.lookup_chunks += len(keys)
         entries = self.entries
         chosen: list[Entry] = []
-        block_ids: list[bytes] = []  # the chosen entries' block ids, in pieces (see _run)
+        block_ids: list[bytes] = []  # the chosen entries' block ids, in pieces (see node_run)
         runs: list[tuple[str, int]] = []  # (node id, chunks)
         n = len(keys)
         i = 0
         # Greedy: at chunk i, take the live usable holder with the longest run from here (ties:
         # rotate among them) and stay on it for its whole run. The first pick is thus a node
         # holding the longest prefix. A chunk nobody live holds ends the prefix: a miss at chunk
-        # i hides chunks i+1... Each run is read with C-speed maps (see _run).
+        # i hides chunks i+1... Each run is read with C-speed maps (see node_run).
         while i < n:
             holders = entries.get(keys[i])
             if holders is None:
@@ -346,12 +347,12 @@ class ChunkIndex:
                 break
             if len(live) == 1:
                 node = live[0]
-                run, ids = self._run(keys, i, node, now, joined)
+                run, ids = node_run(keys, i, node, now, joined, c)
             else:
                 # Only live candidates are measured: each one's run holds only its own entries.
-                measured = [(self._run(keys, i, nd, now, joined), nd.node_id, nd) for nd in live]
+                measured = [(node_run(keys, i, nd, now, joined, c), nd.node_id, nd) for nd in live]
                 if prefer_tier is not None:
-                    measured = self._in_tier(measured, prefer_tier)
+                    measured = in_tier(measured, prefer_tier)
                 longest = max(len(r[0]) for r, _, _ in measured)
                 tied = sorted((nid, r, nd) for r, nid, nd in measured if len(r[0]) == longest)
                 if len(tied) == 1:
@@ -391,32 +392,10 @@ class ChunkIndex:
             lock_id,
             hit,
             runs,
-            self._counts(chosen, runs),
+            block_counts(chosen, runs, self.nodes),
             b"".join(block_ids),
             nodes,
         )
-
-    @staticmethod
-    def _in_tier(measured: list[tuple[Picked, str, Node]], tier: str) -> list[tuple[Picked, str, Node]]:
-        """The candidates whose run starts in ``tier``, each run cut where it leaves the tier;
-        all of them unchanged when none does (the chunk is not held in that tier)."""
-        out = []
-        for picked, nid, nd in measured:
-            run = picked[0]
-            base = nd.host_base
-            if base is None:
-                n = len(run) if tier == DEVICE_TIER else 0
-            else:
-                n = 0
-                for e in run:
-                    if tier_of(unpack_u32_array(e.blocks), base) != tier:
-                        break
-                    n += 1
-            if n == len(run):
-                out.append((picked, nid, nd))
-            elif n:
-                out.append(((run[:n], [b"".join(map(_BLOCKS, run[:n]))]), nid, nd))
-        return out or measured
 
     def peek(self, keys: Sequence[bytes], now: float, skip: Mapping[str, int] | None = None,
              transport: str | None = None) -> PeekOutcome:
@@ -425,143 +404,11 @@ class ChunkIndex:
         holds some of them, how far its device tier does). Read-only: no lock, no pin, no lease
         or entry is changed (an expired node is left for the reaper)."""
         self.counters.peeks += 1
-        usable = self._usable_filter(skip, transport)
-        entries = self.entries
-        prefix: dict[str, int] = {}
-        active: list[str] = []  # usable nodes that hold every key so far
-        hit = 0
-        for i, key in enumerate(keys):
-            holders = entries.get(key)
-            if holders is None:
-                break
-            if active:
-                # Node leases and the filter do not change within one call: only the entry's
-                # retention is left to check for nodes that passed them at key 0.
-                still = []
-                for nid in active:
-                    e = holders.get(nid)
-                    if e is not None and e.hold_until > now:
-                        still.append(nid)
-                    else:
-                        prefix[nid] = i
-                active = still
-                if still:
-                    hit += 1
-                    continue
-            live = [nid for nid, e in holders.items() if e.hold_until > now and e.node.expires_at > now
-                    and (usable is None or usable(e.node))]
-            if not live:
-                break
-            if i == 0:
-                active = live
-            hit += 1
-        for nid in active:
-            prefix[nid] = hit
-        device: dict[str, int] = {}
-        for nid, n in prefix.items():
-            node = self.nodes[nid]
-            if node.host_base is not None:
-                d = self._device_run(keys, n, node)
-                if d < n:
-                    device[nid] = d
-        return PeekOutcome(hit, prefix, {nid: self.nodes[nid] for nid in prefix}, device)
-
-    @staticmethod
-    def _device_run(keys: Sequence[bytes], n: int, node: Node) -> int:
-        """How many of ``keys[:n]`` (all held by ``node``) it holds in its device tier, from key 0."""
-        base = node.host_base
-        for i in range(n):
-            e = node.entries.get(keys[i])
-            if e is None or tier_of(unpack_u32_array(e.blocks), base) != DEVICE_TIER:
-                return i
-        return n
+        return peek_prefixes(self.entries, self.nodes, keys, now, usable_filter(skip, transport))
 
     def live_nodes(self, now: float) -> list[Node]:
         """The registrations whose lease has not run out (read-only, like ``peek``)."""
         return [n for n in self.nodes.values() if n.expires_at > now]
-
-    @staticmethod
-    def _usable_filter(skip: Mapping[str, int] | None, transport: str | None) -> Callable[[Node], bool] | None:
-        """The reader's filter on candidate holders; None when it rules nothing out (the hot path
-        then pays nothing for it)."""
-        if not skip and transport is None:
-            return None
-        skip = skip or {}
-
-        def usable(node: Node) -> bool:
-            if transport is not None and node.transport is not None and node.transport != transport:
-                return False
-            e = skip.get(node.node_id)
-            return e is None or (e != 0 and e != node.epoch)
-
-        return usable
-
-    def _counts(self, chosen: list[Entry], runs: list[tuple[str, int]]) -> list[int]:
-        """Block ids per chosen entry; a node whose entries all have the same count is not asked
-        entry by entry."""
-        if len(runs) == 1:
-            per = self.nodes[runs[0][0]].per
-            if per >= 0:
-                return [per] * len(chosen)
-        return list(map(_NBLOCKS, chosen))
-
-    def _joined(self, keys: Sequence[bytes], joined: bytes | None) -> bytes | None:
-        """The keys joined, if spans are read and every key is KEY_BYTES long (else None)."""
-        if not self.spans:
-            return None
-        if joined is None:
-            joined = b"".join(keys)
-            if set(map(len, keys)) - {KEY_BYTES}:
-                return None
-        if len(joined) != KEY_BYTES * len(keys):
-            raise ValueError(f"joined keys hold {len(joined)} bytes, not {KEY_BYTES} for each of {len(keys)} keys")
-        return joined
-
-    def _run(self, keys: Sequence[bytes], start: int, node: Node, now: float, joined: bytes | None = None) -> Picked:
-        """The node's entries for keys[start:] up to its first miss or entry past retention (its
-        lease was checked by the caller), and their block ids joined in pieces. Where the keys
-        follow one of the node's intact published runs (and ``joined`` is given), a span of it is
-        taken whole: one comparison of key bytes, one list slice, one slice of block ids. The rest
-        is read in growing windows, so a short run costs little and a long one is a few C-speed
-        maps."""
-        get = node.entries.get
-        out: list[Entry] = []
-        ids: list[bytes] = []
-        n = len(keys)
-        j = start
-        while joined is not None and j < n:
-            e = get(keys[j])
-            if e is None:
-                return out, ids
-            r = e.run
-            # Intact: every entry of r is still the node's entry under its key, unchanged, held
-            # until r.hold_until. So equal keys mean these very entries, all within retention.
-            if r is None or r.live != len(r.entries) or r.hold_until <= now:
-                break
-            pos = e.pos
-            m = min(n - j, len(r.entries) - pos)
-            if joined[j * KEY_BYTES : (j + m) * KEY_BYTES] != r.keys[pos * KEY_BYTES : (pos + m) * KEY_BYTES]:
-                break  # the keys leave the run somewhere in this span: read it key by key
-            out += r.entries[pos : pos + m]
-            ids.append(r.block_span(pos, m))
-            j += m
-            self.counters.span_chunks += m
-        width = 64
-        while j < n:
-            window = list(map(get, keys[j : j + width]))
-            try:
-                end = window.index(None)
-            except ValueError:
-                end = len(window)
-            if end and node.hold_floor <= now and min(map(_HOLD, window[:end])) <= now:  # some entry's retention is over
-                end = next(k for k in range(end) if window[k].hold_until <= now)
-            out += window[:end]
-            ids.append(b"".join(map(_BLOCKS, window[:end])))
-            if end < len(window):
-                break
-            j += end
-            width *= 8
-        return out, ids
 
     def release(self, lock_id: str, now: float, all_parties: bool = False) -> bool:
         """True if the lock was valid when this release arrived. The lock (and its pins) goes

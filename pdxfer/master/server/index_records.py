@@ -183,4 +183,4 @@ class Counters:
     nodes_expired: int = 0
     locks_invalidated: int = 0
     lock_expiries: int = 0  # locks reaped at their deadline with releases still missing
-    span_chunks: int = 0  # chunks a lookup measured as spans of published runs (index.py _run)
+    span_chunks: int = 0  # chunks a lookup measured as spans of published runs (index_reads.node_run)

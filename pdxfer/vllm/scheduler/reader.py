@@ -13,14 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from pdxfer.common.bounded_cache import ClearWhenFullCache
 from pdxfer.kv.keys import IncrementalHasher
 from pdxfer.kv.layout import KVLayout, LayoutError
 from pdxfer.master import MasterError
 from pdxfer.contracts.connector_config import ConnectorConfig
 from pdxfer.vllm.faults.hooks import test_hook_float, test_hooks_on
 from pdxfer.vllm.scheduler.hint_wait import HintPoller, HintWait
-from pdxfer.vllm.holder_routes import NotReadable, holder_total_heads, layouts_of, routes
+from pdxfer.vllm.holder_routes import NotReadable, holder_route_key, holder_total_heads, layouts_of, routes
 from pdxfer.vllm.load_plan import HitShape, exact_end, plan_reads
+from pdxfer.vllm.lock_release import release_off_path
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, RepullSpec
 from pdxfer.vllm.scheduler.reader_benefit import LoadGate
 from pdxfer.vllm.scheduler.scheduler_state import EpisodeLog, SchedulerStats
@@ -63,8 +65,9 @@ class ReaderPath:
         # no holder is usable (vLLM hands them over before it schedules anything).
         self._local: dict[int, KVLayout] = {}
         # Per holder (node id + what it announced): usable or not, decided once; a refusal is
-        # logged once per holder and reason, naming both sides.
-        self._usable: dict[tuple[str, str], bool] = {}
+        # logged once per holder and reason, naming both sides. Holders come and go over a long
+        # life, so past 1024 of them the memo starts over rather than grow.
+        self._usable: ClearWhenFullCache[tuple[str, str], bool] = ClearWhenFullCache(1024)
         # Registrations (node id -> epoch) found unusable: every lookup names them, so the master
         # never lets one hide a holder with the same chunks that this reader can read.
         self._unusable_regs: dict[str, int] = {}
@@ -325,14 +328,8 @@ class ReaderPath:
         return n
 
     def _holder_usable(self, node: Any) -> bool:
-        sig = repr([(e.rank, e.layout_fingerprint, e.layout.get("block_size")) for e in node.endpoints])
-        key = (node.node_id, f"{node.total_kv_heads}:{sig}")
-        ok = self._usable.get(key)
-        if ok is None:
-            if len(self._usable) >= 1024:  # bounded: holders come and go over a long life
-                self._usable.clear()
-            ok = self._usable[key] = self._check_holder(node)
-        return ok
+        key = holder_route_key(node, lambda e: e.layout_fingerprint)
+        return self._usable.get_or_make(key, lambda: self._check_holder(node))
 
     def _check_holder(self, node: Any) -> bool:
         """Can every rank of this engine read its heads from ``node``? Logged once when not."""
@@ -448,15 +445,7 @@ class ReaderPath:
 
     def _release_async(self, lock_id: str) -> None:
         """A lock we will not use: give it back off the hot path (it expires anyway)."""
-        def run() -> None:
-            try:
-                self._bg.release(lock_id, all_parties=True)
-            except Exception as exc:  # expiry covers it
-                log.debug("pdxfer: release of unused lock %s failed: %s", lock_id, exc)
-        try:
-            self._releaser.submit(run)
-        except RuntimeError:  # shutting down
-            pass
+        release_off_path(self._releaser, self._bg.release, lock_id, all_parties=True)
 
     def close(self) -> None:
         self._hint_waits.close()  # gives its locks back through the releaser: first

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from pdxfer.common.bounded_cache import ClearWhenFullCache
 from pdxfer.device import DeviceEvent, DeviceOps
 from pdxfer.kv.layout import KVLayout, LayoutError, Region, Segment
 from pdxfer.transport.base import RegisteredRegion
@@ -120,7 +121,9 @@ class HostPool:
                                 f"({num_slots} blocks): {exc}; lower host_tier_mib") from exc
         self._stream = ops.new_stream()
         self._jobs: list[_Job] = []
-        self._seen: set[int] = set()  # job ids started (a step's metadata may be bound twice)
+        # Job ids started (a step's metadata may be bound twice). Ids only grow and old ones
+        # never come back, so forgetting them all when full costs nothing.
+        self._seen: ClearWhenFullCache[int, bool] = ClearWhenFullCache(65536)
 
     @property
     def nbytes(self) -> int:
@@ -141,9 +144,7 @@ class HostPool:
         """Take ``job``: its copy is enqueued once the compute stream's work so far completed."""
         if job.job_id in self._seen:
             return
-        if len(self._seen) > 65536:  # bounded: ids only grow, old ones never come back
-            self._seen.clear()
-        self._seen.add(job.job_id)
+        self._seen.put(job.job_id, True)
         self.device_layout.check_blocks(job.device_blocks, "offload")
         self.layout.check_blocks(job.host_slots, "host")
         if len(job.device_blocks) != len(job.host_slots):

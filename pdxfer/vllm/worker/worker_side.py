@@ -1,5 +1,8 @@
 """Worker half of the pdxfer connector: register KV once, post reads, validate, report.
 
+Each load is a :class:`pdxfer.vllm.worker.load.Load` moving through its phases; its reads are
+:mod:`pdxfer.vllm.worker.reads`, its holder connections :mod:`pdxfer.vllm.worker.peers`.
+
 Runs in vLLM's worker process. Reads are posted when the step's metadata arrives and checked
 (never waited on) at the end of each step; a finished read is only reported as loaded after
 the master confirmed, at ``release``, that the lock held for the whole read. Anything else -- a
@@ -11,32 +14,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pdxfer.kv.layout import KVLayout, describe_kv_caches
-from pdxfer.planning.convert import ConvertingPlanner
-from pdxfer.planning.peer_plan import PeerPlanner
-from pdxfer.vllm.worker.staging import (ReaderStaging, ScatterHandle, StagedStream, StagingFull, StagingTooSmall,
-                                        auto_staging_bytes, region_tensors)
-from pdxfer.transport import create_transport, transport_options
-from pdxfer.transport.base import (PeerDied, PeerUnreachable, ReadHandle, ReadState, RegisteredRegion,
-                                   TransferCancelled)
 from pdxfer.contracts.connector_config import ConnectorConfig, check_reachable
+from pdxfer.kv.layout import KVLayout, Region, describe_kv_caches
+from pdxfer.kv.tiers import HOST_LAYOUT_KEY
+from pdxfer.transport import create_transport, transport_options
+from pdxfer.transport.base import PeerDied, PeerUnreachable, RegisteredRegion
 from pdxfer.vllm.faults.hooks import test_hook_float
 from pdxfer.vllm.faults.load_corruption import maybe_corrupt_load
-from pdxfer.vllm.worker import repull as rp_plan
-from pdxfer.vllm.holder_routes import NotReadable, Route, holder_total_heads, layouts_of, routes
-from pdxfer.vllm.worker.host_pool import AUTO_HOST_SHARE, HostPool, auto_host_tier_mib, host_slots_for
-from pdxfer.vllm.load_plan import split_by_tier
-from pdxfer.kv.tiers import HOST_LAYOUT_KEY
+from pdxfer.vllm.lock_release import release_off_path
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
-from pdxfer.kv.layout import Region
-from pdxfer.contracts.phase_times import PhaseTimes
+from pdxfer.vllm.worker import repull as rp_plan
+from pdxfer.vllm.worker.host_pool import AUTO_HOST_SHARE, HostPool, auto_host_tier_mib, host_slots_for
+from pdxfer.vllm.worker.load import NOT_POSTED, Load, LoadPhase
+from pdxfer.vllm.worker.peers import HolderPeers
+from pdxfer.vllm.worker.reads import LoadReads
+from pdxfer.vllm.worker.staging import ReaderStaging, auto_staging_bytes, region_tensors
+from pdxfer.vllm.worker.worker_stats import WorkerStats
 
 log = logging.getLogger("pdxfer.vllm.worker")
 
@@ -47,104 +45,10 @@ _INLINE_RELEASE_WAIT_S = 0.003
 _MAX_REPULL_ROUNDS = 2
 # Master calls off the step path at once (validations, re-pull lookups, unused-lock releases).
 _MASTER_CALL_THREADS = 4
-# Until a holder's first load is seen: low for any transport pdxfer runs on, so the first read's
-# bound is generous (4 MiB -> 0.5 s + 0.34 s).
-_ASSUMED_BANDWIDTH = 50e6
-
-
-class _NotPosted(ReadHandle):
-    """Stands in ``_Inflight.handles`` for a staged piece not posted yet (waiting for room):
-    nothing of it can land, and it holds no load back by itself (its stream does)."""
-
-    def poll(self) -> ReadState:
-        return ReadState.DONE
-
-    def wait(self, timeout: float) -> ReadState:
-        return ReadState.DONE
-
-    def cancel(self) -> None:
-        pass
-
-    @property
-    def error(self) -> None:
-        return None
-
-
-_NOT_POSTED = _NotPosted()
 
 
 class LayoutMismatch(RuntimeError):
     """The KV tensors vLLM allocated do not match the layout the scheduler derived."""
-
-
-@dataclass
-class _Inflight:
-    spec: LoadSpec
-    handles: list[ReadHandle]
-    started: float
-    nbytes: int
-    error: str | None = None
-    pending: list[tuple[HolderRef, Route, Any]] = field(default_factory=list)  # reads awaiting a connection
-    validation: Future | None = None  # the master's answer to release(): did the lock hold?
-    handle_nodes: list[tuple[str, int]] = field(default_factory=list)  # holder (node, rank) of each handle
-    # Staged reads, piece by piece; stream_slots[i]: the index in ``handles`` of stream i's read
-    # (replaced by the next piece's read once a piece was scattered).
-    staged: list[StagedStream] = field(default_factory=list)
-    stream_slots: list[int] = field(default_factory=list)
-    staging_waited: bool = False
-    unstopped: list[tuple[str, int]] = field(default_factory=list)  # holders of reads that never stopped
-    read_deadline: float = 0.0  # monotonic; past it a read still pending is given up
-    cancelled: bool = False
-    validating_since: float = 0.0  # monotonic: reads done, release asked
-    # Re-pulls (pdxfer.vllm.worker.repull). ``blame``: holders at fault for this round's failure;
-    # ``unposted``: holders some of whose reads were never posted. Across rounds: when the load
-    # was first posted (every round lives within its load_timeout_s), the holders skipped from
-    # now on (node -> epoch), blocks no round could fill, chunks re-pulled.
-    blame: set[str] = field(default_factory=set)
-    unposted: set[str] = field(default_factory=set)
-    round_failed: bool = False  # this round's reads failed; its release only says what to re-read
-    load_started: float = 0.0
-    load_tokens: int = 0  # what the whole load provides (a re-pull round's spec names only its part)
-    rounds: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)
-    lost: set[int] = field(default_factory=set)
-    repulled: int = 0
-    repull_lookup: Future | None = None
-    repull_from: int = 0  # the token the pending re-pull starts at
-    host_reads: bool = False  # some chunks came from a holder's host tier
-
-
-@dataclass
-class WorkerStats:
-    """Interval counters shipped to the scheduler through vLLM's connector stats."""
-
-    loads_ok: int = 0
-    loads_failed: int = 0
-    tokens_loaded: int = 0
-    bytes_loaded: int = 0
-    staging_waits: int = 0  # loads that waited for room in the staging area
-    staging_full: int = 0  # ... that failed: no room within the load's bound, or a block larger than it
-    reads_unstopped: int = 0  # reads that did not stop within the bound: holder disconnected
-    repulls: int = 0  # chunks read again from another holder after a failed read or refused lock
-    host_tier_tokens_loaded: int = 0  # tokens of loads that read some chunks from a holder's host tier
-    transfer_s: list[float] = field(default_factory=list)
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-
-    def take(self) -> dict[str, Any] | None:
-        if not (self.loads_ok or self.loads_failed):
-            return None
-        out = {"loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
-               "tokens_loaded": self.tokens_loaded, "bytes_loaded": self.bytes_loaded,
-               "staging_waits": self.staging_waits, "staging_full": self.staging_full,
-               "reads_unstopped": self.reads_unstopped, "repulls": self.repulls,
-               "host_tier_tokens_loaded": self.host_tier_tokens_loaded,
-               "transfer_s": list(self.transfer_s)}
-        out.update(self.phases.take())
-        self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
-        self.staging_waits = self.staging_full = self.reads_unstopped = self.repulls = 0
-        self.host_tier_tokens_loaded = 0
-        self.transfer_s = []
-        return out
 
 
 class WorkerSide:
@@ -174,27 +78,19 @@ class WorkerSide:
         self.host_pool: HostPool | None = None
         self._offloads_done: dict[int, int] = {}
         self._offloads_failed: dict[int, str] = {}
-        # (holder node, rank) -> (planner for its host slots, its device block count)
-        self._host_planners: dict[tuple[str, int], tuple[PeerPlanner | ConvertingPlanner, int]] = {}
-        # (node, holder rank) -> (its metadata, transport peer id, planner made once at connect)
-        self._peers: dict[tuple[str, int], tuple[bytes, str, PeerPlanner | ConvertingPlanner]] = {}
-        self._peers_lock = threading.Lock()
-        self._connecting: dict[tuple[str, int], Future] = {}
-        # holder (node id, what it announced) -> this rank's routes to it, or why it cannot read it
-        self._routes: dict[tuple[str, str], list[Route] | str] = {}
-        self._connect_pool = ThreadPoolExecutor(1, thread_name_prefix="pdxfer-connect")
+        self.stats = WorkerStats()
+        self.peers = HolderPeers(cfg, rank=rank, tp_size=tp_size)
+        self.reads = LoadReads(cfg, self.peers, self.stats)
         # Validations, re-pull lookups and unused-lock releases: several at once, so loads that end
         # together against a slow master do not queue one master call behind another.
         self._releaser = ThreadPoolExecutor(_MASTER_CALL_THREADS, thread_name_prefix="pdxfer-validate")
-        self._inflight: dict[str, _Inflight] = {}
+        self._inflight: dict[str, Load] = {}
         self._done_ok: set[str] = set()
         self._load_errors: set[int] = set()
         self._stop_bound_s = 10 * cfg.load_timeout_s
-        self._bandwidth: dict[str, float] = {}  # holder node -> bytes/s its loads achieved
         # History hook (the chaos checker's): when a list, every round of reads whose release
         # answered is appended to it (see _record_round). None in production.
         self.round_log: list[dict[str, Any]] | None = None
-        self.stats = WorkerStats()
 
     # ------------------------------------------------------------------ start
 
@@ -232,6 +128,8 @@ class WorkerSide:
             layout_wire[HOST_LAYOUT_KEY] = self.host_pool.layout.to_wire()
         transport.register(regions)
         self.layout, self.transport, self._kv_caches = layout, transport, kv_caches
+        self.peers.attach(layout, transport, self._staging, self.total_kv_heads)
+        self.reads.attach(transport, self._staging)
         if self.host_pool is not None:
             log.info("pdxfer: node %s rank %d host tier: %d blocks, %.0f MiB of pinned host memory",
                      self.node_id, self.rank, host_blocks, self.host_pool.nbytes / 2**20)
@@ -302,9 +200,9 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads (reader)
 
-    def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> _Inflight:
+    def _post(self, spec: LoadSpec, nodes: Mapping[str, HolderRef]) -> Load:
         now = time.time()
-        inf = _Inflight(spec, [], time.monotonic(), 0)
+        inf = Load(spec, [], time.monotonic(), 0)
         inf.load_started, inf.load_tokens = inf.started, spec.num_tokens
         if spec.looked_up_at > 0:
             self.stats.phases.add("post", now - spec.looked_up_at)
@@ -315,255 +213,10 @@ class WorkerSide:
         if now >= spec.lock_expires_at:
             inf.error = "lock expired before the read was posted"
             return inf
-        for i, r in enumerate(spec.reads):
-            ref = nodes[r.node_id]
-            try:
-                my_routes = self._routes_to(ref)
-            except NotReadable as exc:  # the scheduler thought otherwise: never read wrong bytes
-                inf.error = str(exc)
-                return inf
-            # One read per holder rank holding some of this rank's heads (TP: several, or a
-            # slice of one); the load is loaded only when all of them finished.
-            for route in my_routes:
-                if self._connected(ref, route):
-                    self._post_read(inf, ref, route, r)
-                else:
-                    # Connecting to a new holder (a NIXL agent takes ~0.2 s here) happens off the
-                    # step path; the read is posted from get_finished once the connection is up.
-                    self._start_connect(ref, route)
-                    inf.pending.append((ref, route, r))
-                if inf.error is not None:
-                    inf.unposted |= {x.node_id for x in spec.reads[i:]}
-                    return inf
+        self.reads.post_all(inf, nodes)
+        if not inf.pending:
+            inf.enter(LoadPhase.READING)
         return inf
-
-    def _routes_to(self, ref: HolderRef) -> list[Route]:
-        """This rank's reads from holder ``ref`` (decided once per holder and what it announced)."""
-        assert self.layout is not None
-        sig = repr([(e.rank, e.transport_metadata, e.layout.get("block_size")) for e in ref.endpoints])
-        key = (ref.node_id, f"{ref.total_kv_heads}:{sig}")
-        got = self._routes.get(key)
-        if got is None:
-            try:
-                layouts = layouts_of(ref.endpoints)
-                total = holder_total_heads(ref.total_kv_heads, len(layouts), layouts[0])
-                got = routes(ref.node_id, layouts, total, self.layout, self.tp_size, self.rank,
-                             self.total_kv_heads or self.layout.kv_heads * self.tp_size,
-                             staging=self._staging is not None and self._staging.enabled,
-                             chunk_tokens=self.cfg.chunk_tokens)
-            except NotReadable as exc:
-                got = str(exc)
-            if len(self._routes) >= 1024:  # bounded: holders come and go over a long life
-                self._routes.clear()
-            self._routes[key] = got
-        if isinstance(got, str):
-            raise NotReadable(got)
-        return got
-
-    def _post_read(self, inf: _Inflight, ref: HolderRef, route: Route, r: Any) -> None:
-        assert self.layout is not None and self.transport is not None
-        try:
-            at, peer, planner = self._peers[(ref.node_id, route.holder_rank)]
-            if at != ref.endpoint(route.holder_rank).transport_metadata:  # reconnected for another load's lookup
-                raise RuntimeError(f"holder {ref.node_id} rank {route.holder_rank} is connected as another registration")
-            host = self._host_planners.get((ref.node_id, route.holder_rank))
-            if host is not None and max(r.remote_blocks, default=-1) >= host[1]:
-                self._post_host_read(inf, ref, route, r, peer, planner, *host)
-                return
-            if isinstance(planner, ConvertingPlanner):  # READ into staging piece by piece, convert each
-                self._post_stream(inf, ref, route, planner, r, peer)
-                return
-            self._post_direct(inf, ref, route, planner, r, peer)
-        except Exception as exc:
-            if isinstance(exc, StagingTooSmall):
-                self.stats.staging_full += 1
-            if isinstance(exc, (PeerDied, PeerUnreachable)):
-                inf.blame.add(ref.node_id)
-            inf.error = f"{type(exc).__name__}: {exc}"
-
-    def _post_direct(self, inf: _Inflight, ref: HolderRef, route: Route, planner: PeerPlanner, r: Any,
-                     peer: str) -> None:
-        """One transport read of ``r``'s block pairs straight into place."""
-        plan = planner.plan(list(r.remote_blocks), list(r.local_blocks))
-        inf.nbytes += plan.total_bytes
-        inf.handles.append(self.transport.read(peer, plan))
-        inf.handle_nodes.append((ref.node_id, route.holder_rank))
-        bound = self._read_bound(ref.node_id, plan.total_bytes)
-        inf.read_deadline = max(inf.read_deadline, time.monotonic() + bound)
-
-    def _post_stream(self, inf: _Inflight, ref: HolderRef, route: Route, planner: ConvertingPlanner, r: Any,
-                     peer: str) -> None:
-        """A staged read of ``r``: its pieces are posted as the staging area has room."""
-        assert self._staging is not None
-        stream = self._staging.stream(planner, r, peer)
-        inf.staged.append(stream)
-        inf.stream_slots.append(len(inf.handles))
-        inf.handles.append(_NOT_POSTED)
-        inf.handle_nodes.append((ref.node_id, route.holder_rank))
-        self._post_piece(inf, len(inf.staged) - 1)
-
-    def _post_host_read(self, inf: _Inflight, ref: HolderRef, route: Route, r: Any, peer: str,
-                        planner: PeerPlanner | ConvertingPlanner, host_planner: PeerPlanner | ConvertingPlanner,
-                        n_device: int) -> None:
-        """A read naming some of the holder's host slots (block ids >= its device block count):
-        each tier's blocks are planned against its own layout (split_by_tier), and each part
-        goes the way its tier's planner says: straight into place, or staged and converted
-        (another block size, format or head split), so the two tiers may differ."""
-        inf.host_reads = True
-        for on_host, part in split_by_tier(r, n_device):
-            tier_planner = host_planner if on_host else planner
-            if isinstance(tier_planner, ConvertingPlanner):
-                self._post_stream(inf, ref, route, tier_planner, part, peer)
-            elif part.remote_block_size:  # the scheduler planned token ranges for blocks of our size
-                raise NotReadable(f"holder {ref.node_id} rank {route.holder_rank}: a token-range read of "
-                                  f"{part.remote_block_size}-token blocks from its "
-                                  f"{'host tier' if on_host else 'KV cache'}, whose blocks this rank reads "
-                                  "block for block")
-            else:
-                self._post_direct(inf, ref, route, tier_planner, part, peer)
-
-    def _post_piece(self, inf: _Inflight, i: int) -> None:
-        """Post stream ``i``'s next piece if the staging area has room; else wait (bounded by
-        the load's own bound), then fail naming the sizes."""
-        assert self._staging is not None
-        s = inf.staged[i]
-        job = self._staging.next_piece(s)
-        now = time.monotonic()
-        if job is None:
-            if not s.waiting_since:
-                s.waiting_since = now
-                if not inf.staging_waited:
-                    inf.staging_waited = True
-                    self.stats.staging_waits += 1
-            if now - s.waiting_since > self.cfg.load_timeout_s:
-                self.stats.staging_full += 1
-                raise StagingFull(
-                    f"no room in the staging area for {now - s.waiting_since:.2f} s: this read needs "
-                    f"{s.unit} bytes per holder block ({s.remaining_bytes()} still to stage), other loads "
-                    f"use {self._staging.area.in_use} of its {self._staging.nbytes} bytes; raise staging_mib "
-                    f"or staging_max_mib")
-            return
-        s.waiting_since = 0.0
-        try:
-            handle = self.transport.read(s.peer, job.plan)
-        except Exception:
-            self._staging.release([s])  # nothing was posted into it
-            raise
-        inf.handles[inf.stream_slots[i]] = handle
-        inf.nbytes += job.plan.total_bytes
-        node = inf.handle_nodes[inf.stream_slots[i]][0]
-        inf.read_deadline = max(inf.read_deadline, now + self._read_bound(node, job.plan.total_bytes))
-
-    def _advance_streams(self, inf: _Inflight) -> bool:
-        """Scatter every staged piece that landed and post the next one; True once every stream
-        moved all its pieces. Sets ``inf.error`` when a piece cannot be scattered or posted."""
-        assert self._staging is not None
-        done = True
-        for i, s in enumerate(inf.staged):
-            slot = inf.stream_slots[i]
-            h = inf.handles[slot]
-            if s.job is not None and h is not _NOT_POSTED:
-                if h.poll() is not ReadState.DONE:  # the read, or the scatter after it, still runs
-                    done = False
-                    continue
-                try:
-                    if s.scatter_event is None and not self._staging.start_scatter(s).query():
-                        # Enqueued on the worker's stream: the range is freed, and the load can
-                        # finish, only once the event after it completed (seen in a later step).
-                        inf.handles[slot] = ScatterHandle(s.scatter_event, self._staging.device)
-                        inf.read_deadline = max(inf.read_deadline, time.monotonic() + self.cfg.load_timeout_s)
-                        done = False
-                        continue
-                    self._staging.finish_scatter(s)
-                except Exception as exc:
-                    if s.scatter_event is not None and not isinstance(inf.handles[slot], ScatterHandle):
-                        inf.handles[slot] = ScatterHandle(s.scatter_event, self._staging.device)  # wait for it
-                    inf.error = f"scatter from staging failed: {type(exc).__name__}: {exc}"
-                    return False
-            if s.finished:
-                continue
-            done = False
-            if s.job is None:
-                try:
-                    self._post_piece(inf, i)
-                except Exception as exc:
-                    inf.error = f"{type(exc).__name__}: {exc}"
-                    return False
-        return done
-
-    def _connected(self, ref: HolderRef, route: Route) -> bool:
-        with self._peers_lock:
-            cached = self._peers.get((ref.node_id, route.holder_rank))
-        return cached is not None and cached[0] == ref.endpoint(route.holder_rank).transport_metadata
-
-    def _start_connect(self, ref: HolderRef, route: Route) -> None:
-        key = (ref.node_id, route.holder_rank)
-        fut = self._connecting.get(key)
-        if fut is not None and not fut.done():
-            return  # under way (perhaps to older metadata: _post_pending checks and retries)
-        self._connecting[key] = self._connect_pool.submit(self._connect, ref, route)
-
-    def _connect(self, ref: HolderRef, route: Route) -> None:
-        if ref.transport != self.cfg.transport:
-            raise RuntimeError(f"holder {ref.node_id} uses transport {ref.transport}, this node {self.cfg.transport}")
-        key = (ref.node_id, route.holder_rank)
-        ep = ref.endpoint(route.holder_rank)
-        with self._peers_lock:
-            cached = self._peers.get(key)
-        if cached is not None and cached[0] == ep.transport_metadata:
-            return
-        if cached is not None:  # the node restarted with new metadata
-            try:
-                self.transport.disconnect(cached[1])
-            except Exception:
-                pass
-        assert self.layout is not None and self._staging is not None
-        # The holder rank's layout is checked against ours once, here, not on every read.
-        planner = self._staging.planner_for(KVLayout.from_wire(ep.layout), route)
-        host_wire = ep.layout.get(HOST_LAYOUT_KEY)
-        host = None
-        if host_wire is not None:
-            host = (self._staging.planner_for(KVLayout.from_wire(host_wire), route), int(ep.layout["num_blocks"]))
-        peer = self.transport.connect(ep.transport_metadata, timeout=self._connect_bound())
-        with self._peers_lock:
-            self._peers[key] = (ep.transport_metadata, peer, planner)
-            if host is not None:
-                self._host_planners[key] = host
-            else:
-                self._host_planners.pop(key, None)
-
-    def _post_pending(self, inf: _Inflight) -> bool:
-        """Post reads whose connection came up; False while some connection is still pending."""
-        still = []
-        for ref, route, r in inf.pending:
-            key = (ref.node_id, route.holder_rank)
-            fut = self._connecting.get(key)
-            if fut is None or not fut.done():
-                if fut is None:
-                    self._start_connect(ref, route)
-                still.append((ref, route, r))
-                continue
-            exc = fut.exception()
-            if exc is not None:
-                inf.error = (f"cannot connect to holder {ref.node_id} rank {route.holder_rank}: "
-                             f"{type(exc).__name__}: {exc}")
-                self._connecting.pop(key, None)  # a later load may try again
-                inf.blame.add(ref.node_id)
-                inf.unposted |= {p[0].node_id for p in inf.pending}
-                inf.pending = []
-                return True
-            if not self._connected(ref, route):  # that connect was for older metadata of this node
-                self._connecting.pop(key, None)
-                self._start_connect(ref, route)
-                still.append((ref, route, r))
-                continue
-            self._post_read(inf, ref, route, r)
-            if inf.error is not None:
-                inf.unposted |= {p[0].node_id for p in inf.pending}
-                inf.pending = []
-                return True
-        inf.pending = still
-        return not still
 
     def get_finished(self) -> set[str]:
         """Requests whose load ended (loaded or failed) since the last call; never blocks on reads."""
@@ -574,109 +227,104 @@ class WorkerSide:
             return out
         delay = test_hook_float("read_delay_s")
         for req_id, inf in list(self._inflight.items()):
-            if inf.repull_lookup is not None:
-                if inf.repull_lookup.done() and self._repull_round(inf):
-                    out.add(req_id)
-                continue
-            if inf.validation is None:
-                state = self._state(inf, delay)
-                if state is None:
-                    continue
-                if state == "failed" or not inf.spec.lock_id:
-                    self._drop_departed(inf)
-                    if not (inf.blame or self._erred(inf)) or not self._stopped(inf) or not self._may_repull(inf):
-                        self._release_unused(inf.spec.lock_id)
-                        self._conclude(inf, False)
-                        del self._inflight[req_id]
-                        out.add(req_id)
-                        continue
-                    # A holder failed it: re-pull from another one. Only what no finished read
-                    # wrote is read again; whether those reads count is this round's release.
-                    inf.round_failed = True
-                else:
-                    maybe_corrupt_load(self.layout, req_id, inf.spec.blocks)  # test hook; off in production
-                    self.stats.phases.add("read", time.monotonic() - inf.started)
-                # The bytes are in; only the master can say whether the lock held throughout.
-                # Ask off the step path; a quick answer is still taken in this same step.
-                inf.validating_since = time.monotonic()
-                inf.validation = self._releaser.submit(self._master().release, inf.spec.lock_id)
-                wait = _INLINE_RELEASE_WAIT_S
+            if inf.phase is LoadPhase.REPULLING:
+                assert inf.repull_lookup is not None
+                ended = inf.repull_lookup.done() and self._repull_round(inf)
+            elif inf.phase is LoadPhase.VALIDATING:
+                ended = self._validate(inf, 0.0)
             else:
-                wait = 0.0
-            try:
-                try:
-                    valid = bool(inf.validation.result(timeout=wait))
-                except FutureTimeout:
-                    if time.monotonic() < self._validation_deadline(inf):
-                        continue
-                    inf.validation.cancel()  # if still queued; an answer arriving later is ignored
-                    raise TimeoutError(f"no answer within {self._validation_deadline(inf) - inf.validating_since:.2f} s")
-                if not valid and not inf.round_failed:
-                    inf.error = "lock expired during the read (master refused the release)"
-            except Exception as exc:
-                valid = False
-                inf.error = f"release failed, bytes cannot be validated: {exc}"
-                inf.round_failed = False  # no master to look up at either: recompute
-            else:
-                self._record_round(inf, valid)
-                if (inf.round_failed or not valid) and self._may_repull(inf):
-                    self._start_repull(inf, valid)
-                    continue
-            self.stats.phases.add("release", time.monotonic() - inf.validating_since)
-            self._conclude(inf, valid and not inf.round_failed)
-            del self._inflight[req_id]
-            out.add(req_id)
+                ended = self._follow_reads(inf, delay)
+            if ended:
+                out.add(req_id)
         return out
+
+    def _follow_reads(self, inf: Load, delay: float | None) -> bool:
+        """A connecting or reading load: True once it ended (failed with nothing to re-pull, or
+        validated within this step's short wait)."""
+        state = self._state(inf, delay)
+        if state is None:
+            return False
+        if state == "failed" or not inf.spec.lock_id:
+            self._drop_departed(inf)
+            if not (inf.blame or inf.erred()) or not inf.stopped() or not self._may_repull(inf):
+                self._release_unused(inf.spec.lock_id)
+                self._conclude(inf, False)
+                del self._inflight[inf.spec.req_id]
+                return True
+            # A holder failed it: re-pull from another one. Only what no finished read
+            # wrote is read again; whether those reads count is this round's release.
+            inf.round_failed = True
+        else:
+            maybe_corrupt_load(self.layout, inf.spec.req_id, inf.spec.blocks)  # test hook; off in production
+            self.stats.phases.add("read", time.monotonic() - inf.started)
+        # The bytes are in; only the master can say whether the lock held throughout.
+        # Ask off the step path; a quick answer is still taken in this same step.
+        inf.enter(LoadPhase.VALIDATING)
+        inf.validating_since = time.monotonic()
+        inf.validation = self._releaser.submit(self._master().release, inf.spec.lock_id)
+        return self._validate(inf, _INLINE_RELEASE_WAIT_S)
+
+    def _validate(self, inf: Load, wait: float) -> bool:
+        """The master's word on the lock, waited for up to ``wait``: True once the load ended
+        (loaded, or failed), False while the answer or a re-pull is still to come."""
+        assert inf.validation is not None
+        try:
+            try:
+                valid = bool(inf.validation.result(timeout=wait))
+            except FutureTimeout:
+                if time.monotonic() < self._validation_deadline(inf):
+                    return False
+                inf.validation.cancel()  # if still queued; an answer arriving later is ignored
+                raise TimeoutError(f"no answer within {self._validation_deadline(inf) - inf.validating_since:.2f} s")
+            if not valid and not inf.round_failed:
+                inf.error = "lock expired during the read (master refused the release)"
+        except Exception as exc:
+            valid = False
+            inf.error = f"release failed, bytes cannot be validated: {exc}"
+            inf.round_failed = False  # no master to look up at either: recompute
+        else:
+            self._record_round(inf, valid)
+            if (inf.round_failed or not valid) and self._may_repull(inf):
+                self._start_repull(inf, valid)
+                return False
+        self.stats.phases.add("release", time.monotonic() - inf.validating_since)
+        self._conclude(inf, valid and not inf.round_failed)
+        del self._inflight[inf.spec.req_id]
+        return True
 
     # ------------------------------------------------------------------ re-pulls
 
-    def _record_round(self, inf: _Inflight, valid: bool) -> None:
+    def _record_round(self, inf: Load, valid: bool) -> None:
         """For the history checker: what this round's reads wrote, and whether it counts (the
         lock held, and the holder's reads finished)."""
         if self.round_log is None:
             return
-        incomplete = sorted(self._incomplete(inf) | self._erred(inf)) if inf.round_failed else []
+        incomplete = sorted(inf.incomplete() | inf.erred()) if inf.round_failed else []
         self.round_log.append({
             "req": inf.spec.req_id, "round": inf.rounds, "lock": inf.spec.lock_id, "valid": valid,
             "failed": inf.round_failed, "incomplete": incomplete,
             "reads": [{"node": r.node_id, "local": list(r.local_blocks), "staged": bool(r.remote_block_size),
                        "start": r.start, "tokens": r.num_tokens} for r in inf.spec.reads]})
 
-    def _validation_deadline(self, inf: _Inflight) -> float:
+    def _validation_deadline(self, inf: Load) -> float:
         """When a load stops waiting for the master's word on its lock (and is recomputed): its
         load bound, but never less than one master call after the release was asked."""
         return max(inf.load_started + self.cfg.load_timeout_s, inf.validating_since + self.cfg.lookup_timeout_s)
 
-    def _past_load_bound(self, inf: _Inflight) -> bool:
-        """A re-pull round lives within its load's load_timeout_s, counted from the first post."""
-        return inf.rounds > 0 and time.monotonic() > inf.load_started + self.cfg.load_timeout_s
-
-    def _may_repull(self, inf: _Inflight) -> bool:
+    def _may_repull(self, inf: Load) -> bool:
         # Time for a lookup and a read is left, and not every round already failed.
         left = inf.load_started + self.cfg.load_timeout_s - time.monotonic()
         return (inf.spec.repull is not None and bool(inf.spec.lock_id) and inf.rounds < _MAX_REPULL_ROUNDS
                 and left > min(self.cfg.lookup_timeout_s, self.cfg.load_timeout_s / 4))
 
-    def _incomplete(self, inf: _Inflight) -> set[str]:
-        """Holders of this round with a read that did not finish (or was never posted)."""
-        nodes = set(inf.unposted) | set(inf.blame) | {p[0].node_id for p in inf.pending}
-        for h, (node, _) in zip(inf.handles, inf.handle_nodes):
-            if h is _NOT_POSTED or h.poll() is not ReadState.DONE:
-                nodes.add(node)
-        for s, slot in zip(inf.staged, inf.stream_slots):
-            if not s.finished:
-                nodes.add(inf.handle_nodes[slot][0])
-        posted = {node for node, _ in inf.handle_nodes}
-        return nodes | {r.node_id for r in inf.spec.reads if r.node_id not in posted}
-
-    def _start_repull(self, inf: _Inflight, valid: bool) -> None:
+    def _start_repull(self, inf: Load, valid: bool) -> None:
         """Look the range up again (off the step path), skipping every holder that failed this load."""
         spec, rp = inf.spec, inf.spec.repull
         assert rp is not None and self.layout is not None
         epochs = {h.node_id: h.epoch for h in spec.holders}
         if valid:
-            failed = set(inf.blame) | self._erred(inf)
-            incomplete: set[str] | None = self._incomplete(inf) | failed
+            failed = set(inf.blame) | inf.erred()
+            incomplete: set[str] | None = inf.incomplete() | failed
         else:  # the master refused the lock: no byte of this round counts, and its holders are suspect
             failed, incomplete = {r.node_id for r in spec.reads}, None
         for node in failed:
@@ -688,30 +336,12 @@ class WorkerSide:
         inf.error = inf.error or "lock refused at release"
         log.info("pdxfer: %s: holder(s) %s failed the load (%s); looking tokens [%d, %d) up again without them",
                  spec.req_id, ", ".join(sorted(failed)) or "?", inf.error, t0, rp.end)
+        inf.enter(LoadPhase.REPULLING)
         inf.repull_lookup = self._releaser.submit(
             self._master().lookup_and_lock, rp_plan.lookup_keys(rp, t0), rp.reader, lock_ttl_s=rp.lock_ttl_s,
             parties=1, skip=skip, transport=self.cfg.transport)
 
-    @staticmethod
-    def _erred(inf: _Inflight) -> set[str]:
-        """Holders whose read failed by itself (not by our cancel, not a scatter on our device)."""
-        out = set()
-        for h, (node, _) in zip(inf.handles, inf.handle_nodes):
-            err = None if h is _NOT_POSTED or isinstance(h, ScatterHandle) else h.error
-            if err is not None and not isinstance(err, TransferCancelled):
-                out.add(node)
-        return out
-
-    def _readable(self, ref: HolderRef) -> bool:
-        if ref.transport != self.cfg.transport or ref.node_id == self.node_id:
-            return False
-        try:
-            self._routes_to(ref)
-            return True
-        except NotReadable:
-            return False
-
-    def _repull_round(self, inf: _Inflight) -> bool:
+    def _repull_round(self, inf: Load) -> bool:
         """The re-pull lookup answered: post the next round (False), or conclude the load (True)."""
         spec, rp, t0 = inf.spec, inf.spec.repull, inf.repull_from
         assert rp is not None
@@ -722,7 +352,8 @@ class WorkerSide:
         except Exception as exc:
             return self._repull_failed(inf, lost, f"{inf.error}; re-pull lookup failed: {exc}")
         try:
-            plan = rp_plan.plan_repull(rp, t0, res, self.block_size, self._readable)
+            plan = rp_plan.plan_repull(rp, t0, res, self.block_size,
+                                       lambda ref: self.peers.readable(ref, self.node_id))
         except Exception as exc:
             plan = None
             why = f"{inf.error}; cannot plan the re-pull: {type(exc).__name__}: {exc}"
@@ -744,10 +375,11 @@ class WorkerSide:
         nxt.rounds, nxt.skipped = inf.rounds + 1, inf.skipped
         nxt.lost = inf.lost | plan.lost
         nxt.repulled = inf.repulled + plan.chunks
+        inf.enter(LoadPhase.SUPERSEDED)
         self._discard_round(inf)
         return False
 
-    def _repull_failed(self, inf: _Inflight, lost: set[int], why: str) -> bool:
+    def _repull_failed(self, inf: Load, lost: set[int], why: str) -> bool:
         """No re-pull could be made: the blocks from the re-pull's first token on are recomputed
         (those before it were written by finished reads the master validated)."""
         inf.error = why
@@ -757,50 +389,39 @@ class WorkerSide:
         del self._inflight[inf.spec.req_id]
         return True
 
-    def _discard_round(self, inf: _Inflight) -> None:
+    def _discard_round(self, inf: Load) -> None:
         """Staging of a round that stopped (all its reads did before its release was asked)."""
         if inf.staged and self._staging is not None:
             self._staging.release(inf.staged)
 
-    def connected_holders(self) -> list[str]:
-        """Holder node ids this reader keeps a transport connection to (to any of their ranks)."""
-        with self._peers_lock:
-            return sorted({node for node, _ in self._peers})
-
-    def _drop_departed(self, inf: _Inflight) -> None:
+    def _drop_departed(self, inf: Load) -> None:
         """Forget holders whose read failed because they are gone (their sockets, NIXL agents):
         a reader must not keep one per holder that ever left. A later load reconnects."""
         for h, key in zip(inf.handles, inf.handle_nodes):
             if isinstance(h.error, (PeerDied, PeerUnreachable)):
                 node_id = "%s rank %d" % key
-                with self._peers_lock:
-                    cached = self._peers.pop(key, None)
-                if cached is not None:
-                    try:
-                        self.transport.disconnect(cached[1])
-                    except Exception as exc:
+                existed, exc = self.peers.disconnect(key)
+                if existed:
+                    if exc is not None:
                         log.debug("pdxfer: disconnect from departed holder %s: %s", node_id, exc)
                     log.info("pdxfer: dropped the connection to holder %s (%s)", node_id, h.error)
 
     def _release_unused(self, lock_id: str, all_parties: bool = False) -> None:
         """A failed load still pins its holder's entries at the master: let go, off the step path."""
-        if lock_id:
-            try:
-                self._releaser.submit(self._master().release, lock_id, all_parties)
-            except RuntimeError:  # closing
-                pass
+        if lock_id:  # else no client is made for it
+            release_off_path(self._releaser, self._master().release, lock_id, all_parties)
 
-    def _state(self, inf: _Inflight, delay: float | None) -> str | None:
+    def _state(self, inf: Load, delay: float | None) -> str | None:
         """"done", "failed", or None while the load goes on. A failed load is reported only once
         every read of it has stopped: vLLM reuses (or recomputes into) the blocks right after, so
         a byte landing later would be wrong KV in another request."""
         if inf.error is None:
-            if self._progress(inf, delay) == "done":
+            if self.reads.progress(inf, delay) == "done":
                 return "done"
             if inf.error is None:
                 return None
-            self._cancel(inf)
-        if self._stopped(inf):
+            self.reads.cancel(inf)
+        if inf.stopped():
             return "failed"
         if time.monotonic() - inf.started > self._stop_bound_s:
             # Transports bound their own stops (socket timeouts, UCX errors); past this bound a
@@ -811,10 +432,9 @@ class WorkerSide:
             return "failed"
         return None
 
-    def _disconnect_unstopped(self, inf: _Inflight) -> None:
+    def _disconnect_unstopped(self, inf: Load) -> None:
         # A scatter still running on the device is no read: disconnecting cannot stop it.
-        keys = sorted({key for h, key in zip(inf.handles, inf.handle_nodes)
-                       if h is not _NOT_POSTED and not isinstance(h, ScatterHandle) and not self._handle_stopped(h)})
+        keys = inf.running_reads()
         if not keys:  # only scatters on the device are still running: nothing to disconnect
             log.error("pdxfer: the scatter from staging for %s on %s has not completed %.0f s after the load "
                       "failed (%s); reporting the load failed: its blocks may still be written by it, its staging "
@@ -824,13 +444,8 @@ class WorkerSide:
         self.stats.reads_unstopped += len(keys)
         failed = []
         for key in keys:
-            with self._peers_lock:
-                cached = self._peers.pop(key, None)
-            if cached is None:
-                continue  # already dropped by another load: its disconnect ran
-            try:
-                self.transport.disconnect(cached[1])
-            except Exception as exc:
+            existed, exc = self.peers.disconnect(key)  # not existed: another load's disconnect ran
+            if exc is not None:
                 failed.append(f"{key[0]} rank {key[1]}: {exc}")
         log.error("pdxfer: read(s) for %s from holder(s) %s have not stopped %.0f s after the load failed (%s); "
                   "%s, reporting the load failed (a later load reconnects)", inf.spec.req_id,
@@ -840,98 +455,15 @@ class WorkerSide:
                   "staging stays out of use until the reads stop")
         inf.unstopped = keys if not failed else []
 
-    def _progress(self, inf: _Inflight, delay: float | None) -> str | None:
-        """"done" when every read finished; sets ``inf.error`` when the load cannot succeed."""
-        elapsed = time.monotonic() - inf.started
-        if inf.pending and not self._post_pending(inf):
-            if inf.error is None and (elapsed > self._connect_bound() or self._past_load_bound(inf)):
-                # A frozen or unreachable holder at first contact costs this bound, then a re-pull
-                # from another holder or a recompute.
-                inf.error = f"no connection to the holder after {elapsed:.2f} s"
-                inf.blame |= {p[0].node_id for p in inf.pending}
-                inf.unposted |= inf.blame
-                inf.pending = []  # nothing may be posted for this load any more
-            return None
-        if inf.error is not None or (delay is not None and elapsed < delay):
-            return None
-        states = []
-        for h in inf.handles:
-            try:
-                states.append(h.poll())
-            except Exception as exc:
-                inf.error = f"{type(exc).__name__}: {exc}"
-                return None
-        if any(s in (ReadState.FAILED, ReadState.CANCELLED) for s in states):
-            errs = [h.error for h in inf.handles if h.error is not None]
-            inf.error = str(errs[0]) if errs else "read failed"
-            return None
-        if inf.staged:  # scatter the staged pieces that landed, post the next ones
-            moved = self._advance_streams(inf)
-            if inf.error is not None:
-                return None
-            states = [h.poll() for h in inf.handles]
-        else:
-            moved = True
-        if moved and all(s is ReadState.DONE for s in states):
-            return "done"
-        if any(s is ReadState.PENDING for s in states) and (time.monotonic() > inf.read_deadline
-                                                            or self._past_load_bound(inf)):
-            inf.blame |= {key[0] for h, key in zip(inf.handles, inf.handle_nodes)
-                          if h is not _NOT_POSTED and not isinstance(h, ScatterHandle) and not self._handle_stopped(h)}
-            inf.error = (f"read still pending after {time.monotonic() - inf.started:.2f} s, past its bound "
-                         f"(the holder is frozen or much slower than it was)")
-        return None
-
-    def _cancel(self, inf: _Inflight) -> None:
-        """Ask every read to stop; non-blocking (the step path must not wait on a transport)."""
-        if inf.cancelled:
-            return
-        inf.cancelled = True
-        for h in inf.handles:
-            try:
-                h.cancel()
-            except Exception as exc:
-                log.debug("pdxfer: cancel of a read for %s: %s", inf.spec.req_id, exc)
-
-    @staticmethod
-    def _handle_stopped(h: ReadHandle) -> bool:
-        try:
-            return h.poll() is not ReadState.PENDING
-        except Exception:
-            return False
-
-    @classmethod
-    def _stopped(cls, inf: _Inflight) -> bool:
-        """True once no read of this load can write into its blocks any more."""
-        return all(h is _NOT_POSTED or cls._handle_stopped(h) for h in inf.handles)
-
-    def _connect_bound(self) -> float:
-        return min(self.cfg.connect_timeout_s, self.cfg.load_timeout_s)
-
-    def _read_bound(self, node_id: str, nbytes: int) -> float:
-        """How long a read of ``nbytes`` from this holder may take before it is given up."""
-        bw = self._bandwidth.get(node_id, _ASSUMED_BANDWIDTH)
-        return min(self.cfg.load_timeout_s, self.cfg.read_timeout_floor_s + 4.0 * nbytes / bw)
-
-    def _observe(self, inf: _Inflight, elapsed: float) -> None:
-        """Remember each holder's bandwidth as loads saw it (posting to validation: slow steps
-        count too, which keeps the bound generous)."""
-        if elapsed <= 0 or inf.nbytes <= 0:
-            return
-        seen = inf.nbytes / elapsed
-        for node_id in {node for node, _ in inf.handle_nodes}:
-            old = self._bandwidth.get(node_id)
-            self._bandwidth[node_id] = seen if old is None else 0.7 * old + 0.3 * seen
-
-    def _conclude(self, inf: _Inflight, valid: bool, errors: set[int] | None = None) -> None:
+    def _conclude(self, inf: Load, valid: bool, errors: set[int] | None = None) -> None:
         """Count and log a load that ended; a load not validated at the master fails its blocks.
         Its staging ranges are free again, unless a read may still land in them (quarantined)."""
         if inf.staged and self._staging is not None:
-            if self._stopped(inf):
+            if inf.stopped():
                 self._staging.release(inf.staged)
             else:
                 held = self._staging.quarantine(
-                    inf.staged, [h for h in inf.handles if h is not _NOT_POSTED], bool(inf.unstopped),
+                    inf.staged, [h for h in inf.handles if h is not NOT_POSTED], bool(inf.unstopped),
                     f"the failed load of {inf.spec.req_id}")
                 log.error("pdxfer: %d staging bytes of the failed load of %s stay out of use until its reads "
                           "stop%s", held, inf.spec.req_id,
@@ -945,6 +477,7 @@ class WorkerSide:
         counts = 1 if self.rank == 0 else 0
         if inf.error is None and valid:
             self.stats.repulls += inf.repulled  # only chunks a validated re-pull loaded
+        inf.enter(LoadPhase.DONE if inf.error is None and valid and not inf.lost else LoadPhase.FAILED)
         if inf.error is None and valid and not inf.lost:
             self.stats.loads_ok += counts
             self.stats.tokens_loaded += inf.load_tokens * counts
@@ -952,7 +485,7 @@ class WorkerSide:
                 self.stats.host_tier_tokens_loaded += inf.load_tokens * counts
             self.stats.bytes_loaded += inf.nbytes
             self.stats.transfer_s.append(time.monotonic() - inf.load_started)
-            self._observe(inf, elapsed)
+            self.reads.observe(inf, elapsed)
             log.info("pdxfer: loaded %d tokens (%.1f MiB) for %s in %.2f ms%s", inf.load_tokens,
                      inf.nbytes / 2**20, spec.req_id, (time.monotonic() - inf.load_started) * 1e3,
                      f" ({inf.repulled} chunk(s) re-pulled)" if inf.repulled else "")
@@ -967,15 +500,19 @@ class WorkerSide:
         log.warning("pdxfer: load of %d tokens for %s failed (%s); recomputing", spec.num_tokens,
                     spec.req_id, inf.error)
 
+    def connected_holders(self) -> list[str]:
+        """Holder node ids this reader keeps a transport connection to (to any of their ranks)."""
+        return self.peers.connected_holders()
+
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
 
     def close(self) -> None:
         for inf in self._inflight.values():
-            self._cancel(inf)
+            self.reads.cancel(inf)
         self._inflight.clear()
-        self._connect_pool.shutdown(wait=False, cancel_futures=True)
+        self.peers.close()
         self._releaser.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             try:

