@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pdxfer.common.cli_common import EXIT_OK, HelpFormatter, add_log_level, apply_log_level
+from pdxfer.launch.tiny_model import TINY_ARCHS
 from pdxfer.transport import KINDS
 
 # name -> ("module:function", help). The function takes an argv list (or None) and returns an int.
@@ -132,10 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_args(sub.add_parser("launch", help="start master, prefill and decode instances, proxy",
                                     formatter_class=HelpFormatter))
     _add_proxy_args(sub.add_parser("proxy", help="run the PD proxy", formatter_class=HelpFormatter))
-    t = sub.add_parser("make-tiny-model", help="build the tiny random Llama + local tokenizer",
+    t = sub.add_parser("make-tiny-model", help="build a tiny random model (Llama or a hybrid) + local tokenizer",
                        formatter_class=HelpFormatter)
     t.add_argument("out_dir", type=Path)
     t.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    t.add_argument("--arch", choices=TINY_ARCHS, default="llama",
+                   help="llama; sliding (Gemma 3 style: sliding-window attention on 4 of 6 layers, float32); "
+                        "gdn (Qwen3-Next style: 3 gated-delta-net layers + 1 full-attention layer, bf16)")
     add_log_level(t)
     for name, (_, help_text) in FORWARDED.items():
         fp = sub.add_parser(name, help=help_text, add_help=False)
@@ -153,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "make-tiny-model":
         from pdxfer.launch.tiny_model import make_tiny_model
 
-        print(make_tiny_model(args.out_dir, seed=args.seed))
+        print(make_tiny_model(args.out_dir, seed=args.seed, arch=args.arch))
         return EXIT_OK
     if args.cmd == "proxy":
         from pdxfer.serve.proxy import run_proxy_cli

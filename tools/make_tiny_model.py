@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Build the tiny random-weight Llama + local tokenizer used by tests, demos and benchmarks.
+"""Build a tiny random-weight model (Llama, or a sliding-window or GDN hybrid) and its local tokenizer.
 
-Usage: tools/make_tiny_model.py DIR [--seed N]   (same as `pdxfer make-tiny-model DIR`)
+Usage: tools/make_tiny_model.py DIR [--seed N] [--arch llama|sliding|gdn]   (same as `pdxfer make-tiny-model DIR`)
 """
 
 import sys

@@ -30,6 +30,10 @@ def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     with pytest.raises(ValueError, match="another seed"):
         make_tiny_model(tmp_path / "a", seed=1)
+    with pytest.raises(ValueError, match="another seed or architecture"):
+        make_tiny_model(tmp_path / "a", seed=0, arch="sliding")
+    with pytest.raises(ValueError, match="unknown tiny model architecture 'mamba'; pick one of llama, sliding, gdn"):
+        make_tiny_model(tmp_path / "c", arch="mamba")
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "x").write_text("mine")
@@ -49,6 +53,30 @@ def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    add_generation_prompt=True)
     assert chat.endswith("<|assistant|>\n")
+
+
+@pytest.mark.parametrize("arch,layer_kinds,dtype", [
+    ("sliding", ["sliding_attention", "sliding_attention", "full_attention"] * 2, "float32"),
+    ("gdn", ["linear_attention"] * 3 + ["full_attention"], "bfloat16"),
+])
+def test_the_hybrid_tiny_models_mix_the_layer_kinds_vllm_groups(tmp_path: Path, arch: str,
+                                                                 layer_kinds: list[str], dtype: str) -> None:
+    """Each hybrid mixes layer kinds that vLLM's hybrid KV cache manager puts in separate KV cache
+    groups, in a dtype its CPU kernels take, with the shared tokenizer."""
+    from transformers import AutoConfig
+
+    built = make_tiny_model(tmp_path / arch, arch=arch)
+    assert make_tiny_model(tmp_path / arch, arch=arch) == built  # reused
+    cfg = AutoConfig.from_pretrained(built)
+    assert cfg.layer_types == layer_kinds
+    assert str(cfg.dtype).removeprefix("torch.") == dtype
+    if arch == "sliding":
+        assert cfg.architectures == ["Gemma3ForCausalLM"] and cfg.sliding_window == 128
+    else:
+        assert cfg.architectures == ["Qwen3NextForCausalLM"]
+        assert cfg.head_dim == cfg.linear_key_head_dim == cfg.linear_value_head_dim == 128
+        assert cfg.linear_num_key_heads == cfg.linear_num_value_heads
+    assert (built / "tokenizer.json").read_bytes() == (make_tiny_model(tmp_path / "llama") / "tokenizer.json").read_bytes()
 
 
 def test_vllm_argv_and_env(tmp_path: Path) -> None:
