@@ -8,7 +8,7 @@ that mostly stop recurring. Not locked: callers share it the way they would shar
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Hashable, TypeVar
+from typing import Callable, Generic, Hashable, ItemsView, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -43,6 +43,10 @@ class ClearWhenFullCache(Generic[K, V]):
 
     def clear(self) -> None:
         self._items.clear()
+
+    def items(self) -> ItemsView[K, V]:
+        """What is kept now (a live view, as a dict's)."""
+        return self._items.items()
 
     def __contains__(self, key: object) -> bool:
         return key in self._items

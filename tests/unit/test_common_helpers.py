@@ -122,6 +122,7 @@ def test_the_cache_is_bounded_and_emptied_when_a_new_key_finds_it_full():
     assert len(c) == 3 and c.get(1) == "one" and c.get(0) == "0"
     c.put(3, "3")  # a new key: everything else goes
     assert len(c) == 1 and c.get(3) == "3" and 0 not in c and c.get(0) is None
+    assert list(c.items()) == [(3, "3")]  # what callers that list the answers (the chaos reader) see
     for k in range(100):
         c.put(100 + k, "x")
         assert len(c) <= 3
