@@ -12,7 +12,8 @@ against a plain `vllm serve` of the same model (no connector) computing every pr
   other prefill, the answer has the plain instance's logprobs, every prompt token but the last is
   loaded and nothing is recomputed;
 - a prefill and then the proxy SIGKILLed: launch starts each again on its port while the fleet
-  keeps answering (the plain instance's logprobs);
+  keeps answering (the plain instance's logprobs); the master SIGKILLed: back empty, its holders
+  fill the index again within seconds and a decode loads the prompt it held;
 - what a user of `pdxfer launch` sees: the printed endpoints and example, the demo's prompts
   (those routed through a prefill loaded but their last token, the short one computed by a
   decode), a streamed chat answer, and SIGTERM stopping every process it started.
@@ -418,6 +419,46 @@ def test_a_killed_prefill_and_a_killed_proxy_come_back_while_the_fleet_keeps_ser
         assert not re.search(rf"^{name} \(pid \d+\) exited", fleet.log.read_text(), re.M), name
     assert post_json(dead_url + "/v1/completions", {"model": "tiny", "prompt": prompt_of(50, seed=9300),
                                                     "max_tokens": 1, "temperature": 0})["choices"]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_a_killed_master_comes_back_empty_and_its_holders_fill_the_index_again(fleet: Fleet, plain: str) -> None:
+    """SIGKILL of the in-memory master: launch starts it again on its port, empty; every holder's
+    lease keeper finds its node unknown, registers again and re-publishes what it still holds, so
+    the fleet holds the prompt again within seconds (well under a lease period) and a decode loads
+    every prompt token but the last, with the plain instance's logprobs."""
+    view = IndexView(fleet.urls["master"], timeout_s=5.0)
+    try:
+        prompt = prompt_of(600, seed=9400)  # two full chunks and a tail
+        ref = ask_url(plain, prompt, ANSWER_TOKENS, forward_hint=False)
+        post_json(fleet.urls["prefill-0"] + "/v1/completions",
+                  {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        wait_held(view, prompt, len(prompt), fleet.urls["prefill-0"])
+        pid = next(int(p) for name, p, _ in _TABLE.findall(fleet.log.read_text()) if name == "master")
+        os.killpg(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        _launch_says(fleet, rf"^master \(pid {pid}\) exited with -9; log \S+; restarting it in 1 s", 30)
+        back = _launch_says(fleet, r"^master is back after ([\d.]+) s \(pid (\d+)\)$", 60)
+        fleet.pgids.append(int(back.group(2)))
+        view.close()
+        view = IndexView(fleet.urls["master"], timeout_s=5.0)  # a fresh client for the new process
+        wait_held(view, prompt, len(prompt), fleet.urls["prefill-0"], timeout=30)
+        refilled_s = time.monotonic() - t0
+        print(f"master killed: back after {back.group(1)} s, the prompt held again {refilled_s:.1f} s after the kill")
+        # The restart's 1 s wait, the master's start and at most one heartbeat period (lease_ttl_s/3):
+        # well under the 10 s lease a holder's entries would otherwise wait out.
+        assert refilled_s < 10.0, (refilled_s, fleet.connector_log())
+        before = fleet.counter("decode", TRANSFER_COUNTER)
+        answer, headers = ask_routed(fleet.proxy, prompt, ANSWER_TOKENS)
+        deadline = time.monotonic() + 10  # the counter moves one engine step later
+        while fleet.counter("decode", TRANSFER_COUNTER) - before < len(prompt) - 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert fleet.counter("decode", TRANSFER_COUNTER) - before == len(prompt) - 1, (headers, fleet.connector_log())
+        check_logprobs(answer, ref)
+    finally:
+        view.close()
+        wait_http_ready(proxy_ready_url(fleet.proxy), 60)
 
 
 def _alive_in_group(pgid: int) -> list[int]:
