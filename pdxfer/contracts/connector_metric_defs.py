@@ -68,6 +68,12 @@ _COUNTER_HELP = (
                    "released (retention over, cap pressure)"),
     ("host_evictions", "Host-only chunks unpublished (least recently used first) to make room in the "
                        "host pool"),
+    ("bytes_loaded_full", "Hybrid models: KV bytes of full-attention groups read from holders (part of "
+                          "bytes_loaded)"),
+    ("bytes_loaded_sliding", "Hybrid models: KV bytes of sliding-window groups read from holders, only the "
+                             "window before each hit (part of bytes_loaded)"),
+    ("hybrid_hits_cut", "Hybrid models: hits cut short because a sliding window's blocks before them "
+                        "were no longer held"),
 )
 
 # (stats key, help): the gauge is vllm:pdxfer_<key>. vLLM ships connector stats with an engine

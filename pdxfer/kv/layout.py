@@ -124,14 +124,15 @@ class KVLayout:
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return f"{self.kv_format}-{self.dtype}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
-    def content_fingerprint(self, total_kv_heads: int) -> str:
+    def content_fingerprint(self, total_kv_heads: int, groups: str = "") -> str:
         """Identity of the KV *content* this cache holds, whatever its format, block size and TP
         split (see :func:`content_fingerprint`); ``kv_heads`` is this rank's share of
-        ``total_kv_heads``."""
+        ``total_kv_heads``; ``groups``: a hybrid model's KV cache groups (its segments are then
+        layer slots, each holding one layer of every group)."""
         if total_kv_heads < self.kv_heads or (total_kv_heads % self.kv_heads and self.kv_heads != 1):
             raise LayoutError(f"{self.kv_heads} KV heads per rank cannot be a TP share of {total_kv_heads} "
                               "KV heads in all")
-        return content_fingerprint(self.dtype, self.num_layers, total_kv_heads, self.head_dim, self.kind)
+        return content_fingerprint(self.dtype, self.num_layers, total_kv_heads, self.head_dim, self.kind, groups)
 
     @property
     def kind(self) -> str:
@@ -193,7 +194,7 @@ class KVLayout:
 
 
 def content_fingerprint(dtype: str, num_layers: int, total_kv_heads: int, head_dim: int,
-                        kind: str = ATTENTION) -> str:
+                        kind: str = ATTENTION, groups: str = "") -> str:
     """Identity of KV content independent of the byte format, block size and TP split.
 
     Two caches with equal content fingerprints hold the same numbers for the same tokens (given the
@@ -202,6 +203,8 @@ def content_fingerprint(dtype: str, num_layers: int, total_kv_heads: int, head_d
     it would change the numbers. For fp8 caches it is the exact variant (``float8_e4m3fn``,
     ``float8_e5m2``), never the ``uint8`` vLLM stores them as. ``kind``: an MLA latent is other
     numbers than K and V of the same sizes (``total_kv_heads`` is 1 for MLA: every rank holds it whole).
+    ``groups``: a hybrid model's KV cache groups (:meth:`pdxfer.kv.groups.KVGroups.signature`),
+    which decide what a chunk's location holds; empty for one full-attention group.
     """
     if kind not in KINDS:
         raise LayoutError(f"content_fingerprint: kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -212,6 +215,8 @@ def content_fingerprint(dtype: str, num_layers: int, total_kv_heads: int, head_d
            "total_kv_heads": total_kv_heads, "head_dim": head_dim}
     if kind != ATTENTION:
         doc["kind"] = kind
+    if groups:
+        doc["groups"] = groups
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return f"kv-{dtype}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
@@ -329,6 +334,7 @@ def describe_kv_caches(
     region_of_storage: dict[int, int] = {}
     segments: list[Segment] = []
     ref_shape = tuple(first.shape)
+    seen_views: set[tuple[int, int, int]] = set()
     for name in names:
         t = kv_caches[name]
         if not hasattr(t, "untyped_storage"):
@@ -341,6 +347,8 @@ def describe_kv_caches(
         ridx, base = _region_of(t, regions, region_of_storage)
         esize = t.element_size()
         block_stride = t.stride(nb_dim) * esize
+        if not _first_view(seen_views, ridx, base, block_stride):
+            continue
         # The per-block byte range must be contiguous in memory, whatever order lies inside it.
         if not _inner_contiguous(t, nb_dim + 1):
             raise LayoutError(f"layer {name}: a block is not one contiguous byte range (strides {t.stride()})")
@@ -436,6 +444,17 @@ def _dense(t: Any, dims: Sequence[int]) -> bool:
     return True
 
 
+def _first_view(seen: set[tuple[int, int, int]], region: int, base: int, block_stride: int) -> bool:
+    """Whether a layer's view is the first at this place. With vLLM's hybrid KV cache manager
+    one layer of every KV cache group shares a tensor (each block belongs to one group at a
+    time): one segment then covers them all, named by the first of them in name order."""
+    key = (region, base, block_stride)
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
 def describe_vllm_views(kv_caches: Mapping[str, Any], desc: KVDescription) -> KVLayout:
     """Describe vLLM's per-layer ``[B, H, N, C]`` views (any KVCacheLayout, layer- or
     block-outermost, layers in one allocation or several) from an explicit description.
@@ -455,6 +474,7 @@ def describe_vllm_views(kv_caches: Mapping[str, Any], desc: KVDescription) -> KV
     segments: list[Segment] = []
     want_shape_tail = (desc.kv_heads, desc.block_size, desc.content)
     num_blocks = None
+    seen_views: set[tuple[int, int, int]] = set()
     for name in names:
         t = kv_caches[name]
         if not hasattr(t, "untyped_storage"):
@@ -472,6 +492,8 @@ def describe_vllm_views(kv_caches: Mapping[str, Any], desc: KVDescription) -> KV
         ridx, base = _region_of(t, regions, region_of_storage)
         esize = t.element_size()
         block_stride = t.stride(0) * esize
+        if not _first_view(seen_views, ridx, base, block_stride):
+            continue
         part = "latent" if desc.kind == MLA else "kv"
         if fmt == KV_HEAD_NC:
             if not _dense(t, (2, 3)):

@@ -18,13 +18,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from pdxfer.contracts.connector_config import parse_extra_config
+from pdxfer.kv.groups import KVGroups
 from pdxfer.vllm.connector_layout import (derive_content_fingerprint, derive_layout_fingerprint, kv_block_size,
                                          derive_kv_dtype, kv_format, kv_refusal, model_identity, total_kv_heads)
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
+from pdxfer.vllm.kv_cache_spec import kv_groups
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
 from pdxfer.contracts.publish_hint import hinted_tokens, publish_hint
 from pdxfer.vllm.write_fence import FenceWriter
@@ -50,7 +54,10 @@ def _setup_logging(level: str | None) -> None:
     root.setLevel((level or "INFO").upper())
 
 
-class PdxferConnector(KVConnectorBase_V1):
+# SupportsHMA: vLLM keeps its hybrid KV cache manager on (several KV cache groups for a model
+# mixing layer kinds); pdxfer moves full and sliding-window attention groups and serves other
+# hybrids (Mamba, gated delta-net state) without KV transfer (kv_refusal says why).
+class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -61,12 +68,12 @@ class PdxferConnector(KVConnectorBase_V1):
 
         apply_from_env()  # opt-in (PDXFER_VLLM_SPIN_SLEEP_US): see pdxfer/contracts/spin.py
         self.engine_id = str(ktc.engine_id)
-        self.block_size = kv_block_size(vllm_config, kv_cache_config)
         self.scheduler_side = None
         self.worker_side = None
         self._fence_writer: FenceWriter | None = None
-        # Not None: no key can name this instance's KV (unprobed blocks, run-time KV scales). It
-        # then serves as a plain instance: every hook below answers "nothing to move".
+        # Not None: no key can name this instance's KV (unprobed blocks, run-time KV scales, KV
+        # cache groups it does not move). It then serves as a plain instance: every hook below
+        # answers "nothing to move".
         self.refusal = kv_refusal(vllm_config, kv_cache_config)
         self._refusal_reported = False
         if self.refusal is not None:
@@ -74,6 +81,11 @@ class PdxferConnector(KVConnectorBase_V1):
                 log.error("pdxfer: KV transfer is off for engine %s: %s. It serves as usual, every token "
                           "computed here; it neither publishes nor reads KV", self.engine_id, self.refusal)
             return
+        self.block_size = kv_block_size(vllm_config, kv_cache_config)
+        self.kv_groups = kv_groups(kv_cache_config) if kv_cache_config is not None else KVGroups.plain()
+        if self.kv_groups.hybrid and role == KVConnectorRole.SCHEDULER:
+            log.info("pdxfer: engine %s moves KV cache groups [%s] (hybrid KV cache manager on)", self.engine_id,
+                     self.kv_groups.signature())
         self.fingerprint = derive_layout_fingerprint(vllm_config, kv_cache_config)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         total_heads = total_kv_heads(vllm_config)
@@ -93,7 +105,8 @@ class PdxferConnector(KVConnectorBase_V1):
                 layout_fingerprint=self.fingerprint,
                 content_fingerprint=derive_content_fingerprint(vllm_config, kv_cache_config),
                 total_kv_heads=total_heads, block_size=self.block_size,
-                producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer), tp_size=tp_size)
+                producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer), tp_size=tp_size,
+                kv_groups=self.kv_groups)
             self._sched_stats_sent = self.scheduler_side.stats.counters()
             self._gauges_sent: dict[str, float] = {}
         else:
@@ -109,7 +122,8 @@ class PdxferConnector(KVConnectorBase_V1):
                                           kv_format=kv_format(vllm_config, kv_cache_config),
                                           kv_dtype=derive_kv_dtype(vllm_config, kv_cache_config),
                                           tp_size=tp_size, total_kv_heads=total_heads,
-                                          max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0))
+                                          max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
+                                          kv_groups=self.kv_groups)
             self._handshake: PdxferHandshake | None = None
 
     # pdxfer holds published blocks through block-pool references, not through vLLM's
@@ -167,8 +181,22 @@ class PdxferConnector(KVConnectorBase_V1):
         # Host-tier copies that ended on this rank since the last step (vLLM sums the ranks').
         return self.worker_side.take_worker_meta() if self.worker_side is not None else None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        if self.worker_side is not None and self.kv_groups.hybrid:
+            # Block ids are unique only within a KV cache group: a hybrid model's failed loads are
+            # named by request (vLLM then recomputes the whole request).
+            results.failed_recving = self.worker_side.take_failed_loads()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.take_load_errors() if self.worker_side is not None else set()
+        if self.worker_side is None:
+            return set()
+        errors = self.worker_side.take_load_errors()
+        if self.kv_groups.hybrid:
+            return set()  # reported as failed requests (get_transfer_results)
+        self.worker_side.take_failed_loads()
+        return errors
 
     def get_kv_connector_stats(self) -> PdxferKVConnectorStats | None:
         if self.worker_side is not None:
@@ -236,18 +264,19 @@ class PdxferConnector(KVConnectorBase_V1):
                                         getattr(request, "prompt_token_ids", None)))
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
-        return (0,)
+        # A load fills every group: the request's own blocks, a sliding group's window included.
+        return tuple(range(len(self.kv_groups))) if self.refusal is None else ()
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         if self.refusal is not None:
             return
         assert self.scheduler_side is not None
-        if num_external_tokens > 0:
-            block_ids = blocks.get_block_ids()[0]
-        else:
-            block_ids = []
-        self.scheduler_side.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
+        tables = blocks.get_block_ids() if num_external_tokens > 0 else ()
+        block_ids = tables[0] if tables else []
+        self.scheduler_side.update_state_after_alloc(
+            request.request_id, block_ids, num_external_tokens,
+            group_block_ids=tables if self.kv_groups.hybrid and tables else None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self.refusal is not None:
@@ -264,12 +293,17 @@ class PdxferConnector(KVConnectorBase_V1):
             self.scheduler_side.worker_output(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         if self.refusal is not None:
             return False, None
         assert self.scheduler_side is not None
         tokens = publishable_tokens(request)
-        published = self.scheduler_side.request_finished(request.request_id, tokens, block_ids,
-                                                         request.cache_salt, unkeyable=unkeyable_reason(request))
+        published = self.scheduler_side.request_finished(
+            request.request_id, tokens, block_ids[0] if block_ids else [], request.cache_salt,
+            unkeyable=unkeyable_reason(request), group_block_ids=block_ids if self.kv_groups.hybrid else None)
         if not self.scheduler_side.producer:
             # A decode's answer goes to the client, not to another instance: nobody waits for
             # its publish, so its response carries no hint (as before it published).

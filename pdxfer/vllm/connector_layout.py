@@ -22,7 +22,8 @@ from typing import Any
 from pdxfer.kv.layout import (ATTENTION, CPU, CPU_AMX, MLA, VIEW_FORMATS, KVDescription, KVLayout, Region, Segment,
                            content_fingerprint)
 from pdxfer.vllm.keyability import runtime_kv_scales_reason, weights_fingerprint
-from pdxfer.vllm.kv_cache_spec import UnsupportedKVCache, attention_spec, derive_kv_dtype
+from pdxfer.vllm.kv_cache_spec import (UnmovableKVGroups, UnsupportedKVCache, attention_spec, derive_kv_dtype, kv_groups,
+                                       segment_layers)
 
 
 def kv_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
@@ -111,8 +112,11 @@ def kv_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
     if reason is not None:
         return reason
     try:
+        if kv_cache_config is not None:
+            attention_spec(kv_cache_config)
+            segment_layers(kv_cache_config)
         kv_format(vllm_config, kv_cache_config)
-    except UnprobedKVBlocks as exc:
+    except (UnprobedKVBlocks, UnmovableKVGroups) as exc:
         return str(exc)
     return None
 
@@ -120,7 +124,8 @@ def kv_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
 def derive_layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     """The fingerprint ``describe_kv_caches`` will compute for the worker's tensors."""
     fmt = kv_format(vllm_config, kv_cache_config)
-    spec, layers = attention_spec(kv_cache_config)
+    spec, _ = attention_spec(kv_cache_config)
+    layers = segment_layers(kv_cache_config)
     if fmt in VIEW_FORMATS:
         desc = gpu_kv_description(vllm_config, kv_cache_config)
         part = "latent" if desc.kind == MLA else "kv"
@@ -152,9 +157,14 @@ def _uses_mla(vllm_config: Any) -> bool:
 def derive_content_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     """What the KV holds, whatever its format, block size and TP split: the namespace's part
     (``pdxfer.kv.layout.content_fingerprint``; the worker's handshake is checked against it)."""
-    spec, layers = attention_spec(kv_cache_config)
+    spec, _ = attention_spec(kv_cache_config)
+    groups = kv_groups(kv_cache_config)
+    # A hybrid model's layers are counted as the layer slots its tensors have (one layer of every
+    # group each), as the worker's layout counts them; the groups say the rest.
+    layers = segment_layers(kv_cache_config)
     return content_fingerprint(derive_kv_dtype(vllm_config, kv_cache_config), len(layers), total_kv_heads(vllm_config),
-                               int(spec.head_size), MLA if _uses_mla(vllm_config) else ATTENTION)
+                               int(spec.head_size), MLA if _uses_mla(vllm_config) else ATTENTION,
+                               groups=groups.signature() if groups.hybrid else "")
 
 
 def model_identity(vllm_config: Any) -> str:

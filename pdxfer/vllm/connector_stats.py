@@ -81,6 +81,8 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Host-tier copies failed": d["offloads_failed"],
             "Chunks moved to host memory": d["host_moves"],
             "Host chunks evicted": d["host_evictions"],
+            "MiB loaded, full-attention groups": round(d["bytes_loaded_full"] / 2**20, 3),
+            "MiB loaded, sliding-window groups": round(d["bytes_loaded_sliding"] / 2**20, 3),
             **({"Held blocks": self.data["held_blocks"]} if "held_blocks" in self.data else {}),
         }
 

@@ -1,27 +1,97 @@
 """What vLLM's KV cache config says about the KV bytes, read the same way by the scheduler's
 layout (connector_layout.py) and the attention backends' layouts (backend_layouts.py): the KV cache
-group's attention spec, its layers and the exact element type."""
+groups, their shared attention spec, their layers and the exact element type."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from pdxfer.kv.groups import FULL, SLIDING, GroupSpec, KVGroups
 
 
 class UnsupportedKVCache(ValueError):
     """A KV cache configuration this connector version cannot move (named in the message)."""
 
 
-def attention_spec(kv_cache_config: Any) -> tuple[Any, list[str]]:
-    """The one KV cache group's attention spec and its layer names (UnsupportedKVCache otherwise)."""
+class UnmovableKVGroups(UnsupportedKVCache):
+    """KV cache groups of a kind or shape pdxfer does not move: the instance serves without KV
+    transfer (its hybrid KV cache manager stays on)."""
+
+
+def kv_groups(kv_cache_config: Any) -> KVGroups:
+    """The instance's KV cache groups as pdxfer moves them (UnsupportedKVCache for a group kind
+    it cannot move, naming the kind): full attention (MLA included) and sliding-window attention.
+    With vLLM's hybrid KV cache manager off, or for a plain model, that is one full group."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        raise UnsupportedKVCache(f"pdxfer supports one KV cache group (plain attention models), got {len(groups)}")
-    g = groups[0]
-    spec = g.kv_cache_spec
+    if not groups:
+        raise UnsupportedKVCache("the KV cache config has no KV cache group")
+    specs = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        name = type(spec).__name__
+        if not getattr(g, "enable_kv_transfer", True) or getattr(g, "host_resident", False):
+            raise UnmovableKVGroups(f"KV cache group {i} ({name}) is not part of vLLM's transferable KV state")
+        if len(groups) > 1 and name not in _GROUP_SPECS and hasattr(spec, "num_kv_heads"):
+            raise UnmovableKVGroups(f"KV cache group {i} is {name}; in a hybrid model pdxfer moves groups of "
+                                    f"{', '.join(sorted(_GROUP_SPECS))} only")
+        if getattr(spec, "attention_chunk_size", None):
+            raise UnmovableKVGroups(f"KV cache group {i} is chunked local attention ({name}); pdxfer moves full "
+                                     "and sliding-window attention groups")
+        window = getattr(spec, "sliding_window", None)
+        if not hasattr(spec, "num_kv_heads") or not hasattr(spec, "head_size"):
+            raise UnmovableKVGroups(f"KV cache group {i} is {name} (recurrent state such as Mamba or gated "
+                                     "delta-net, not attention KV); pdxfer moves full and sliding-window "
+                                     "attention groups only, so this model's KV stays on each instance")
+        if window:
+            if getattr(spec, "extra_retained_tokens", 0):
+                raise UnmovableKVGroups(f"KV cache group {i} ({name}) retains {spec.extra_retained_tokens} tokens "
+                                         "beyond its window; pdxfer moves plain sliding windows")
+            specs.append(GroupSpec(SLIDING, int(window)))
+        else:
+            specs.append(GroupSpec(FULL))
+    return KVGroups(tuple(specs))
+
+
+# The KV cache specs whose blocks pdxfer moves as a hybrid model's groups (vLLM's class names).
+_GROUP_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec"})
+
+
+def attention_spec(kv_cache_config: Any) -> tuple[Any, list[str]]:
+    """The attention spec every KV cache group shares and all their layer names, in group order
+    (UnsupportedKVCache otherwise: pdxfer plans one block shape for every group)."""
+    kv_groups(kv_cache_config)
+    groups = list(kv_cache_config.kv_cache_groups)
+    spec = groups[0].kv_cache_spec
     for attr in ("num_kv_heads", "head_size", "dtype", "block_size"):
         if not hasattr(spec, attr):
             raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} has no {attr}: not an attention cache")
-    return spec, list(g.layer_names)
+    shape = _block_shape(spec)
+    for i, g in enumerate(groups[1:], 1):
+        if _block_shape(g.kv_cache_spec) != shape:
+            raise UnmovableKVGroups(f"KV cache group {i} has blocks of {_block_shape(g.kv_cache_spec)} (block size, "
+                                     f"KV heads, head size, V head size, dtype), group 0 {shape}; pdxfer moves "
+                                     "groups of one block shape")
+    return spec, [name for g in groups for name in g.layer_names]
+
+
+def _block_shape(spec: Any) -> tuple[Any, ...]:
+    return (int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size),
+            int(getattr(spec, "head_size_v", None) or spec.head_size), str(spec.dtype))
+
+
+def segment_layers(kv_cache_config: Any) -> list[str]:
+    """The layers that name the KV tensors' segments. With several groups, layer ``j`` of every
+    group lives in one tensor (its blocks belong to one group at a time), so the tensor is one
+    segment named by the first of those layers in name order, as :func:`pdxfer.kv.layout.
+    describe_kv_caches` names it."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) == 1:
+        return list(groups[0].layer_names)
+    sizes = {len(g.layer_names) for g in groups}
+    if len(sizes) != 1:
+        raise UnmovableKVGroups(f"KV cache groups have {sorted(sizes)} layers; vLLM shares one tensor per layer "
+                                 "slot only between groups of equal size")
+    return [min(names) for names in zip(*(g.layer_names for g in groups))]
 
 
 # vLLM's fp8 cache dtypes and the element type each stores ("fp8" is e4m3 on CPU and CUDA).

@@ -34,7 +34,9 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
 #      worker needs to look a failed range up again and read it from another holder
 #   8  host-memory tier: the step carries ``offloads`` (OffloadJob: device blocks -> host slots);
 #      workers answer with PdxferWorkerMeta; the handshake carries the rank's host pool
-METADATA_VERSION = 8
+#   9  hybrid models: LoadSpec carries ``groups`` (each KV cache group's kind and the reader
+#      blocks the load fills in it); the handshake's layout names the groups (pdxfer.kv.groups)
+METADATA_VERSION = 9
 
 
 class MetadataVersionError(RuntimeError):
@@ -135,6 +137,9 @@ class LoadSpec:
     # node re-registered by a new process between two lookups has two descriptions in one step).
     holders: tuple[HolderRef, ...] = ()
     repull: RepullSpec | None = None  # None: a failed read is recomputed, never re-pulled
+    # A hybrid model's load: (group kind, reader blocks it fills in that group) per KV cache
+    # group, in group order; empty for one full-attention group.
+    groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def local_blocks(self) -> set[int]:

@@ -227,13 +227,14 @@ def pair_oracle(pair: "PDPair", prompt: list[int], max_tokens: int, loaded: int 
     return got, worst
 
 
-def assert_oracle_catches_corruption(pair: "PDPair", n_tokens: int, seed: int, max_tokens: int) -> None:
+def assert_oracle_catches_corruption(pair: "PDPair", n_tokens: int, seed: int, max_tokens: int,
+                                     modes: tuple[str, ...] = ("shift", "zero_layer", "other")) -> None:
     """Mutation check of the oracle on this pair: loads corrupted on purpose in each mode, which
     pdxfer and vLLM still count as full successes, must fail the oracle on the KV (logprobs or
     text). Leaves the decode's prefix cache empty (the corrupted blocks were in it)."""
     try:
         # "other" takes a block that an earlier corrupted load filled: it comes last.
-        for i, mode in enumerate(("shift", "zero_layer", "other")):
+        for i, mode in enumerate(modes):
             prompt = prompt_of(n_tokens, seed=seed + i)
             ref = ask(pair.prefill_port, prompt, max_tokens)
             pair.set_hook("corrupt_load", mode)

@@ -9,7 +9,9 @@ reader's own blocks, and is still counted and reported as loaded:
   keeps its own), as if the load had been placed one block off;
 - ``other``: the middle loaded block gets the bytes of a block an earlier load filled, i.e.
   another request's KV;
-- ``zero_layer``: the first layer (K and V) of every loaded block is zeroed.
+- ``zero_layer``: the first layer (K and V) of every loaded block is zeroed;
+- ``zero_window`` (hybrid models): the first layer of the first sliding-window group's loaded
+  blocks is zeroed: one sliding layer's window, every other group intact.
 
 Only host memory (CPU KV caches) is touched; the bytes are addressed through the registered
 layout, so any block format works.
@@ -21,13 +23,14 @@ import ctypes
 import logging
 from typing import Sequence
 
+from pdxfer.kv.groups import SLIDING
 from pdxfer.kv.layout import KVLayout
 from pdxfer.vllm.faults.hooks import test_hook_text
 
 log = logging.getLogger("pdxfer.vllm.worker")
 
 HOOK_NAME = "corrupt_load"
-MODES = ("shift", "other", "zero_layer")
+MODES = ("shift", "other", "zero_layer", "zero_window")
 
 # Blocks that earlier loads filled: where mode "other" takes another request's bytes from.
 _earlier: list[int] = []
@@ -47,8 +50,10 @@ def _copy_block(layout: KVLayout, dst: int, src: int) -> None:
         ctypes.memmove(d, s, n)
 
 
-def maybe_corrupt_load(layout: KVLayout | None, req_id: str, blocks: Sequence[int]) -> None:
-    """Damage the landed load of ``req_id`` into ``blocks`` (token order) when the hook asks to.
+def maybe_corrupt_load(layout: KVLayout | None, req_id: str, blocks: Sequence[int],
+                       groups: Sequence[tuple[str, Sequence[int]]] = ()) -> None:
+    """Damage the landed load of ``req_id`` into ``blocks`` (token order) when the hook asks to;
+    ``groups``: a hybrid load's (group kind, blocks) per KV cache group.
 
     Called by the worker once a load's bytes are in its blocks and before it is validated and
     reported; without the hook this costs one environment lookup.
@@ -70,6 +75,12 @@ def maybe_corrupt_load(layout: KVLayout | None, req_id: str, blocks: Sequence[in
     elif mode == "zero_layer":
         first = layout.segments[0].layer
         for b in blocks:
+            for addr, n in _block_ranges(layout, b, first):
+                ctypes.memset(addr, 0, n)
+    elif mode == "zero_window" and any(kind == SLIDING and got for kind, got in groups):
+        window = next(list(got) for kind, got in groups if kind == SLIDING and got)
+        first = layout.segments[0].layer
+        for b in window:
             for addr, n in _block_ranges(layout, b, first):
                 ctypes.memset(addr, 0, n)
     else:

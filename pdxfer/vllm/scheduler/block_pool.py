@@ -16,6 +16,12 @@ class BlockPoolHolder:
     def num_blocks(self) -> int:
         return int(self.pool.num_gpu_blocks)
 
+    @property
+    def null_block_id(self) -> int:
+        """The block vLLM puts in a block table where a group needs none (a sliding window's
+        freed blocks)."""
+        return int(self.pool.null_block.block_id)
+
     def hold(self, block_ids: Sequence[int]) -> None:
         self.pool.touch([self.pool.blocks[b] for b in block_ids])
 

@@ -28,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from pdxfer.kv.groups import KVGroups, held_blocks
 from pdxfer.kv.keys import IncrementalHasher
 from pdxfer.master import MasterError, MasterUnavailable, NodeInfo, NodeSession, PublishFenced
 from pdxfer.kv.chunks import chunk_span
@@ -61,8 +62,11 @@ class _Held:
 
 class HolderPath:
     def __init__(self, cfg: ConnectorConfig, *, block_size: int, hot: Any, bg: Any,
-                 stats: SchedulerStats, fence: WriteFence | None = None, tp_size: int = 1) -> None:
+                 stats: SchedulerStats, fence: WriteFence | None = None, tp_size: int = 1,
+                 kv_groups: KVGroups | None = None) -> None:
         self.cfg = cfg
+        # A hybrid model's chunk entries name every group's blocks (pdxfer.kv.groups).
+        self.kv_groups = kv_groups or KVGroups.plain()
         self._fence = fence  # None: every write is complete when its request finishes (no device)
         self._awaiting_fence: set[bytes] = set()  # held, queued, writes not yet confirmed: never re-published
         self.block_size = block_size
@@ -135,9 +139,12 @@ class HolderPath:
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
                          hasher: IncrementalHasher | None,
-                         new_hasher: Callable[[], IncrementalHasher], write_seq: int = 0) -> int:
+                         new_hasher: Callable[[], IncrementalHasher], write_seq: int = 0,
+                         group_block_ids: Sequence[Sequence[int]] | None = None) -> int:
         """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
         tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
+        ``group_block_ids``: a hybrid model's block table per KV cache group (``block_ids`` is
+        then ignored; a sliding window's freed blocks are vLLM's null block);
         ``hasher``: the request's own, if the reader path made one; ``new_hasher()`` makes one;
         ``write_seq``: the step whose completion on the device the publish waits for (0: none).
         Returns how many leading tokens the queued publish covers (0: none), the decode's hint."""
@@ -146,14 +153,15 @@ class HolderPath:
             if tokens is None or self._pool is None or self.node_id is None:
                 return 0
             C = self.cfg.chunk_tokens
+            tables = tuple(group_block_ids) if group_block_ids is not None else (block_ids,)
             chunk_blocks: list[tuple[int, ...]] = []
-            for i in range(min(len(tokens), len(block_ids) * self.block_size) // C):
-                blocks = self._chunk_blocks(i, block_ids)
+            for i in range(min(len(tokens), min(map(len, tables)) * self.block_size) // C):
+                blocks = self._chunk_blocks(i, tables)
                 if blocks is None:
                     break
                 chunk_blocks.append(blocks)
             n_chunks = len(chunk_blocks)
-            tail_blocks = self._tail_blocks(len(tokens), n_chunks, block_ids)
+            tail_blocks = self._tail_blocks(len(tokens), n_chunks, tables)
             if n_chunks == 0 and tail_blocks is None:
                 return 0
             if hasher is None:
@@ -179,7 +187,8 @@ class HolderPath:
             log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
             return 0
 
-    def _tail_blocks(self, n_tokens: int, n_chunks: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
+    def _tail_blocks(self, n_tokens: int, n_chunks: int,
+                     tables: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
         """Blocks of the tokens after the last full chunk, when they are the whole rest of the
         request, else None. With blocks larger than a chunk that is the one block holding them,
         which may hold earlier chunks too (a reader takes it as the source of all its tokens up to
@@ -189,15 +198,15 @@ class HolderPath:
         if n_tokens <= start or n_tokens - start >= C:
             return None
         end_block = -(-n_tokens // bs)
-        if end_block > len(block_ids):
-            return None
-        return tuple(int(b) for b in block_ids[start // bs:end_block])
+        return self.kv_groups.entry(tables, start // bs, end_block - start // bs, self._null_block())
 
-    def _chunk_blocks(self, chunk: int, block_ids: Sequence[int]) -> tuple[int, ...] | None:
+    def _chunk_blocks(self, chunk: int, tables: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
         span = chunk_span(chunk, self.cfg.chunk_tokens, self.block_size)
-        if span.first_block + span.num_blocks > len(block_ids):
-            return None
-        return tuple(int(b) for b in block_ids[span.first_block: span.first_block + span.num_blocks])
+        return self.kv_groups.entry(tables, span.first_block, span.num_blocks, self._null_block())
+
+    def _null_block(self) -> int | None:
+        """The id vLLM gives freed sliding-window blocks (only a hybrid model's tables hold it)."""
+        return self._pool.null_block_id if self.kv_groups.hybrid and self._pool is not None else None
 
     def _publish(self, keys: list[bytes], blocks: list[tuple[int, ...]], req_id: str = "",
                  write_seq: int = 0) -> int:
@@ -235,14 +244,14 @@ class HolderPath:
         if not new and not refresh:
             return next((i for i, k in enumerate(keys) if k not in on_host), len(keys))
         for _, b in new:
-            self._pool.hold(b)
+            self._pool.hold(held_blocks(b))
         # Bookkeeping first: from here on the reaper owns these chunks whatever the master says.
         with self._lock:
             if write_seq > 0 and self._fence is not None:
                 self._awaiting_fence.update(k for k, _ in new)
             for k, b in new:
                 self._held[k] = _Held(b, now + retain, last_seq=seq)
-                for x in b:
+                for x in held_blocks(b):
                     self._held_block_refs[x] = self._held_block_refs.get(x, 0) + 1
             host_wanted = self.host_tier.queue_offloads(new) if host_ok else 0
             self._wake.notify()
@@ -371,13 +380,13 @@ class HolderPath:
     def _drop_held(self, key: bytes, h: _Held) -> None:
         """Stop holding ``key``'s device blocks: queued for release on the scheduler thread (under _lock)."""
         del self._held[key]
-        for x in h.blocks:
+        for x in held_blocks(h.blocks):
             n = self._held_block_refs.get(x, 0) - 1
             if n <= 0:
                 self._held_block_refs.pop(x, None)
             else:
                 self._held_block_refs[x] = n
-        self._to_free.append(h.blocks)
+        self._to_free.append(held_blocks(h.blocks))
         self.stats.freed_chunks += 1
 
     def drain_frees(self) -> None:

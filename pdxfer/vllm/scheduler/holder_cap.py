@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from pdxfer.kv.groups import held_blocks
 from pdxfer.master import MasterError
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class HeldCap:
         cap = hp.held_blocks_cap
         with hp._lock:  # the reaper thread mutates the held set: work on a snapshot
             held_now = set(hp._held_block_refs)
-        want = {x for _, b in new for x in b} - held_now
+        want = {x for _, b in new for x in held_blocks(b)} - held_now
         self._room_wanted = max(len(want), int(self._room_wanted * _ROOM_DECAY))
         out: list[tuple[bytes, tuple[int, ...]]] = []
         seen: set[int] = set()
@@ -77,7 +78,7 @@ class HeldCap:
                 if k in keep or h.moving or h.leaving:
                     continue
                 candidates.append(k)
-                freed.update(x for x in h.blocks if hp._held_block_refs.get(x, 0) <= 1)
+                freed.update(x for x in held_blocks(h.blocks) if hp._held_block_refs.get(x, 0) <= 1)
             if not candidates:
                 return
             self.reclaiming = True

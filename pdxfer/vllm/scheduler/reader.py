@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from pdxfer.common.bounded_cache import ClearWhenFullCache
+from pdxfer.kv.groups import GroupError, KVGroups
 from pdxfer.kv.keys import IncrementalHasher
 from pdxfer.kv.layout import KVLayout, LayoutError
 from pdxfer.master import MasterError
@@ -25,6 +26,7 @@ from pdxfer.vllm.load_plan import HitShape, exact_end, plan_reads
 from pdxfer.vllm.lock_release import release_off_path
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, RepullSpec
 from pdxfer.vllm.scheduler.reader_benefit import LoadGate
+from pdxfer.vllm.scheduler.reader_groups import blocks_in_range, check_group_holder, group_hit, groups_end, plan_group_reads
 from pdxfer.vllm.scheduler.scheduler_state import EpisodeLog, SchedulerStats
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
@@ -56,8 +58,10 @@ class ReaderPath:
     def __init__(self, cfg: ConnectorConfig, *, block_size: int, tp_size: int, total_kv_heads: int,
                  reader_id: str, hot: Any, bg: Any, stats: SchedulerStats,
                  hasher: Callable[[str, str | None], IncrementalHasher],
-                 own_node: Callable[[], str | None]) -> None:
+                 own_node: Callable[[], str | None], kv_groups: KVGroups | None = None) -> None:
         self.cfg = cfg
+        self.kv_groups = kv_groups or KVGroups.plain()
+        self.null_block = 0  # vLLM's null block id (set from the block pool when bound)
         self.block_size = block_size
         self.tp_size = tp_size
         self.total_kv_heads = total_kv_heads
@@ -213,6 +217,8 @@ class ReaderPath:
             hit_end -= hit_end % self.block_size  # only whole local blocks can be filled
         lk.locations = lk.locations[:usable]
         hit_end = self._exact_end(lk, local, hit_end)
+        if self.kv_groups.hybrid and hit_end > local:
+            hit_end = self._groups_end(lk, local, hit_end)
         self._count_funnel(req_id, local, last, exists_end, visible_end, max(hit_end, local))
         if hit_end <= local:
             self._release_async(res.lock_id)
@@ -327,6 +333,21 @@ class ReaderPath:
             n += 1
         return n
 
+    def _groups_end(self, lk: _Lookup, local: int, hit_end: int) -> int:
+        """A hybrid hit cut to where every KV cache group is served (the locations too)."""
+        try:
+            hit = group_hit(self.kv_groups, lk.locations, lk.first_chunk, self.cfg.chunk_tokens, self.block_size,
+                            lk.tail_tokens)
+            end, kept, tail = groups_end(hit, local, hit_end)
+        except GroupError as exc:
+            log.warning("pdxfer: a hit's KV cache groups do not fit this reader (%s); computing here", exc)
+            return local
+        if end < hit_end:
+            self.stats.hybrid_hits_cut += 1
+            log.debug("pdxfer: hit cut from %d to %d tokens: a sliding window's blocks are not held", hit_end, end)
+        lk.locations, lk.tail_tokens = lk.locations[:kept], tail
+        return end
+
     def _holder_usable(self, node: Any) -> bool:
         key = holder_route_key(node, lambda e: e.layout_fingerprint)
         return self._usable.get_or_make(key, lambda: self._check_holder(node))
@@ -339,6 +360,8 @@ class ReaderPath:
             if node.transport != self.cfg.transport:
                 raise NotReadable(f"holder {node.node_id} serves over {node.transport}, this reader uses "
                                   f"{self.cfg.transport}")
+            if self.kv_groups.hybrid:
+                check_group_holder(node, self.kv_groups, self.block_size, self.tp_size)
             layouts = layouts_of(node.endpoints)
             total = holder_total_heads(int(node.total_kv_heads or 0), len(layouts), layouts[0])
             for rank, local in sorted(self._local.items()):
@@ -351,8 +374,14 @@ class ReaderPath:
 
     # ------------------------------------------------------------------ plan
 
-    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                                 group_block_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """Plan the load of a request vLLM allocated blocks for; ``group_block_ids``: a hybrid
+        model's block table per KV cache group (``block_ids`` is group 0's)."""
         lk = self._lookups.pop(req_id, None)
+        if self.kv_groups.hybrid and group_block_ids is not None:
+            self._plan_hybrid(req_id, lk, group_block_ids, num_external_tokens)
+            return
         if lk is None:
             if num_external_tokens > 0:
                 # vLLM waits for a load we never offered: fail it (all blocks) rather than hang.
@@ -386,6 +415,39 @@ class ReaderPath:
         self._pending_loads.append(LoadSpec(req_id, lk.lock_id, num_external_tokens, reads, lk.expires_at,
                                             covered, looked_up_at=lk.looked_up_at, holders=holders,
                                             repull=repull))
+
+    def _plan_hybrid(self, req_id: str, lk: _Lookup | None, tables: Sequence[Sequence[int]],
+                     num_external_tokens: int) -> None:
+        """A hybrid model's load: every group's blocks, block for block; no re-pull."""
+        if lk is None:
+            if num_external_tokens > 0:
+                log.error("pdxfer: %s: %d external tokens without a lookup; recomputing", req_id, num_external_tokens)
+                self._attempted.add(req_id)
+                self._pending_loads.append(LoadSpec(req_id, "", num_external_tokens, (), 0.0, tuple(
+                    int(b) for t in tables for b in t if int(b) != self.null_block)))
+            return
+        if num_external_tokens <= 0:
+            self._release_async(lk.lock_id)
+            return
+        start = lk.hit_end - num_external_tokens
+        covered = blocks_in_range(tables, start, lk.hit_end, self.block_size, self.null_block)
+        try:
+            hit = group_hit(self.kv_groups, lk.locations, lk.first_chunk, self.cfg.chunk_tokens, self.block_size,
+                            lk.tail_tokens)
+            reads, filled = plan_group_reads(hit, start, lk.hit_end, tables, self.null_block)
+            n_filled = {b for _, blocks in filled for b in blocks}
+            if n_filled != set(covered):
+                raise GroupError(f"the reads fill {len(n_filled)} blocks, vLLM allocated {len(set(covered))} for "
+                                 "the loaded tokens")
+            holders = tuple(self._ref(lk.nodes[n], (lk.epochs or {}).get(n, 0))
+                            for n in sorted({r.node_id for r in reads}))
+        except Exception as exc:
+            log.warning("pdxfer: cannot plan load for %s (%s); it will be recomputed", req_id, exc)
+            reads, holders, filled = (), (), ()
+        self._attempted.add(req_id)
+        self._pending_loads.append(LoadSpec(req_id, lk.lock_id, num_external_tokens, reads, lk.expires_at,
+                                            covered, looked_up_at=lk.looked_up_at, holders=holders,
+                                            groups=filled))
 
     def _ref(self, node: Any, epoch: int = 0) -> HolderRef:
         """The worker's description of holder ``node``, exactly as this lookup returned it."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Sequence
 
+from pdxfer.kv.groups import LAYOUT_KEY as GROUPS_LAYOUT_KEY
+from pdxfer.kv.groups import KVGroups
 from pdxfer.kv.keys import IncrementalHasher, Namespace
 from pdxfer.kv.layout import KVLayout, LayoutError
 from pdxfer.master import MasterClient, NodeInfo, RankEndpoint
@@ -44,13 +46,19 @@ class SchedulerSide:
         consumer: bool,
         tp_size: int = 1,
         client_factory: Callable[..., Any] | None = None,
+        kv_groups: KVGroups | None = None,
     ):
         """``layout_fingerprint``: the byte format of one rank's KV (checked against every worker);
         ``content_fingerprint``: what the KV holds, independent of format, block size and TP (the
-        namespace); ``total_kv_heads``: the model's KV heads over all ``tp_size`` ranks."""
+        namespace); ``total_kv_heads``: the model's KV heads over all ``tp_size`` ranks;
+        ``kv_groups``: a hybrid model's KV cache groups (None: one full-attention group)."""
         if tp_size < 1 or total_kv_heads < 1:
             raise ValueError(f"tp_size and total_kv_heads must be >= 1, got {tp_size}, {total_kv_heads}")
         chunk_span(0, cfg.chunk_tokens, block_size)  # refuses incompatible chunk/block sizes early
+        self.kv_groups = kv_groups or KVGroups.plain()
+        if self.kv_groups.hybrid and cfg.chunk_tokens % block_size:
+            raise ValueError(f"chunk_tokens {cfg.chunk_tokens} must be a multiple of the block size {block_size} "
+                             f"for a hybrid model (KV cache groups {self.kv_groups.signature()})")
         self.cfg = cfg
         self.engine_id = engine_id
         self.model_id = model_id
@@ -74,14 +82,14 @@ class SchedulerSide:
         self._kept_out_reasons: set[str] = set()
         self.reader = ReaderPath(cfg, block_size=block_size, tp_size=tp_size, total_kv_heads=total_kv_heads,
                                  reader_id=f"{engine_id}-reader", hot=self._hot, bg=self._bg, stats=self.stats,
-                                 hasher=self._hasher, own_node=lambda: self.node_id)
+                                 hasher=self._hasher, own_node=lambda: self.node_id, kv_groups=self.kv_groups)
         # Only a holder publishes, so only a holder needs to know when the device wrote its KV.
         self.fence: WriteFence | None = WriteFence.create(engine_id, tp_size) if self.publishes else None
         self._step_seq = 0  # of the newest step built
         self._req_step: dict[str, int] = {}  # request -> the newest step that scheduled it
         self._opaque_step = 0  # the newest step built without the list of what it scheduled
         self.holder = HolderPath(cfg, block_size=block_size, hot=self._hot, bg=self._bg, stats=self.stats,
-                                 fence=self.fence, tp_size=tp_size)
+                                 fence=self.fence, tp_size=tp_size, kv_groups=self.kv_groups)
 
     # ------------------------------------------------------------------ setup
 
@@ -98,6 +106,8 @@ class SchedulerSide:
 
     def bind_block_pool(self, pool: Any) -> None:
         self.holder.bind_block_pool(pool)
+        if self.kv_groups.hybrid:
+            self.reader.null_block = BlockPoolHolder(pool).null_block_id
 
     def on_handshake(self, handshakes: Iterable[PdxferHandshake]) -> None:
         """Every TP rank registered its KV with the transport: check that the ranks form one
@@ -155,7 +165,12 @@ class SchedulerSide:
         if hs.transport != self.cfg.transport:
             raise LayoutError(f"{who} registered with transport {hs.transport}, the scheduler is configured "
                               f"for {self.cfg.transport}")
-        content = KVLayout.from_wire(hs.layout).content_fingerprint(self.total_kv_heads)
+        groups = KVGroups.from_wire(hs.layout.get(GROUPS_LAYOUT_KEY))
+        if groups != self.kv_groups:
+            raise LayoutError(f"{who} reports KV cache groups [{groups.signature()}], the scheduler derived "
+                              f"[{self.kv_groups.signature()}] from the config")
+        content = KVLayout.from_wire(hs.layout).content_fingerprint(
+            self.total_kv_heads, groups.signature() if groups.hybrid else "")
         if content != self.content_fingerprint:
             raise LayoutError(f"{who} holds KV content {content}, the scheduler derived {self.content_fingerprint} "
                               "from the config; keys would not name what the bytes are")
@@ -199,8 +214,10 @@ class SchedulerSide:
         return self.reader.get_num_new_matched_tokens(req_id, tokens, num_tokens, num_computed_tokens,
                                                        cache_salt, hinted_tokens)
 
-    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        self.reader.update_state_after_alloc(req_id, block_ids, num_external_tokens)
+    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                                 group_block_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """``group_block_ids``: a hybrid model's block table per KV cache group."""
+        self.reader.update_state_after_alloc(req_id, block_ids, num_external_tokens, group_block_ids)
 
     def build_connector_meta(self, scheduled: Iterable[str] | None = None,
                              scheduled_tokens: dict[str, int] | None = None) -> PdxferConnectorMetadata:
@@ -233,7 +250,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ holder path
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
-                         cache_salt: str | None, unkeyable: str | None = None) -> int:
+                         cache_salt: str | None, unkeyable: str | None = None,
+                         group_block_ids: Sequence[Sequence[int]] | None = None) -> int:
         """Publish every full chunk (and the tail) of a finished request and hold its blocks, on
         a prefill and, with ``publish_as_decode``, on a decode. ``tokens``: the tokens whose KV is
         in ``block_ids`` (None: nothing publishable, e.g. aborted); a decode's blocks hold what it
@@ -250,7 +268,8 @@ class SchedulerSide:
             self.holder.drain_frees()
             return 0
         return self.holder.request_finished(req_id, tokens, block_ids, hasher,
-                                            lambda: self._new_hasher(cache_salt), write_seq=write_seq)
+                                            lambda: self._new_hasher(cache_salt), write_seq=write_seq,
+                                            group_block_ids=group_block_ids)
 
     def _keep_out(self, req_id: str, reason: str) -> None:
         self.stats.unkeyable_requests += 1

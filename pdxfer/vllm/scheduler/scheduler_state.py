@@ -36,6 +36,7 @@ class SchedulerStats:
     offloads_failed: int = 0  # ... that failed on a rank or went unanswered (copy never used)
     host_moves: int = 0  # chunks whose master entry moved to the host copy (device blocks freed)
     host_evictions: int = 0  # host-only chunks unpublished to make room in the host pool
+    hybrid_hits_cut: int = 0  # hybrid models: hits cut short, a window's blocks no longer held
     phases: PhaseTimes = field(default_factory=PhaseTimes)  # not a counter: taken, not diffed
     # Host-tier copies, seconds from queued to complete on every rank (taken, not diffed).
     offload_s: list[float] = field(default_factory=list)

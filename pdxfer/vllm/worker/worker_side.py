@@ -20,6 +20,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Mapping
 
 from pdxfer.contracts.connector_config import ConnectorConfig, check_reachable
+from pdxfer.kv.groups import LAYOUT_KEY as GROUPS_LAYOUT_KEY
+from pdxfer.kv.groups import KVGroups
 from pdxfer.kv.layout import KVLayout, Region, describe_kv_caches
 from pdxfer.kv.tiers import HOST_LAYOUT_KEY
 from pdxfer.transport import create_transport, transport_options
@@ -55,10 +57,12 @@ class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, *, node_id: str, rank: int, expected_fingerprint: str,
                  block_size: int, client_factory: Any = None, kv_format: str | None = None,
                  tp_size: int = 1, total_kv_heads: int = 0, kv_dtype: str | None = None,
-                 max_model_len: int = 0):
+                 max_model_len: int = 0, kv_groups: KVGroups | None = None):
         """``rank`` of ``tp_size``: this worker's TP rank; ``total_kv_heads``: the model's KV heads
         over all ranks (0: this rank's tensors have them all, i.e. TP 1); ``max_model_len``: the
-        longest sequence, to size staging from (0: as many tokens as the KV cache holds)."""
+        longest sequence, to size staging from (0: as many tokens as the KV cache holds);
+        ``kv_groups``: a hybrid model's KV cache groups (None: one full-attention group)."""
+        self.kv_groups = kv_groups or KVGroups.plain()
         self.cfg = cfg
         self.node_id = node_id
         self.rank = rank
@@ -87,6 +91,7 @@ class WorkerSide:
         self._inflight: dict[str, Load] = {}
         self._done_ok: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests whose load failed since the last take
         self._stop_bound_s = 10 * cfg.load_timeout_s
         # History hook (the chaos checker's): when a list, every round of reads whose release
         # answered is appended to it (see _record_round). None in production.
@@ -116,6 +121,12 @@ class WorkerSide:
         regions += [self._staging.region()] if self._staging.enabled else []
         layout_wire = layout.to_wire()
         host_mib = self.cfg.host_tier_mib
+        if self.kv_groups.hybrid:
+            layout_wire[GROUPS_LAYOUT_KEY] = self.kv_groups.to_wire()
+            if host_mib:
+                log.warning("pdxfer: node %s: the host tier is off for hybrid models (KV cache groups %s)",
+                            self.node_id, self.kv_groups.signature())
+            host_mib = 0
         if host_mib is None:
             host_mib = auto_host_tier_mib(self.tp_size)
             log.info("pdxfer: node %s rank %d host tier auto: %d MiB (%.0f%% of the available memory over %d "
@@ -255,7 +266,7 @@ class WorkerSide:
             # wrote is read again; whether those reads count is this round's release.
             inf.round_failed = True
         else:
-            maybe_corrupt_load(self.layout, inf.spec.req_id, inf.spec.blocks)  # test hook; off in production
+            maybe_corrupt_load(self.layout, inf.spec.req_id, inf.spec.blocks, inf.spec.groups)  # test hook; off in production
             self.stats.phases.add("read", time.monotonic() - inf.started)
         # The bytes are in; only the master can say whether the lock held throughout.
         # Ask off the step path; a quick answer is still taken in this same step.
@@ -484,6 +495,9 @@ class WorkerSide:
             if inf.host_reads:
                 self.stats.host_tier_tokens_loaded += inf.load_tokens * counts
             self.stats.bytes_loaded += inf.nbytes
+            if spec.groups and self.layout is not None:
+                for kind, blocks in spec.groups:
+                    self.stats.add_group_bytes(kind, len(blocks) * self.layout.bytes_per_block)
             self.stats.transfer_s.append(time.monotonic() - inf.load_started)
             self.reads.observe(inf, elapsed)
             log.info("pdxfer: loaded %d tokens (%.1f MiB) for %s in %.2f ms%s", inf.load_tokens,
@@ -491,6 +505,7 @@ class WorkerSide:
                      f" ({inf.repulled} chunk(s) re-pulled)" if inf.repulled else "")
             return
         self.stats.loads_failed += 1
+        self._failed_loads.add(spec.req_id)
         if inf.error is None and valid:  # re-pulled, but blocks past what the other holders had are lost
             self._load_errors |= inf.lost
             log.warning("pdxfer: load for %s re-pulled %d chunk(s); %d block(s) are recomputed", spec.req_id,
@@ -506,6 +521,12 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load failed since the last call (a hybrid model's failures are named by
+        request: vLLM cannot map block ids of several KV cache groups back to requests)."""
+        out, self._failed_loads = self._failed_loads, set()
         return out
 
     def close(self) -> None:

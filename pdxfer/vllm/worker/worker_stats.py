@@ -21,8 +21,15 @@ class WorkerStats:
     reads_unstopped: int = 0  # reads that did not stop within the bound: holder disconnected
     repulls: int = 0  # chunks read again from another holder after a failed read or refused lock
     host_tier_tokens_loaded: int = 0  # tokens of loads that read some chunks from a holder's host tier
+    bytes_loaded_full: int = 0  # hybrid models: bytes of full-attention groups (part of bytes_loaded)
+    bytes_loaded_sliding: int = 0  # ... of sliding-window groups
     transfer_s: list[float] = field(default_factory=list)
     phases: PhaseTimes = field(default_factory=PhaseTimes)
+
+    def add_group_bytes(self, kind: str, nbytes: int) -> None:
+        """A hybrid load's bytes of one KV cache group of ``kind`` (pdxfer.kv.groups)."""
+        name = f"bytes_loaded_{kind}"
+        setattr(self, name, getattr(self, name) + nbytes)
 
     def take(self) -> dict[str, Any] | None:
         if not (self.loads_ok or self.loads_failed):
@@ -32,10 +39,11 @@ class WorkerStats:
                "staging_waits": self.staging_waits, "staging_full": self.staging_full,
                "reads_unstopped": self.reads_unstopped, "repulls": self.repulls,
                "host_tier_tokens_loaded": self.host_tier_tokens_loaded,
+               "bytes_loaded_full": self.bytes_loaded_full, "bytes_loaded_sliding": self.bytes_loaded_sliding,
                "transfer_s": list(self.transfer_s)}
         out.update(self.phases.take())
         self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
         self.staging_waits = self.staging_full = self.reads_unstopped = self.repulls = 0
-        self.host_tier_tokens_loaded = 0
+        self.host_tier_tokens_loaded = self.bytes_loaded_full = self.bytes_loaded_sliding = 0
         self.transfer_s = []
         return out
