@@ -181,3 +181,39 @@ def test_a_handshake_trickled_byte_by_byte_is_cut_at_the_hello_deadline(procs):
             break
     assert cut is not None, "a trickled handshake was kept past its deadline"
     assert cut < 2.5, f"a trickled handshake was kept {cut:.1f}s (hello deadline 1 s)"
+
+
+def test_a_reader_holding_its_verdict_is_never_cut_as_a_handshake(monkeypatch):
+    """The holder counts a reader as authenticated before its OK verdict leaves: a serving thread
+    descheduled right after sending it (simulated: admit stalls once it returned) must not leave
+    the reader in the handshakes that a newcomer at the cap may cut. (Failed on the old code,
+    which promoted after the verdict: the fifth connection was taken and a reader cut.)"""
+    from pdxfer.transport.tcp import server as tcp_server
+
+    real_admit = handshake.admit
+
+    def stalled_admit(*args, **kwargs):
+        real_admit(*args, **kwargs)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(tcp_server.handshake, "admit", stalled_admit)
+    instance, secret = os.urandom(16), os.urandom(32)
+    srv = tcp_server.TcpServer(tcp_server.RegionTable(), instance, lambda: secret, "127.0.0.1", 0, 1 << 16,
+                               max_connections=2, hello_timeout=5.0)
+    try:
+        kept = []
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            handshake.prove(s, instance, secret, time.monotonic() + 5, "holder")
+            kept.append(s)
+        extra = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        assert _closed_by_peer(extra, 2), "a third connection was taken beyond max_connections=2"
+        assert srv.evicted_handshakes == 0
+        for s in kept:  # both readers still connected: nothing arrives, nothing closes
+            s.setblocking(False)
+            try:
+                assert s.recv(1) != b"", "an authenticated reader was cut"
+            except BlockingIOError:
+                pass
+    finally:
+        srv.close()

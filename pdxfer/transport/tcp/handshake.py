@@ -26,6 +26,7 @@ import os
 import socket
 import struct
 import time
+from typing import Callable
 
 from pdxfer.transport.base import PeerDied, PeerUnreachable, TransferTimeout
 from pdxfer.transport.tcp import wire
@@ -117,9 +118,13 @@ def recv_by(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
     return bytes(buf)
 
 
-def admit(sock: socket.socket, instance: bytes, secret: bytes, deadline: float) -> None:
+def admit(sock: socket.socket, instance: bytes, secret: bytes, deadline: float,
+          on_proven: Callable[[], bool] | None = None) -> None:
     """Holder side: challenge, check the proof, send the verdict. Returns only for a reader that
-    proved the secret; raises (after the refusal verdict, where one is due) otherwise."""
+    proved the secret; raises (after the refusal verdict, where one is due) otherwise.
+    ``on_proven``: called once the proof checked out and before the verdict goes, so the
+    holder counts the reader as authenticated before the reader can know it is; False (the
+    connection was cut meanwhile) refuses it."""
     nonce = os.urandom(NONCE_BYTES)
     sock.sendall(pack_challenge(nonce))
     head = recv_by(sock, _PREFIX.size, deadline, "proof")
@@ -142,6 +147,8 @@ def admit(sock: socket.socket, instance: bytes, secret: bytes, deadline: float) 
     if not ok:
         sock.sendall(pack_verdict(wire.ERR_AUTH))
         raise AuthRefused("reader did not prove the holder's secret")
+    if on_proven is not None and not on_proven():
+        raise AuthRefused("the connection was cut while the reader proved the secret")
     sock.sendall(pack_verdict(wire.OK, mac(secret, _HOLDER_LABEL, instance, nonce, reader_nonce)))
 
 

@@ -304,11 +304,10 @@ class TcpServer:
 
     def _serve_conn(self, conn: socket.socket, addr: tuple, accepted: float) -> None:
         try:
-            handshake.admit(conn, self._instance, self._secret(), accepted + self._hello_timeout)
-            with self._lock:
-                if not self._pending.remove(conn):
-                    return  # cut while it proved itself: the slot went to someone else
-                self._authed.add(conn)
+            # Counted as authenticated before its verdict is sent: a reader that holds an OK
+            # verdict is never cut as a handshake in progress by a newcomer at the cap.
+            handshake.admit(conn, self._instance, self._secret(), accepted + self._hello_timeout,
+                            on_proven=lambda: self._promote(conn))
             while self._serve_one(conn):
                 pass
         except (OSError, TransportError) as exc:
@@ -321,6 +320,15 @@ class TcpServer:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
+
+    def _promote(self, conn: socket.socket) -> bool:
+        """A connection whose reader proved the secret leaves the handshakes for the readers;
+        False if it was cut meanwhile (its slot went to someone else)."""
+        with self._lock:
+            if not self._pending.remove(conn):
+                return False
+            self._authed.add(conn)
+            return True
 
     def _serve_one(self, conn: socket.socket) -> bool:
         head = bytearray(wire.REQ_SIZE)
