@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.pd_configs import (
     CONFIGS,
+    DECODE_BYTES,
     DECODE_METRICS,
     EXTERNAL_HITS,
     Running,
@@ -111,7 +112,12 @@ def _decode_delta(run: Running, before: dict[str, float], requests: int) -> dict
     after = settle(run.urls["decode"], hist + "_count", before.get(hist + "_count", 0.0) + requests)
     out = {"load": hist_delta(after, before, hist),
            "tokens_loaded_per_request": round(delta(after, before, tokens) / requests, 1),
-           "external_hits_per_request": round(delta(after, before, EXTERNAL_HITS) / requests, 1)}
+           "external_hits_per_request": round(delta(after, before, EXTERNAL_HITS) / requests, 1),
+           "bytes_loaded_per_request": round(delta(after, before, DECODE_BYTES[run.name]) / requests)}
+    for kind in ("full", "sliding"):  # a hybrid model's groups (pdxfer only)
+        moved = delta(after, before, f"vllm:pdxfer_bytes_loaded_{kind}_total")
+        if moved:
+            out[f"bytes_loaded_{kind}_per_request"] = round(moved / requests)
     if run.name in ("pdxfer", "interleaved"):
         # Where the decode's TTFT went (pdxfer.contracts.phase_times): mean ms per request.
         out["phases_ms"] = {p: round(1000 * delta(after, before, f"vllm:pdxfer_phase_{p}_seconds_sum") / requests, 3)
@@ -246,7 +252,8 @@ def run_config(name: str, args: argparse.Namespace, model_dir: Path, model: str,
             cell = out["per_len"][str(n)] = measure(run, n, args, prompts)
             line = ", ".join(f"{k} {med(v)} (min {min(v):.1f})" for k, v in cell["samples"].items())
             if "load" in cell:
-                line += (f"; loaded {cell['tokens_loaded_per_request']} tok/req, transfer mean "
+                line += (f"; loaded {cell['tokens_loaded_per_request']} tok/req "
+                         f"({cell['bytes_loaded_per_request'] / 2**20:.2f} MiB), transfer mean "
                          f"{cell['load']['mean_ms']} ms")
             print(f"  {n:5d} tokens, median ms: {line}; foreign CPU {cell['cpu']['foreign_pct']}%",
                   flush=True)

@@ -38,6 +38,9 @@ PDXFER_TOKENS = "vllm:pdxfer_tokens_loaded_total"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # vLLM's own count, any connector
 DECODE_METRICS = {"pdxfer": (PDXFER_HIST, PDXFER_TOKENS), "nixl": (NIXL_HIST, EXTERNAL_HITS),
                   "interleaved": (PDXFER_HIST, PDXFER_TOKENS)}
+# KV bytes a decode read, per pair (NixlConnector's per-transfer histogram sums them).
+DECODE_BYTES = {"pdxfer": "vllm:pdxfer_bytes_loaded_total", "interleaved": "vllm:pdxfer_bytes_loaded_total",
+                "nixl": "vllm:nixl_bytes_transferred_sum"}
 
 NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                        "remote_engine_id": None, "remote_block_ids": None,

@@ -92,6 +92,7 @@ def length_rows(phases: Phases, lengths: list[int]) -> list[dict[str, Any]]:
             r[f"{cfg}_transfer_mean_ms"] = load.get("mean_ms")
             r[f"{cfg}_transfer_p50_le_ms"] = load.get("p50_le_ms")
             r[f"{cfg}_loaded_tokens"] = c.get("tokens_loaded_per_request")
+            r[f"{cfg}_loaded_bytes"] = c.get("bytes_loaded_per_request")
             r[f"{cfg}_foreign_cpu_pct"] = (c.get("cpu") or {}).get("foreign_pct")
         phases_ms = _cell(phases, "pdxfer", n).get("phases_ms")
         if phases_ms:
@@ -112,6 +113,7 @@ def length_rows(phases: Phases, lengths: list[int]) -> list[dict[str, Any]]:
             r[out] = ratio(r[a + "_ms"], r[b + "_ms"])
             r[out + "_of_minimums"] = ratio(r[a + "_min_ms"], r[b + "_min_ms"])
         r.update(floor_fields(phases, ("plain", PLAIN_AFTER), n, ""))
+        r["pdxfer_vs_nixl_bytes"] = ratio(r["pdxfer_loaded_bytes"], r["nixl_loaded_bytes"])
         r["pdxfer_decode_vs_floor"] = ratio(r["pdxfer_decode_ms"], r["floor_ms"])
         r["nixl_decode_vs_floor"] = ratio(r["nixl_decode_ms"], r["floor_ms"])
         r.update(interleaved_fields(phases, n))
@@ -194,6 +196,12 @@ def print_summary(rows: list[dict[str, Any]], crows: list[dict[str, Any]], idle:
               f"{mm('nixl_decode')} {_f(r['nixl_loaded_tokens'], 6)} {_f(r['nixl_transfer_mean_ms'], 5)}")
     print("(xfer: mean per-request transfer time from the decode's histogram, ms; loaded: tokens "
           "per request)")
+    if any(r.get("pdxfer_loaded_bytes") or r.get("nixl_loaded_bytes") for r in rows):
+        print(f"\nKV bytes a decode read per request (MiB)\n{'tokens':>6} | {'pdxfer':>8} | {'nixl':>8} | pdx/nixl")
+        for r in rows:
+            mib = [("-" if r.get(k) is None else f"{r[k] / 2**20:.2f}").rjust(8)
+                   for k in ("pdxfer_loaded_bytes", "nixl_loaded_bytes")]
+            print(f"{r['prompt_tokens']:>6} | {mib[0]} | {mib[1]} | {r.get('pdxfer_vs_nixl_bytes')}")
     print(f"\nratios of medians (of minimums)\n{'tokens':>6} | {'pdx dec/nixl dec':>16} | "
           f"{'pdx pre/plain':>14} | {'pdx dec/plain':>14} | {'nixl pre/plain':>14} | "
           f"{'nixl dec/plain':>14} | foreign CPU % (plain, pdx, nixl)")

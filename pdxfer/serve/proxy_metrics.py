@@ -13,7 +13,12 @@ ROUTES = MetricDef("pdxfer_proxy_routes", "counter", "Requests by route: decisio
                    "decode-only), reason (why that prefill or none: skip-prefill, holder, least-loaded, "
                    "no-prefill, ...) and decode (why that decode: holder or least-loaded)",
                    ("decision", "reason", "decode"))
-RETRIES = MetricDef("pdxfer_proxy_retries", "counter", "Steps retried on another instance", ("role",))
+RETRIES = MetricDef("pdxfer_proxy_retries", "counter", "Steps retried on another instance (nothing had "
+                    "reached the client), by why the first instance failed: unreachable, http_5xx, "
+                    "empty_stream (closed before its first byte), bad_answer", ("role", "reason"))
+STREAMS_CUT = MetricDef("pdxfer_proxy_streams_cut", "counter", "Streamed answers whose instance failed after "
+                        "the first byte: the client got an SSE error event naming it, then the end of the "
+                        "stream (never retried: tokens had reached the client)", ("role",))
 FAILURES = MetricDef("pdxfer_proxy_step_failures", "counter",
                      "Steps that failed at an instance (unreachable, timed out, HTTP 5xx, stream cut)", ("role",))
 TAKEN_OUT = MetricDef("pdxfer_proxy_instances_taken_out", "counter",
@@ -28,8 +33,8 @@ REQUEST_SECONDS = MetricDef("pdxfer_proxy_request_seconds", "histogram",
                             "Time of one step at an instance, from sending it to the end of its answer "
                             "(a decode's includes its whole generation)", ("role", "backend"))
 
-PROXY_METRICS: tuple[MetricDef, ...] = (ROUTES, RETRIES, FAILURES, TAKEN_OUT, HEALTHY, RECENT_BLOCKS,
-                                        REQUEST_SECONDS)
+PROXY_METRICS: tuple[MetricDef, ...] = (ROUTES, RETRIES, STREAMS_CUT, FAILURES, TAKEN_OUT, HEALTHY,
+                                        RECENT_BLOCKS, REQUEST_SECONDS)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -42,6 +47,7 @@ class ProxyMetrics:
         self.routes = Counter(ROUTES.name, ROUTES.help, ROUTES.labels, registry=r)
         self.retries = Counter(RETRIES.name, RETRIES.help, RETRIES.labels, registry=r)
         self.failures = Counter(FAILURES.name, FAILURES.help, FAILURES.labels, registry=r)
+        self.streams_cut = Counter(STREAMS_CUT.name, STREAMS_CUT.help, STREAMS_CUT.labels, registry=r)
         self.taken_out = Counter(TAKEN_OUT.name, TAKEN_OUT.help, TAKEN_OUT.labels, registry=r)
         self.healthy = Gauge(HEALTHY.name, HEALTHY.help, HEALTHY.labels, registry=r)
         self.recent_blocks = Gauge(RECENT_BLOCKS.name, RECENT_BLOCKS.help, registry=r)

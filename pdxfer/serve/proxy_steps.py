@@ -71,19 +71,27 @@ def split_prompts(body: dict[str, Any]) -> list[Any] | None:
     return None
 
 
+# Why a step failed at an instance (the ``reason`` label of the proxy's retry counter).
+UNREACHABLE, TIMEOUT, HTTP_5XX, BAD_ANSWER, EMPTY_STREAM, CLIENT_ERROR = (
+    "unreachable", "timeout", "http_5xx", "bad_answer", "empty_stream", "client_error")
+
+
 class StepFailed(Exception):
     """One step failed at one instance. ``retry``: nothing reached the client and another
     instance may answer; ``status``: what the client gets if it is not retried (or the retry
-    fails too); ``data``/``content_type``: an instance's own client-error answer, passed through."""
+    fails too); ``reason``: why, in a word (UNREACHABLE, ...); ``data``/``content_type``: an
+    instance's own client-error answer, passed through."""
 
     def __init__(self, backend: Backend, status: int, message: str, retry: bool,
-                 data: bytes | None = None, content_type: str = "application/json") -> None:
+                 data: bytes | None = None, content_type: str = "application/json",
+                 reason: str = HTTP_5XX) -> None:
         super().__init__(message)
         self.backend = backend
         self.status = status
         self.retry = retry
         self.data = data
         self.content_type = content_type
+        self.reason = reason
 
     def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
         if self.data is not None:  # the instance's own 4xx: the client's error, not ours
@@ -118,10 +126,11 @@ class Steps:
         self.metrics.failures.labels(b.role).inc()
         if isinstance(e, asyncio.TimeoutError):
             b.errors += 1
-            return StepFailed(b, 504, f"{b.role} instance {b.url} timed out ({what})", retry=False)
+            return StepFailed(b, 504, f"{b.role} instance {b.url} timed out ({what})", retry=False,
+                              reason=TIMEOUT)
         self._unreachable(b, e)
         return StepFailed(b, 502, f"{b.role} instance {b.url} unreachable ({what}): "
-                          f"{e.__class__.__name__}: {e}", retry=True)
+                          f"{e.__class__.__name__}: {e}", retry=True, reason=UNREACHABLE)
 
     # --- the prefill step --------------------------------------------------------------------
 
@@ -140,7 +149,7 @@ class Steps:
                 if r.status != 200:
                     if r.status < 500:
                         raise StepFailed(b, r.status, f"HTTP {r.status}", retry=False, data=data,
-                                         content_type=r.content_type)
+                                         content_type=r.content_type, reason=CLIENT_ERROR)
                     b.errors += 1
                     self.metrics.failures.labels(b.role).inc()
                     raise StepFailed(b, 502, f"prefill instance {b.url} answered HTTP {r.status}: "
@@ -151,7 +160,7 @@ class Steps:
                     if self.handoff != "nixl":
                         return None  # pdxfer's hint only shortens a wait: go on without it
                     raise StepFailed(b, 502, f"prefill instance {b.url} sent a non-JSON answer",
-                                     retry=True) from None
+                                     retry=True, reason=BAD_ANSWER) from None
         except (asyncio.TimeoutError, *NET_ERRORS) as e:
             raise self._failed(b, e, "prefill") from e
         finally:
@@ -167,7 +176,7 @@ class Steps:
             other = self.prefill_pool.pick(exclude=[first]) if e.retry else None
             if other is None:
                 raise
-            self.metrics.retries.labels("prefill").inc()
+            self.metrics.retries.labels("prefill", e.reason).inc()
             log.warning("%s; retrying the prefill on %s", e, other.url)
             return other, await self._post_prefill(other, path, body, headers)
 
@@ -208,9 +217,9 @@ class Steps:
                     if attempt:
                         e = StepFailed(e.backend, e.status, f"{e} (after a retry: the first "
                                        f"decode instance failed too)", e.retry, e.data,
-                                       e.content_type)
+                                       e.content_type, e.reason)
                     return e.response(self._route_headers(route, prefill_ms))
-                self.metrics.retries.labels("decode").inc()
+                self.metrics.retries.labels("decode", e.reason).inc()
                 log.warning("%s; retrying the decode on %s", e, other.url)
                 route.decode = backend = other
         raise AssertionError("unreachable")
@@ -254,7 +263,7 @@ class Steps:
                 if not first:  # the instance closed the stream before sending anything
                     self.metrics.failures.labels(backend.role).inc()
                     raise StepFailed(backend, 502, f"decode instance {backend.url} closed its "
-                                     "stream before sending anything", retry=True)
+                                     "stream before sending anything", retry=True, reason=EMPTY_STREAM)
                 resp = web.StreamResponse(status=200, headers=out_headers)
                 resp.content_type = r.content_type or "text/event-stream"
                 await resp.prepare(request)
@@ -266,6 +275,9 @@ class Steps:
                     # Headers are gone already: tell the client in-band, as an SSE error event.
                     backend.errors += 1
                     self.metrics.failures.labels(backend.role).inc()
+                    self.metrics.streams_cut.labels(backend.role).inc()
+                    log.warning("decode instance %s failed mid-stream (%s: %s): the client got an error "
+                                "event and the end of the stream", backend.url, e.__class__.__name__, e)
                     msg = {"error": {"message": f"decode instance {backend.url} failed mid-stream: "
                                      f"{e.__class__.__name__}: {e}", "type": "bad_gateway",
                                      "code": 502, "instance": backend.url}}

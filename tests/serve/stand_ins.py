@@ -57,9 +57,10 @@ class StandInApp:
     ``metrics_text``/``metrics_status``/``metrics_delay``: what GET /metrics answers (a vLLM
     instance's page), and after how long."""
 
-    def __init__(self, name: str, delay: float = 0.0) -> None:
+    def __init__(self, name: str, delay: float = 0.0, gap: float = 0.0) -> None:
         self.name = name
         self.delay = delay
+        self.gap = gap  # seconds between two streamed events
         self.healthy = True
         self.gate: threading.Event | None = None
         self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
@@ -107,6 +108,8 @@ class StandInApp:
                 if i == 0 and self.gate is not None:
                     gate = self.gate
                     await asyncio.get_running_loop().run_in_executor(None, gate.wait, 15)
+                if self.gap:
+                    await asyncio.sleep(self.gap)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -146,8 +149,8 @@ class ThreadServer:
 class StandIn(StandInApp):
     """Served from a background thread of the test process."""
 
-    def __init__(self, name: str, delay: float = 0.0) -> None:
-        super().__init__(name, delay)
+    def __init__(self, name: str, delay: float = 0.0, gap: float = 0.0) -> None:
+        super().__init__(name, delay, gap)
         self._server = ThreadServer(self.app, f"stand-in-{name}")
         self.port, self.url = self._server.port, self._server.url
 
@@ -158,12 +161,12 @@ class StandIn(StandInApp):
 class StandInProcess:
     """A stand-in in a child process (to be killed); it answers like :class:`StandInApp`."""
 
-    def __init__(self, name: str, workdir: Path, delay: float = 0.0) -> None:
+    def __init__(self, name: str, workdir: Path, delay: float = 0.0, gap: float = 0.0) -> None:
         self.name = name
         port_file = workdir / f"{name}-{time.monotonic_ns()}.port"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.serve.stand_ins", "--name", name, "--delay", str(delay),
-             "--port-file", str(port_file)],
+             "--gap", str(gap), "--port-file", str(port_file)],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
@@ -188,9 +191,10 @@ def _main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", required=True)
     ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--gap", type=float, default=0.0)
     ap.add_argument("--port-file", type=Path, required=True)
     args = ap.parse_args()
-    stand_in = StandInApp(args.name, args.delay)
+    stand_in = StandInApp(args.name, args.delay, args.gap)
 
     async def serve() -> None:
         runner = web.AppRunner(stand_in.app, access_log=None)

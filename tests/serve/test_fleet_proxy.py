@@ -31,8 +31,8 @@ FAST_HEALTH = {"health_interval": 0.1, "health_timeout": 1.0}
 def stand_ins(tmp_path: Path):
     made: list[Any] = []
 
-    def make(name: str, delay: float = 0.0, process: bool = False) -> Any:
-        s = StandInProcess(name, tmp_path, delay) if process else StandIn(name, delay)
+    def make(name: str, delay: float = 0.0, process: bool = False, gap: float = 0.0) -> Any:
+        s = StandInProcess(name, tmp_path, delay, gap) if process else StandIn(name, delay, gap)
         made.append(s)
         return s
 
@@ -137,6 +137,7 @@ def test_a_prefill_killed_mid_burst_loses_no_request(stand_ins) -> None:
         assert routes == [f"prefill={survivor.url} decode={d.url}"] * 6
         assert len(d.received) == 6 and all(b["max_tokens"] == 4 for _, b, _ in d.received)
         assert metric(px, "pdxfer_proxy_retries_total", role="prefill") >= 2
+        assert metric(px, "pdxfer_proxy_retries_total", role="prefill", reason="unreachable") >= 2
         assert not health(px)["prefill"][0]["healthy"]
         assert took < 10
 
@@ -162,6 +163,33 @@ def test_a_decode_killed_mid_burst_retries_before_the_first_byte(stand_ins) -> N
                 {"i": i, "by": "D-survivor"} for i in range(4)]
             assert headers["x-pdxfer-route"] == f"prefill={p.url} decode={survivor.url}"
         assert metric(px, "pdxfer_proxy_retries_total", role="decode") >= 2
+
+
+def test_a_decode_dying_after_its_first_byte_ends_the_stream_with_an_error_event(stand_ins) -> None:
+    """Tokens reached the client: no retry (it would repeat them), a clean error event naming
+    the instance and the end of the stream, counted; the client never hangs."""
+    p = stand_ins("P")
+    victim = stand_ins("D-victim", process=True, gap=30.0)
+    with RunningProxy(PDProxy([p.url], [victim.url], **FAST_HEALTH)) as px:
+        req = urllib.request.Request(px.url + "/v1/completions",
+                                     json.dumps({"prompt": "cut", "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=20) as r:
+            first = r.readline() + r.readline()  # the first event and its blank line
+            assert json.loads(first.decode()[6:]) == {"i": 0, "by": "D-victim"}
+            victim.kill()
+            rest = r.read().decode()
+        took = time.monotonic() - t0
+        cut, retried = (metric(px, "pdxfer_proxy_streams_cut_total", role="decode"),
+                        metric(px, "pdxfer_proxy_retries_total", role="decode"))
+    events = [e for e in rest.split("\n\n") if e.strip()]
+    assert len(events) == 1 and events[0].startswith("data: "), rest
+    err = json.loads(events[0][6:])["error"]
+    assert err["code"] == 502 and err["instance"] == victim.url and "failed mid-stream" in err["message"]
+    assert took < 10  # ended by the instance's death, not by a read timeout
+    assert (cut, retried) == (1, 0)
+    assert len(p.received) == 1
 
 
 def test_a_decode_failing_twice_is_a_clear_error(stand_ins) -> None:

@@ -198,3 +198,39 @@ def test_the_worker_registers_vllms_tensors_against_the_schedulers_fingerprint(c
             worker.register_kv_caches(other)
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER"])
+def test_a_sliding_window_hybrid_on_cuda_shares_one_segment_per_layer_slot(cuda, backend, layout):
+    """With the hybrid KV cache manager, vLLM views one allocation once per group (layer j of
+    every group on the same bytes): the worker's description must be the scheduler's, one segment
+    per layer slot, in every KV cache layout."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    cuda(_backend(*ATTENTION[backend], backend))
+    cache = CacheConfig(block_size=16)
+    cache.kv_cache_layout = layout
+    attn = dict(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    names = [[f"model.layers.{g + 3 * j}.self_attn.attn" for j in range(2)] for g in range(3)]
+    specs = [SlidingWindowSpec(**attn, sliding_window=64), SlidingWindowSpec(**attn, sliding_window=64),
+             FullAttentionSpec(**attn)]
+    kcc = KVCacheConfig(num_blocks=6, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(n, s) for n, s in zip(names, specs)])
+    vc = SimpleNamespace(cache_config=cache, model_config=SimpleNamespace(use_mla=False, dtype=torch.bfloat16,
+                                                                         get_total_num_kv_heads=lambda: 8))
+    resolved = cache.get_resolved_kv_cache_layout()
+    page = specs[2].page_size_bytes
+    fixed = 2 * page if resolved.is_block_outermost else None
+    layer_stride, block_stride, *_ = compute_layout_strides(specs[2], 6, 2, resolved,
+                                                            fixed_strides=(None, fixed, None, None, None))
+    raw = torch.zeros(2 * page * 6, dtype=torch.int8)
+    views: dict[str, torch.Tensor] = {}
+    for group, spec in zip(names, specs):
+        tensor = KVCacheTensor(size=raw.numel(), layers=group, layer_stride=layer_stride, block_stride=block_stride)
+        views.update(zip(group, create_kv_cache_views(raw, spec, 6, resolved, tensor)))
+    fmt = kv_format(vc, kcc)
+    worker = describe_kv_caches(views, block_size=16, kv_format=fmt, dtype="bfloat16")
+    assert {s.layer for s in worker.segments} == {"model.layers.0.self_attn.attn", "model.layers.3.self_attn.attn"}
+    assert worker.fingerprint() == derive_layout_fingerprint(vc, kcc)
+    assert worker.content_fingerprint(8, "sliding64,sliding64,full") == derive_content_fingerprint(vc, kcc)
