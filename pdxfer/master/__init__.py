@@ -40,7 +40,9 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
 --leader-ttl         leader lease TTL (s); renewed every TTL/3 on the remaining time.
 --max-lock-ttl       cap on reader lock TTLs (s); announced in register replies, so holders know
                      how long a lock can pin their blocks.
---max-connections    concurrent client connections; more are refused, with a log line.
+--max-connections    concurrent client connections; at the cap the oldest one that has not proven
+                     itself is cut for a newcomer; only proven clients filling it refuse one.
+--max-unproven-per-peer  connections one address may hold before proving itself (oldest cut).
 --handshake-timeout  seconds a new connection has to send its first frame (hello with the token).
 --idle-timeout       seconds an authenticated connection may stay idle.
 --chunk-tokens       only used to report hit tokens (hit chunks x chunk tokens).

@@ -20,6 +20,7 @@ from pdxfer.master.wire import tls as master_tls
 from pdxfer.master.backends.choice import coordinator_for
 from pdxfer.common.ports import PortRange, PortSpecError, parse_port_spec
 from pdxfer.common.secret_file import SecretFileError, read_secret_file
+from pdxfer.master.server.conn_slots import DEFAULT_MAX_UNPROVEN_PER_PEER
 from pdxfer.master.server.master_service import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -81,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lock-ttl", type=float, default=DEFAULT_MAX_LOCK_TTL_S,
                    help="cap on reader lock TTLs in seconds, announced to holders at registration")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="concurrent client connections; more are refused (and logged)")
+                   help="concurrent client connections; at the cap the oldest connection that has not "
+                        "proven itself (hello with the token) is cut for a newcomer, and only clients "
+                        "that have fill it refuse one (logged)")
+    p.add_argument("--max-unproven-per-peer", type=int, default=DEFAULT_MAX_UNPROVEN_PER_PEER,
+                   help="connections one address may hold before they prove themselves; its oldest is "
+                        "cut for its newest")
     p.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT_S,
                    help="seconds a new connection has to send its first frame (hello)")
     p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -202,6 +208,7 @@ async def _amain(args: argparse.Namespace) -> None:
             max_connections=args.max_connections,
             handshake_timeout_s=args.handshake_timeout,
             idle_timeout_s=args.idle_timeout,
+            max_unproven_per_peer=args.max_unproven_per_peer,
         )
     except ValueError as exc:
         raise SystemExit(f"pdxfer-master: {exc}") from None

@@ -73,20 +73,48 @@ def test_silent_and_slow_peers_are_dropped(masters):
         assert _closed_within(slow, 3.0), "a peer that sends half a header holds its connection forever"
 
 
-def test_connection_cap_refuses_and_logs(masters):
+def test_connection_cap_refuses_only_when_proven_clients_fill_it_and_logs(masters):
     m = masters.start(extra_args=("--max-connections", "4", "--handshake-timeout", "30"))
-    held = [_raw(m.address) for _ in range(4)]
+    clients = [masters.client(m.address) for _ in range(4)]
     try:
+        for c in clients:  # a first request answered: each has proven itself (no token here)
+            c.stats()
         wait_until(lambda: _open_connections(m.http_address) == 4, 5, "the master to hold 4 connections")
         with _raw(m.address) as fifth:
             assert _closed_within(fifth, 2.0), "a connection beyond --max-connections was kept"
         wait_until(lambda: "connection limit" in Path(m.log_path).read_text(), 3, "a log line about the limit")
+        for c in clients:  # none of the four was cut for it
+            assert c.stats()["connections_refused"] >= 1
     finally:
-        for s in held:
+        for c in clients:
+            c.close()
+
+
+def test_silent_sockets_at_the_cap_never_lock_out_a_client_with_the_token(masters):
+    """Issue 42, hole 1: silent sockets from one address filling --max-connections used to lock
+    every new client out until they timed out (shown on the old code: the token client's connect
+    was refused). Now each newcomer cuts the oldest unproven connection, and one address keeps at
+    most --max-unproven-per-peer of them."""
+    m = masters.start(token="s3cret", extra_args=("--max-connections", "8", "--handshake-timeout", "30",
+                                                  "--max-unproven-per-peer", "6"))
+    silent = [_raw(m.address) for _ in range(12)]  # more than the cap, all from 127.0.0.1
+    try:
+        wait_until(lambda: _open_connections(m.http_address) <= 6, 5, "the per-peer cap to cut the oldest")
+        t0 = time.monotonic()
+        c = masters.client(m.address, token="s3cret")
+        c.register_node(node_info("ok"), 30)
+        assert c.publish("ok", [(keys_for("flood", 1)[0], [1])]) == 1
+        assert c.lookup_and_lock(keys_for("flood", 1), "r", 5.0).hit_chunks == 1
+        took = time.monotonic() - t0
+        assert took < 1.0, f"a client with the token took {took:.2f} s to connect and look up under the flood"
+        stats = c.stats()
+        assert stats["unproven_evicted"] >= 6 and stats["connections_refused"] == 0
+        # The oldest silent sockets were the ones cut.
+        assert all(_closed_within(s, 1.0) for s in silent[:6])
+        c.close()
+    finally:
+        for s in silent:
             s.close()
-    time.sleep(0.3)
-    c = masters.client(m.address)
-    assert c.stats()["connections_refused"] >= 1
 
 
 def test_trickled_body_is_dropped_at_its_bound(masters):

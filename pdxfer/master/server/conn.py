@@ -44,6 +44,7 @@ class MasterConnection(asyncio.Protocol):
         self.timer_at = 0.0
         self.paused = False  # the peer does not read its replies: stop reading its requests
         self.done = False
+        self.proven = False  # a hello accepted (with a token) or a first request answered (without)
 
     # ---- asyncio callbacks ----------------------------------------------------------------------
 
@@ -52,11 +53,16 @@ class MasterConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self.peer = transport.get_extra_info("peername")
         svc = self.svc
-        if len(svc._conns) >= svc.max_connections:
+        host = str(self.peer[0]) if isinstance(self.peer, tuple) and self.peer else str(self.peer)
+        cut = svc._slots.make_room(host)
+        if cut is None:  # proven clients fill every slot
             self.done = True
             svc._refuse_connection(self.peer, transport)
             return
+        for victim in cut:
+            svc._evict_unproven(victim, self.peer)
         svc._conns.add(self)
+        svc._slots.add(self, host)
         _keepalive(transport.get_extra_info("socket"))
         if svc.require_client_cert and not transport.get_extra_info("peercert"):
             svc.tls_refusals += 1
@@ -89,6 +95,7 @@ class MasterConnection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         self.svc._conns.discard(self)
+        self.svc._slots.remove(self)
         if not self.done and self.hdr is not None:
             self.svc.bad_frames += 1
             log.warning("client %s closed mid-frame (truncated message)", self.peer)
@@ -145,6 +152,9 @@ class MasterConnection(asyncio.Protocol):
             if not keep:
                 self.close()
                 return b""
+            if not self.proven and self.authed:
+                self.proven = True
+                svc._slots.prove(self)
             if self.authed:
                 self._wait(_NEXT, svc.idle_timeout_s)
             else:
@@ -180,6 +190,7 @@ class MasterConnection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         self.svc._conns.discard(self)
+        self.svc._slots.remove(self)
         self.transport.close()  # type: ignore[union-attr]
 
     # ---- timeouts -------------------------------------------------------------------------------

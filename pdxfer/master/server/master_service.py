@@ -18,6 +18,7 @@ from typing import Any, Callable
 from pdxfer.master.wire import protocol as P
 from pdxfer.master.wire import ops as ops
 from pdxfer.master.server.conn import MasterConnection
+from pdxfer.master.server.conn_slots import DEFAULT_MAX_UNPROVEN_PER_PEER, ConnSlots
 from pdxfer.master.backends.coordinator import Coordinator, Standalone
 from pdxfer.master.server.httpd import serve_http
 from pdxfer.master.wire.tls import ServerTls
@@ -52,6 +53,7 @@ class MasterService:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_unproven_per_peer: int = DEFAULT_MAX_UNPROVEN_PER_PEER,
     ) -> None:
         if max_connections < 1 or handshake_timeout_s <= 0 or idle_timeout_s <= 0:
             raise ValueError(f"max_connections ({max_connections}), handshake_timeout_s ({handshake_timeout_s}) "
@@ -63,7 +65,11 @@ class MasterService:
         self.idle_timeout_s = idle_timeout_s
         self.connections_refused = 0
         self.handshake_timeouts = 0
+        self.unproven_evicted = 0
         self._refusal_logged_at = -_REFUSAL_LOG_EVERY_S
+        self._eviction_logged_at = -_REFUSAL_LOG_EVERY_S
+        # Unproven connections never crowd out clients that proved themselves (conn_slots.py).
+        self._slots: ConnSlots[MasterConnection] = ConnSlots(max_connections, max_unproven_per_peer)
         if not ops.MIN_LOCK_TTL_S <= max_lock_ttl_s <= ops.MAX_TTL_S:
             raise ValueError(f"max_lock_ttl_s must be in [{ops.MIN_LOCK_TTL_S}, {ops.MAX_TTL_S}], got {max_lock_ttl_s}")
         # Holders force-free a refused key after this bound (plus their lease): no lock may outlive it.
@@ -169,6 +175,17 @@ class MasterService:
             log.warning("connection limit of %d reached (--max-connections): refused %s (%d refused so far)",
                         self.max_connections, peer, self.connections_refused)
         transport.close()
+
+    def _evict_unproven(self, conn: MasterConnection, newcomer: Any) -> None:
+        """Cut an unproven connection to make room for ``newcomer`` (one log line per burst)."""
+        self.unproven_evicted += 1
+        now = time.monotonic()
+        if now - self._eviction_logged_at >= _REFUSAL_LOG_EVERY_S:
+            self._eviction_logged_at = now
+            log.warning("cut %s, a connection that had not proven itself (no accepted hello or request), to "
+                        "make room for %s (--max-connections %d; %d cut so far)", conn.peer, newcomer,
+                        self.max_connections, self.unproven_evicted)
+        conn.close()
 
     def _check_preauth(self, hdr: P.Header, peer: Any) -> None:
         """Before a connection has authenticated: a small hello, nothing else (body not read)."""

@@ -50,7 +50,11 @@ MASTER_METRICS: tuple[MetricDef, ...] = (
     _counter("unpublish_refused", "Unpublishes refused by a valid lock."),
     _counter("nodes_expired", "Nodes dropped because their lease ran out."),
     _counter("auth_failures", "Requests refused for a missing or wrong token."),
-    _counter("connections_refused", "Connections refused at --max-connections."),
+    _counter("connections_refused", "Connections refused at --max-connections (every slot held by a client "
+             "that proved itself)."),
+    _counter("unproven_evicted", "Connections cut before they proved themselves (no accepted hello or request) "
+             "to make room for a newcomer: at --max-connections, or past --max-unproven-per-peer from one "
+             "address."),
     _counter("handshake_timeouts", "Connections closed for no first frame in time."),
     _counter("bad_frames", "Malformed, oversized or wrong-version messages."),
     REQUEST_SECONDS,
