@@ -137,3 +137,34 @@ def test_trickled_body_is_dropped_at_its_bound(masters):
                 break
         assert closed, "a peer trickling its hello body held the connection past the handshake bound"
         assert time.monotonic() - t0 < 2.0
+
+
+def test_silent_http_sockets_cannot_take_the_masters_file_descriptors(masters):
+    """Issue 42, hole 1 (HTTP port): the HTTP port had no cap, so silent sockets there took the
+    process's descriptors, which the wire port shares (shown on the old code with the master at
+    RLIMIT_NOFILE 96: the token client's connection was refused or reset). Now at most 64 wait."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (96, hard))  # the child inherits it
+    try:
+        m = masters.start(token="s3cret")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    host, port = m.http_address.rsplit(":", 1)
+    silent = []
+    try:
+        for _ in range(150):
+            silent.append(socket.create_connection((host, int(port)), timeout=3))
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        c = masters.client(m.address, token="s3cret")
+        c.register_node(node_info("fd"), 30)
+        assert c.publish("fd", [(keys_for("fd", 1)[0], [1])]) == 1
+        assert time.monotonic() - t0 < 1.0
+        assert c.stats()["http_connections_cut"] >= 150 - 64
+        c.close()
+    finally:
+        for s in silent:
+            s.close()
+    assert master_value(m.http_address, "pdxfer_master_http_connections_cut_total") >= 150 - 64

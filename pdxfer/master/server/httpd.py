@@ -2,7 +2,10 @@
 
 The stdlib's asyncio streams (the master must not need aiohttp): one request per connection,
 bounded request size and read time, anything else answered 404/405/400. ``/metrics`` serves what
-the callback renders (prometheus_client's text format).
+the callback renders (prometheus_client's text format). At most ``max_connections`` are open at
+once: a newcomer beyond them cuts the oldest connection still waiting for its request, so
+sockets that never send one cannot pile up and take the process's file descriptors (the wire
+port shares them).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import json
 import logging
 import ssl
+from collections import OrderedDict
 from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -19,6 +23,7 @@ log = logging.getLogger("pdxfer.master.http")
 
 _MAX_REQUEST_BYTES = 8192
 _READ_TIMEOUT_S = 5.0
+DEFAULT_MAX_HTTP_CONNECTIONS = 64
 
 
 def _response(status: str, body: bytes, ctype: str) -> bytes:
@@ -32,15 +37,30 @@ async def serve_http(
     metrics: Callable[[], bytes],
     health: Callable[[], tuple[bool, dict[str, Any]]],
     ssl_context: ssl.SSLContext | None = None,
+    max_connections: int = DEFAULT_MAX_HTTP_CONNECTIONS,
+    on_cut: Callable[[], None] | None = None,
 ) -> asyncio.AbstractServer:
-    """Serve on ``host:port``; HTTPS with ``ssl_context`` (its handshake bounded like a request read)."""
+    """Serve on ``host:port``; HTTPS with ``ssl_context`` (its handshake bounded like a request
+    read); ``on_cut``: called for each connection cut to make room for a newcomer."""
+    waiting: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()  # still reading their request
+    open_count = [0]
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        open_count[0] += 1
+        if open_count[0] > max_connections and waiting:
+            oldest, _ = waiting.popitem(last=False)
+            oldest.transport.abort()
+            if on_cut is not None:
+                on_cut()
+        waiting[writer] = None
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
             except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, asyncio.TimeoutError):
                 writer.write(_response("400 Bad Request", b"bad request\n", "text/plain"))
                 return
+            finally:
+                waiting.pop(writer, None)
             if len(head) > _MAX_REQUEST_BYTES:
                 writer.write(_response("400 Bad Request", b"request too large\n", "text/plain"))
                 return
@@ -63,6 +83,8 @@ async def serve_http(
         except (ConnectionError, OSError) as exc:
             log.debug("http client went away: %s", exc)
         finally:
+            open_count[0] -= 1
+            waiting.pop(writer, None)
             writer.close()
 
     return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST_BYTES, ssl=ssl_context,

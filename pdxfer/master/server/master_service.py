@@ -66,6 +66,7 @@ class MasterService:
         self.connections_refused = 0
         self.handshake_timeouts = 0
         self.unproven_evicted = 0
+        self.http_connections_cut = 0  # HTTP connections cut at the HTTP port's cap (httpd.py)
         self._refusal_logged_at = -_REFUSAL_LOG_EVERY_S
         self._eviction_logged_at = -_REFUSAL_LOG_EVERY_S
         # Unproven connections never crowd out clients that proved themselves (conn_slots.py).
@@ -136,7 +137,7 @@ class MasterService:
         if http_port >= 0:
             hctx = tls.context(require_client_cert=False) if tls is not None and http_tls else None
             hs = await serve_http(http_host or host, http_port, self.metrics.render,
-                                  lambda: health(self), ssl_context=hctx)
+                                  lambda: health(self), ssl_context=hctx, on_cut=self._http_cut)
             self._servers.append(hs)
             self.http_port = hs.sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self._reaper()))
@@ -175,6 +176,9 @@ class MasterService:
             log.warning("connection limit of %d reached (--max-connections): refused %s (%d refused so far)",
                         self.max_connections, peer, self.connections_refused)
         transport.close()
+
+    def _http_cut(self) -> None:
+        self.http_connections_cut += 1
 
     def _evict_unproven(self, conn: MasterConnection, newcomer: Any) -> None:
         """Cut an unproven connection to make room for ``newcomer`` (one log line per burst)."""

@@ -55,6 +55,8 @@ MASTER_METRICS: tuple[MetricDef, ...] = (
     _counter("unproven_evicted", "Connections cut before they proved themselves (no accepted hello or request) "
              "to make room for a newcomer: at --max-connections, or past --max-unproven-per-peer from one "
              "address."),
+    _counter("http_connections_cut", "HTTP (/metrics, /health) connections cut while still waiting for their "
+             "request, to make room at the HTTP port's cap of 64."),
     _counter("handshake_timeouts", "Connections closed for no first frame in time."),
     _counter("bad_frames", "Malformed, oversized or wrong-version messages."),
     REQUEST_SECONDS,

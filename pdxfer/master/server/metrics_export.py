@@ -44,6 +44,7 @@ SOURCES: dict[str, str] = {
     "pdxfer_master_auth_failures": "auth_failures",
     "pdxfer_master_connections_refused": "connections_refused",
     "pdxfer_master_unproven_evicted": "unproven_evicted",
+    "pdxfer_master_http_connections_cut": "http_connections_cut",
     "pdxfer_master_handshake_timeouts": "handshake_timeouts",
     "pdxfer_master_bad_frames": "bad_frames",
 }

@@ -21,6 +21,7 @@ def stats(svc: MasterService) -> dict[str, Any]:
     s["connections"] = len(svc._conns)
     s["connections_refused"] = svc.connections_refused
     s["unproven_evicted"] = svc.unproven_evicted
+    s["http_connections_cut"] = svc.http_connections_cut
     s["handshake_timeouts"] = svc.handshake_timeouts
     s["uptime_s"] = round(time.time() - svc.started, 3)
     s.update(svc.coord.status())
