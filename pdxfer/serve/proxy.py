@@ -245,6 +245,10 @@ class PDProxy:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object",
                                   "invalid_request_error")
+        # The hand-off between the steps is the proxy's: a client's own kv_transfer_params could
+        # name another request's blocks (NixlConnector) or hold a decode in a hint wait (pdxfer).
+        if body.pop("kv_transfer_params", None) is not None:
+            self.metrics.client_kv_params_dropped.inc()
         path = request.path
         headers = request_headers(request.headers)
         try:

@@ -21,6 +21,9 @@ STREAMS_CUT = MetricDef("pdxfer_proxy_streams_cut", "counter", "Streamed answers
                         "stream (never retried: tokens had reached the client)", ("role",))
 FAILURES = MetricDef("pdxfer_proxy_step_failures", "counter",
                      "Steps that failed at an instance (unreachable, timed out, HTTP 5xx, stream cut)", ("role",))
+CLIENT_KV_PARAMS = MetricDef("pdxfer_proxy_client_kv_params_dropped", "counter",
+                             "Client requests that carried kv_transfer_params of their own, dropped: the hand-off "
+                             "between prefill and decode is the proxy's")
 TAKEN_OUT = MetricDef("pdxfer_proxy_instances_taken_out", "counter",
                       "Times an instance was taken out (failed health check or unreachable)", ("role",))
 HEALTHY = MetricDef("pdxfer_proxy_instance_healthy", "gauge",
@@ -33,8 +36,8 @@ REQUEST_SECONDS = MetricDef("pdxfer_proxy_request_seconds", "histogram",
                             "Time of one step at an instance, from sending it to the end of its answer "
                             "(a decode's includes its whole generation)", ("role", "backend"))
 
-PROXY_METRICS: tuple[MetricDef, ...] = (ROUTES, RETRIES, STREAMS_CUT, FAILURES, TAKEN_OUT, HEALTHY,
-                                        RECENT_BLOCKS, REQUEST_SECONDS)
+PROXY_METRICS: tuple[MetricDef, ...] = (ROUTES, RETRIES, STREAMS_CUT, FAILURES, CLIENT_KV_PARAMS, TAKEN_OUT,
+                                        HEALTHY, RECENT_BLOCKS, REQUEST_SECONDS)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -48,6 +51,7 @@ class ProxyMetrics:
         self.retries = Counter(RETRIES.name, RETRIES.help, RETRIES.labels, registry=r)
         self.failures = Counter(FAILURES.name, FAILURES.help, FAILURES.labels, registry=r)
         self.streams_cut = Counter(STREAMS_CUT.name, STREAMS_CUT.help, STREAMS_CUT.labels, registry=r)
+        self.client_kv_params_dropped = Counter(CLIENT_KV_PARAMS.name, CLIENT_KV_PARAMS.help, registry=r)
         self.taken_out = Counter(TAKEN_OUT.name, TAKEN_OUT.help, TAKEN_OUT.labels, registry=r)
         self.healthy = Gauge(HEALTHY.name, HEALTHY.help, HEALTHY.labels, registry=r)
         self.recent_blocks = Gauge(RECENT_BLOCKS.name, RECENT_BLOCKS.help, registry=r)

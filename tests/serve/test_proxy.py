@@ -316,6 +316,24 @@ def test_the_prefills_publish_hint_reaches_the_decode(instances) -> None:
     assert d.received[0][1]["max_tokens"] == 4
 
 
+def test_a_clients_own_kv_transfer_params_never_reach_an_instance(instances) -> None:
+    """Issue 42, hole 5: a client's kv_transfer_params went to both steps (and alone to the decode
+    when the prefill had none): another request's block ids for NixlConnector, a forged publish
+    hint holding a pdxfer decode in its wait. The hand-off is the proxy's."""
+    forged = {"do_remote_prefill": True, "remote_block_ids": [7, 8], "remote_engine_id": "victim",
+              "pdxfer": {"v": 1, "published_tokens": 10**6}}
+    hint = {"pdxfer": {"v": 1, "published_tokens": 3}}
+    for handoff, prefill_params, want in (("none", None, None), ("none", hint, hint), ("nixl", hint, hint)):
+        p, d = instances("P", kv_params=prefill_params), instances("D")
+        with RunningProxy(PDProxy([p.url], [d.url], handoff=handoff)) as px:
+            assert post(px.url + "/v1/completions", {"prompt": "x", "max_tokens": 4,
+                                                     "kv_transfer_params": forged})[0] == 200
+            dropped = urllib.request.urlopen(px.url + "/metrics", timeout=5).read().decode()
+        assert p.received[0][1].get("kv_transfer_params") != forged
+        assert d.received[0][1].get("kv_transfer_params") == want, handoff
+        assert "pdxfer_proxy_client_kv_params_dropped_total 1.0" in dropped
+
+
 def test_bad_configuration_is_rejected() -> None:
     with pytest.raises(ValueError, match="no decode instance"):
         PDProxy(["http://127.0.0.1:1"], [])
