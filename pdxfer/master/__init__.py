@@ -23,6 +23,7 @@ CLI (console script ``pdxfer-master``, or ``python -m pdxfer.master.service``)::
                      ``GET /metrics`` (Prometheus text) and ``GET /health`` (JSON: status ok |
                      degraded | standby); port 0 = OS-chosen, -1 = no HTTP endpoint.
 --token-file F       shared secret; every request must carry it, others are refused and logged.
+                     Required to listen on a non-loopback address (or --insecure-no-token).
 --etcd ...           HA mode: replicas elect a leader through etcd (lease-held key
                      ``<prefix>/leader`` holding ``{"addr": ADVERTISE, ...}``), the leader mirrors
                      node membership as keys under per-node leases (``<prefix>/nodes/<id>``).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-entries", type=int, default=10_000_000, help="refuse publishes beyond this")
     p.add_argument("--max-lock-ttl", type=float, default=DEFAULT_MAX_LOCK_TTL_S,
                    help="cap on reader lock TTLs in seconds, announced to holders at registration")
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="serve on a non-loopback address without --token-file (anyone who reaches the "
+                        "port reads every holder's metadata and can publish locations); refused otherwise")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="concurrent client connections; at the cap the oldest connection that has not "
                         "proven itself (hello with the token) is cut for a newcomer, and only clients "
@@ -186,7 +190,31 @@ def _read_token(path: str) -> str:
         raise SystemExit(f"pdxfer-master: {exc}") from None
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name (or a wildcard) other hosts may reach
+
+
+def check_token_policy(host: str, has_token: bool, insecure_no_token: bool) -> None:
+    """Refuse (SystemExit) a master other hosts can reach without a token, unless told to run so;
+    warn loudly when it is."""
+    if has_token or _is_loopback(host):
+        return
+    if not insecure_no_token:
+        raise SystemExit(f"pdxfer-master: refusing to listen on {host or 'every address'} without --token-file: "
+                         "anyone who reaches the port would read every holder's metadata and could publish "
+                         "locations that readers trust. Give --token-file F (create one with `pdxfer-token "
+                         "ensure F`), listen on 127.0.0.1, or pass --insecure-no-token to run without one")
+    log.warning("pdxfer-master: listening on %s WITHOUT A TOKEN (--insecure-no-token): every peer that reaches "
+                "it is trusted; use --token-file in production", host or "every address")
+
+
 async def _amain(args: argparse.Namespace) -> None:
+    check_token_policy(args.host, bool(args.token_file), args.insecure_no_token)
     if args.etcd and not args.advertise and args.host in ("0.0.0.0", "::", ""):
         raise SystemExit("pdxfer-master: listening on a wildcard address; give --advertise HOST:PORT so "
                          "clients that find the leader in etcd can reach it")
