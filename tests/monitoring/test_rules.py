@@ -18,6 +18,7 @@ MUTATIONS = (
     ("PdxferNoLeader", "absent(pdxfer_master_leader == 1)", "max(pdxfer_master_leader) < 1"),  # misses "no series"
     ("PdxferMasterDegraded", "pdxfer_master_degraded == 1", "pdxfer_master_degraded == 2"),
     ("PdxferLockExpiries", "[5m])) > 0.05", "[5m])) > 0"),  # the healthy fleet's rare expiries fire
+    ("PdxferMasterHostileClients", "unproven_evicted_total[5m])) > 1", "unproven_evicted_total[5m])) > 10"),  # misses a flood
     ("PdxferLoadFailures", "> 0.1", "> 0.6"),  # misses half the loads failing
     ("PdxferHeldBlocksNearCap", "and vllm:pdxfer_held_blocks_cap > 0", ""),  # fires at 0 of 0
     ("PdxferHeldBlocksNearCap", "_count[5m])) > 0)", "_count[5m])) >= 0)"),  # an idle engine's stale gauge
