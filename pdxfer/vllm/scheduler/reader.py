@@ -26,7 +26,8 @@ from pdxfer.vllm.load_plan import HitShape, exact_end, plan_reads
 from pdxfer.vllm.lock_release import release_off_path
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, RepullSpec
 from pdxfer.vllm.scheduler.reader_benefit import LoadGate
-from pdxfer.vllm.scheduler.reader_groups import blocks_in_range, check_group_holder, group_hit, groups_end, plan_group_reads
+from pdxfer.vllm.scheduler.reader_groups import (blocks_in_range, check_group_holder, group_hit, groups_end,
+                                                 plan_group_reads)
 from pdxfer.vllm.scheduler.scheduler_state import EpisodeLog, SchedulerStats
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
