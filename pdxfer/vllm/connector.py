@@ -193,10 +193,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is None:
             return set()
         errors = self.worker_side.take_load_errors()
-        if self.kv_groups.hybrid:
-            return set()  # reported as failed requests (get_transfer_results)
-        self.worker_side.take_failed_loads()
-        return errors
+        # A hybrid model's failures go as failed requests (get_transfer_results).
+        return set() if self.kv_groups.hybrid else errors
 
     def get_kv_connector_stats(self) -> PdxferKVConnectorStats | None:
         if self.worker_side is not None:

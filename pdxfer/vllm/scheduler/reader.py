@@ -380,20 +380,23 @@ class ReaderPath:
         """Plan the load of a request vLLM allocated blocks for; ``group_block_ids``: a hybrid
         model's block table per KV cache group (``block_ids`` is group 0's)."""
         lk = self._lookups.pop(req_id, None)
-        if self.kv_groups.hybrid and group_block_ids is not None:
-            self._plan_hybrid(req_id, lk, group_block_ids, num_external_tokens)
-            return
+        hybrid = self.kv_groups.hybrid and group_block_ids is not None
         if lk is None:
             if num_external_tokens > 0:
                 # vLLM waits for a load we never offered: fail it (all blocks) rather than hang.
                 log.error("pdxfer: %s: %d external tokens without a lookup; recomputing", req_id,
                           num_external_tokens)
+                tables = group_block_ids if hybrid else (block_ids,)
                 self._attempted.add(req_id)
-                self._pending_loads.append(LoadSpec(req_id, "", num_external_tokens, (), 0.0,
-                                                    tuple(int(b) for b in block_ids)))
+                self._pending_loads.append(LoadSpec(req_id, "", num_external_tokens, (), 0.0, tuple(
+                    int(b) for t in tables for b in t if not hybrid or int(b) != self.null_block)))
             return
         if num_external_tokens <= 0:
             self._release_async(lk.lock_id)
+            return
+        if hybrid:
+            assert group_block_ids is not None
+            self._plan_hybrid(req_id, lk, group_block_ids, num_external_tokens)
             return
         bs = self.block_size
         start = lk.hit_end - num_external_tokens
@@ -417,19 +420,9 @@ class ReaderPath:
                                             covered, looked_up_at=lk.looked_up_at, holders=holders,
                                             repull=repull))
 
-    def _plan_hybrid(self, req_id: str, lk: _Lookup | None, tables: Sequence[Sequence[int]],
+    def _plan_hybrid(self, req_id: str, lk: _Lookup, tables: Sequence[Sequence[int]],
                      num_external_tokens: int) -> None:
         """A hybrid model's load: every group's blocks, block for block; no re-pull."""
-        if lk is None:
-            if num_external_tokens > 0:
-                log.error("pdxfer: %s: %d external tokens without a lookup; recomputing", req_id, num_external_tokens)
-                self._attempted.add(req_id)
-                self._pending_loads.append(LoadSpec(req_id, "", num_external_tokens, (), 0.0, tuple(
-                    int(b) for t in tables for b in t if int(b) != self.null_block)))
-            return
-        if num_external_tokens <= 0:
-            self._release_async(lk.lock_id)
-            return
         start = lk.hit_end - num_external_tokens
         covered = blocks_in_range(tables, start, lk.hit_end, self.block_size, self.null_block)
         try:

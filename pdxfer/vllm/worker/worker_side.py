@@ -505,7 +505,8 @@ class WorkerSide:
                      f" ({inf.repulled} chunk(s) re-pulled)" if inf.repulled else "")
             return
         self.stats.loads_failed += 1
-        self._failed_loads.add(spec.req_id)
+        if self.kv_groups.hybrid:  # only a hybrid model's failures are reported by request
+            self._failed_loads.add(spec.req_id)
         if inf.error is None and valid:  # re-pulled, but blocks past what the other holders had are lost
             self._load_errors |= inf.lost
             log.warning("pdxfer: load for %s re-pulled %d chunk(s); %d block(s) are recomputed", spec.req_id,
