@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.pd_util import post_json
+from pdxfer.contracts.prefill_step import prefill_step_params
 from pdxfer.common.procs import free_port
 from pdxfer.launch.fleet import Stack
 from pdxfer.launch.plan import pdxfer_kv_config
@@ -78,11 +79,13 @@ def _measure_for(name: str, urls: dict[str, str], model: str, timeout: float) ->
         return {"ttft": ms}
 
     def pdxfer(ids: list[int]) -> dict[str, float]:
-        # Like the proxy: the prefill instance computes and publishes, then the decode instance
+        # Like the proxy: the prefill instance computes and publishes (its step marked as the
+        # proxy marks it: a recurrent hybrid then stops one token short), then the decode instance
         # gets the same prompt and finds the chunks through the master (no block ids handed
         # over); the prefill's kv_transfer_params (its publish hint) go along, as any P/D proxy
         # forwards them, so the decode waits for a publish still on its way.
-        p_ms, out = post_json(urls["prefill"] + "/v1/completions", _body(model, ids), timeout)
+        p_ms, out = post_json(urls["prefill"] + "/v1/completions",
+                              _body(model, ids, {"kv_transfer_params": prefill_step_params()}), timeout)
         hint = out.get("kv_transfer_params")
         extra = {"kv_transfer_params": hint} if hint else None
         d_ms, _ = post_json(urls["decode"] + "/v1/completions", _body(model, ids, extra), timeout)

@@ -72,8 +72,10 @@ _COUNTER_HELP = (
                           "bytes_loaded)"),
     ("bytes_loaded_sliding", "Hybrid models: KV bytes of sliding-window groups read from holders, only the "
                              "window before each hit (part of bytes_loaded)"),
-    ("hybrid_hits_cut", "Hybrid models: hits cut short because a sliding window's blocks before them "
-                        "were no longer held"),
+    ("bytes_loaded_state", "Hybrid models: bytes of the blocks holding recurrent groups' state (Mamba, gated "
+                           "delta-net) read from holders, one block per group and hit (part of bytes_loaded)"),
+    ("hybrid_hits_cut", "Hybrid models: hits cut short (or to nothing) because a sliding window's blocks "
+                        "before them were no longer held, or no holder's recurrent state ended there"),
 )
 
 # (stats key, help): the gauge is vllm:pdxfer_<key>. vLLM ships connector stats with an engine

@@ -9,6 +9,13 @@ one group at a time, so moving block ``b`` of every tensor moves exactly that gr
 it. What a location must then say is, per chunk, the blocks of every group in group order, with
 :data:`NOT_HELD` where the holder no longer has a group's block (a sliding window's freed one).
 
+A recurrent group (Mamba, gated delta-net: vLLM's ``MambaSpec`` in its "align" cache mode) keeps
+no per-token KV but one running state per request, in the last block of its table: after a
+request computed ``n`` tokens, block ``cdiv(n, block_size) - 1`` holds the state after exactly
+those tokens. A chunk entry names that block only where the holder's state is the state at the
+entry's end (the entry ending where the finished request's computation ended); every other block
+of a recurrent group is :data:`NOT_HELD`, so a hit must end exactly there.
+
 A plain model is one full-attention group: its chunk entries are the block ids alone, exactly as
 before groups existed.
 """
@@ -26,7 +33,8 @@ LAYOUT_KEY = "kv_groups"
 
 FULL = "full"
 SLIDING = "sliding"
-KINDS = (FULL, SLIDING)
+STATE = "state"  # a recurrent layer's running state (Mamba, gated delta-net)
+KINDS = (FULL, SLIDING, STATE)
 
 
 class GroupError(ValueError):
@@ -53,10 +61,12 @@ class GroupSpec:
         null block (its ``get_num_skipped_tokens``)."""
         if self.kind == FULL:
             return 0
+        if self.kind == STATE:
+            return max(0, -(-end // block_size) - 1)  # only the state after token end - 1
         return max(0, end - self.window + 1) // block_size
 
     def label(self) -> str:
-        return self.kind if self.kind == FULL else f"{self.kind}{self.window}"
+        return f"{self.kind}{self.window}" if self.kind == SLIDING else self.kind
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,11 @@ class KVGroups:
     @classmethod
     def plain(cls) -> "KVGroups":
         return cls((GroupSpec(FULL),))
+
+    @property
+    def has_state(self) -> bool:
+        """A recurrent group is among them: a hit must end where a holder's state ends."""
+        return any(g.kind == STATE for g in self.groups)
 
     @property
     def hybrid(self) -> bool:
@@ -104,15 +119,20 @@ class KVGroups:
     # ---------------------------------------------------------------- chunk entries
 
     def entry(self, tables: Sequence[Sequence[int]], first_block: int, num_blocks: int,
-              null_block: int | None = None) -> tuple[int, ...] | None:
+              null_block: int | None = None, state_final: bool = False) -> tuple[int, ...] | None:
         """One chunk's location: blocks ``[first_block, first_block + num_blocks)`` of every
         group's block table, with :data:`NOT_HELD` for vLLM's null block (``null_block``: its id,
         None where no block is ever null); None when a table is shorter (the request never got
-        those blocks) or a full-attention block is null."""
+        those blocks) or a full-attention block is null. A recurrent group names only its
+        table's last block, and only with ``state_final`` (the request computed exactly up to
+        this entry's end, and no step will write its state again)."""
         if len(tables) != len(self.groups):
             raise GroupError(f"{len(tables)} block tables for {len(self.groups)} KV cache groups")
         out: list[int] = []
         for spec, table in zip(self.groups, tables):
+            if spec.kind == STATE:
+                out.extend(self._state_part(table, first_block, num_blocks, null_block, state_final))
+                continue
             if first_block + num_blocks > len(table):
                 return None
             part = [NOT_HELD if int(b) == null_block else int(b) for b in table[first_block:first_block + num_blocks]]
@@ -120,6 +140,15 @@ class KVGroups:
                 return None  # full attention needs every block: a chunk without one serves nobody
             out.extend(part)
         return tuple(out)
+
+    @staticmethod
+    def _state_part(table: Sequence[int], first_block: int, num_blocks: int, null_block: int | None,
+                    state_final: bool) -> list[int]:
+        part = [NOT_HELD] * num_blocks
+        last = first_block + num_blocks - 1
+        if state_final and last == len(table) - 1 and int(table[last]) != null_block:
+            part[-1] = int(table[last])
+        return part
 
     def group_part(self, entry: Sequence[int], group: int) -> tuple[int, ...]:
         """Group ``group``'s blocks of one chunk entry."""

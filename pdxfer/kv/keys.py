@@ -115,6 +115,17 @@ def tail_key(prev: bytes, tail_tokens: Any) -> bytes:
     return h.digest()
 
 
+def state_key(key: bytes) -> bytes:
+    """Key of the entry ending where ``key``'s chunk (or tail) ends that also names a hybrid
+    model's recurrent state after those tokens (:mod:`pdxfer.kv.groups`). Its own domain: the
+    plain entry of ``key`` may be held without that state."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        raise ValueError(f"a state key derives from a {KEY_BYTES}-byte key")
+    h = blake3.blake3(b"pdxfer.state\x00")
+    h.update(bytes(key))
+    return h.digest()
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Everything that must match for two instances' KV *content* to be interchangeable.

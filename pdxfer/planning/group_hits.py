@@ -4,7 +4,9 @@ the block pairs of each group's reads.
 Each chunk location names every group's blocks (:mod:`pdxfer.kv.groups`). A hit of ``end``
 tokens needs, per group, the blocks attention at token ``end`` reads: every block of a full
 attention group, only the window's blocks of a sliding group (vLLM gives the reader's other
-blocks of that group its null block and never reads them). A hit is servable when every such
+blocks of that group its null block and never reads them), and of a recurrent group only the
+block holding the state after ``end`` tokens (held only where a holder's computation ended
+exactly there). A hit is servable when every such
 block beyond the reader's own prefix is held; else a shorter hit (at a chunk boundary) may be,
 else nothing is loaded.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from pdxfer.kv.groups import NOT_HELD, GroupError, KVGroups
+from pdxfer.kv.groups import NOT_HELD, STATE, GroupError, KVGroups
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,11 @@ def group_block_pairs(hit: GroupHit, group: int, local: int, end: int, table: Se
     needed block is not held or the reader's table disagrees with the window (a null block
     where one is needed)."""
     out: dict[str, tuple[list[int], list[int]]] = {}
+    spec = hit.groups.groups[group]
+    if spec.kind == STATE and len(table) != -(-end // hit.block_size):
+        # vLLM reads a recurrent group's running state from its table's last block.
+        raise GroupError(f"group {group} (state): the reader's block table has {len(table)} blocks, a hit of {end} "
+                         f"tokens keeps its state in block {-(-end // hit.block_size) - 1} as the last")
     for b in hit.needed(group, local, end):
         if b >= len(table):
             raise GroupError(f"group {group}: the reader's block table has {len(table)} blocks, the load needs "

@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from pdxfer.contracts.prefill_step import prefill_step_params
 from pdxfer.contracts.publish_hint import merge_hints
 from pdxfer.serve.backends import Backend, BackendPool
 from pdxfer.serve.http_headers import response_headers
@@ -48,7 +49,8 @@ def error_response(status: int, message: str, etype: str, backend: Backend | Non
 
 
 def prefill_body(body: dict[str, Any], handoff: str) -> dict[str, Any]:
-    """The request the prefill instance gets: same prompt, one token, no streaming."""
+    """The request the prefill instance gets: same prompt, one token, no streaming, marked as a
+    prefill step."""
     p = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     p["max_tokens"] = 1
     if "max_completion_tokens" in p:
@@ -58,6 +60,10 @@ def prefill_body(body: dict[str, Any], handoff: str) -> dict[str, Any]:
         p["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
                                    "remote_engine_id": None, "remote_block_ids": None,
                                    "remote_host": None, "remote_port": None}
+    else:
+        # A model with recurrent layers then computes all but the prompt's last token, whose
+        # state the decode needs (pdxfer.contracts.prefill_step); other models ignore it.
+        p["kv_transfer_params"] = prefill_step_params()
     return p
 
 

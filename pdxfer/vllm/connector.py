@@ -28,7 +28,9 @@ from pdxfer.vllm.connector_layout import (derive_content_fingerprint, derive_lay
                                          derive_kv_dtype, kv_format, kv_refusal, model_identity, total_kv_heads)
 from pdxfer.vllm.connector_stats import PdxferKVConnectorStats, PdxferPromMetrics
 from pdxfer.vllm.keyability import publishable_tokens, unkeyable_reason
-from pdxfer.vllm.kv_cache_spec import kv_groups
+from pdxfer.vllm.kv_cache_spec import kv_groups, state_layers
+from pdxfer.vllm.state_handoff import truncate_prefill_step
+from pdxfer.vllm.state_views import check_state_inside, split_state_views
 from pdxfer.vllm.metadata import PdxferConnectorMetadata, PdxferHandshake, PdxferWorkerMeta
 from pdxfer.contracts.publish_hint import hinted_tokens, publish_hint
 from pdxfer.vllm.write_fence import FenceWriter
@@ -55,8 +57,9 @@ def _setup_logging(level: str | None) -> None:
 
 
 # SupportsHMA: vLLM keeps its hybrid KV cache manager on (several KV cache groups for a model
-# mixing layer kinds); pdxfer moves full and sliding-window attention groups and serves other
-# hybrids (Mamba, gated delta-net state) without KV transfer (kv_refusal says why).
+# mixing layer kinds); pdxfer moves full and sliding-window attention groups and the running
+# state of Mamba / gated delta-net groups, and serves other hybrids without KV transfer
+# (kv_refusal says why).
 class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
@@ -83,6 +86,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self.block_size = kv_block_size(vllm_config, kv_cache_config)
         self.kv_groups = kv_groups(kv_cache_config) if kv_cache_config is not None else KVGroups.plain()
+        self._state_layers = state_layers(kv_cache_config) if kv_cache_config is not None else set()
+        self._dropped_token: dict[str, int] = {}  # prefill steps stopped one token short
         if self.kv_groups.hybrid and role == KVConnectorRole.SCHEDULER:
             log.info("pdxfer: engine %s moves KV cache groups [%s] (hybrid KV cache manager on)", self.engine_id,
                      self.kv_groups.signature())
@@ -138,7 +143,11 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if self.refusal is not None:
             return  # nothing is registered, so nothing can be read from this instance
         assert self.worker_side is not None
-        self._handshake = self.worker_side.register_kv_caches(kv_caches)
+        attention, state = split_state_views(kv_caches, self._state_layers)
+        self._handshake = self.worker_side.register_kv_caches(attention)
+        if state:
+            assert self.worker_side.layout is not None
+            check_state_inside(self.worker_side.layout, state)
         device = str(next(iter(kv_caches.values())).device) if kv_caches else "cpu"
         self._fence_writer = FenceWriter(self._rank, device=device)
 
@@ -251,6 +260,14 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.on_handshake(
                 [m for _, m in sorted(metadata.items()) if isinstance(m, PdxferHandshake)])
 
+    def on_new_request(self, request: "Request") -> None:
+        if self.refusal is not None or not self.kv_groups.has_state:
+            return
+        dropped = truncate_prefill_step(request)
+        if dropped is not None:
+            # The hint names the prompt the decode holds: the whole one.
+            self._dropped_token[request.request_id] = dropped
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.refusal is not None:
             return 0, False
@@ -299,16 +316,24 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         assert self.scheduler_side is not None
         tokens = publishable_tokens(request)
+        # No step writes a finished request's state again; it is the state after ``tokens`` only
+        # when the request computed exactly them (not with a step still counted in flight).
+        state_final = tokens is not None and len(tokens) == int(request.num_computed_tokens)
         published = self.scheduler_side.request_finished(
             request.request_id, tokens, block_ids[0] if block_ids else [], request.cache_salt,
-            unkeyable=unkeyable_reason(request), group_block_ids=block_ids if self.kv_groups.hybrid else None)
+            unkeyable=unkeyable_reason(request), group_block_ids=block_ids if self.kv_groups.hybrid else None,
+            state_final=state_final)
+        dropped = self._dropped_token.pop(request.request_id, None)
         if not self.scheduler_side.producer:
             # A decode's answer goes to the client, not to another instance: nobody waits for
             # its publish, so its response carries no hint (as before it published).
             return False, None
+        prompt = getattr(request, "prompt_token_ids", None)
+        if dropped is not None and prompt is not None:
+            prompt = [*prompt, dropped]
         # The decode this response is handed to (by a proxy) waits for these chunks, bounded.
         return False, publish_hint(published, request.num_prompt_tokens, self.scheduler_side.cfg.chunk_tokens,
-                                   getattr(request, "prompt_token_ids", None))
+                                   prompt)
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_frees()

@@ -83,6 +83,7 @@ class PdxferKVConnectorStats(KVConnectorStats):
             "Host chunks evicted": d["host_evictions"],
             "MiB loaded, full-attention groups": round(d["bytes_loaded_full"] / 2**20, 3),
             "MiB loaded, sliding-window groups": round(d["bytes_loaded_sliding"] / 2**20, 3),
+            "MiB loaded, recurrent state groups": round(d["bytes_loaded_state"] / 2**20, 3),
             **({"Held blocks": self.data["held_blocks"]} if "held_blocks" in self.data else {}),
         }
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from pdxfer.contracts.prefill_step import prefill_step_params
 from pdxfer.common.procs import free_port, http_ok, wait_http_ready
 from pdxfer.launch.fleet import proxy_ready_url
 from pdxfer.serve.proxy import PDProxy, RunningProxy
@@ -121,7 +122,9 @@ def test_completion_goes_prefill_then_decode(instances) -> None:
     assert path == "/v1/completions"
     assert pb["prompt"] == "hello world" and pb["max_tokens"] == 1 and pb["stream"] is False
     assert "min_tokens" not in pb and "logprobs" not in pb  # would conflict with one token
-    assert "kv_transfer_params" not in pb  # pdxfer: decode finds chunks through the master
+    # pdxfer: the decode finds chunks through the master; the prefill step is only marked as one
+    # (a recurrent hybrid then stops one token short: pdxfer.contracts.prefill_step).
+    assert pb["kv_transfer_params"] == prefill_step_params()
     assert d.received[0] == ("/v1/completions", body)  # decode gets the original, untouched
 
 
@@ -311,7 +314,7 @@ def test_the_prefills_publish_hint_reaches_the_decode(instances) -> None:
     p, d = instances("P", kv_params=hint), instances("D")
     with RunningProxy(PDProxy([p.url], [d.url])) as px:
         assert post(px.url + "/v1/completions", {"prompt": "x", "max_tokens": 4})[0] == 200
-    assert "kv_transfer_params" not in p.received[0][1]  # nothing asked of the prefill
+    assert p.received[0][1]["kv_transfer_params"] == prefill_step_params()  # no hint asked of the prefill
     assert d.received[0][1]["kv_transfer_params"] == hint
     assert d.received[0][1]["max_tokens"] == 4
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdxfer.kv.groups import FULL, NOT_HELD, SLIDING, GroupError, GroupSpec, KVGroups, held_blocks
+from pdxfer.kv.groups import FULL, NOT_HELD, SLIDING, STATE, GroupError, GroupSpec, KVGroups, held_blocks
+from pdxfer.kv.keys import KEY_BYTES, state_key
 from pdxfer.planning.group_hits import GroupHit, group_block_pairs, servable_end
 
 BS, C = 4, 8  # 2 blocks per chunk
@@ -37,6 +38,8 @@ def test_the_window_a_hit_needs_is_vllms():
         GroupSpec(SLIDING)
     with pytest.raises(GroupError, match="kind"):
         GroupSpec("mamba")
+    # A recurrent group's hit needs the one block holding the state after token end - 1.
+    assert [GroupSpec(STATE).first_needed_block(e, BS) for e in (1, 4, 5, 8, 9)] == [0, 0, 1, 1, 2]
 
 
 def test_the_group_table_travels_and_a_malformed_one_is_refused():
@@ -93,3 +96,48 @@ def test_a_tail_entry_serves_the_prompts_last_blocks():
 def test_chunks_must_be_whole_blocks():
     with pytest.raises(GroupError, match="whole blocks"):
         GroupHit(GROUPS, (), 0, 6, BS)
+
+
+# A gated delta-net hybrid: one recurrent group beside full attention (vLLM's group order).
+STATE_GROUPS = KVGroups((GroupSpec(STATE), GroupSpec(FULL)))
+
+
+def _state_hit(entries, tail=0):
+    return GroupHit(STATE_GROUPS, tuple(("h", tuple(e)) for e in entries), 0, C, BS, tail)
+
+
+def test_a_recurrent_group_names_only_its_final_state_block():
+    # vLLM's "align" tables after 14 computed tokens: the running state in the last block only.
+    tables = ([0, 0, 0, 9], [1, 2, 3, 4])
+    assert STATE_GROUPS.entry(tables, 2, 2, null_block=0, state_final=True) == (NOT_HELD, 9, 3, 4)
+    # Not final (a step may still write the state) or not the table's end: no state.
+    assert STATE_GROUPS.entry(tables, 2, 2, null_block=0) == (NOT_HELD, NOT_HELD, 3, 4)
+    assert STATE_GROUPS.entry(tables, 0, 2, null_block=0, state_final=True) == (NOT_HELD, NOT_HELD, 1, 2)
+    assert STATE_GROUPS.entry(([0, 0, 0, 0], [1, 2, 3, 4]), 2, 2, null_block=0, state_final=True) == (
+        NOT_HELD, NOT_HELD, 3, 4)
+    assert STATE_GROUPS.signature() == "state,full" and STATE_GROUPS.has_state and not GROUPS.has_state
+    assert KVGroups.from_wire(STATE_GROUPS.to_wire()) == STATE_GROUPS
+
+
+def test_a_recurrent_hit_ends_exactly_where_a_holders_state_does():
+    # Full chunk (no state at its end) and a 6-token tail whose entry holds the state after 14 tokens.
+    hit = _state_hit([(NOT_HELD, NOT_HELD, 1, 2), (NOT_HELD, 9, 3, 4)], tail=6)
+    assert servable_end(hit, 0, 14) == (14, hit)
+    # The chunk boundary before has no state: nothing shorter is servable, the reader computes.
+    assert servable_end(_state_hit([(NOT_HELD, NOT_HELD, 1, 2), (NOT_HELD, NOT_HELD, 3, 4)], tail=6), 0, 14)[0] == 0
+    # The state goes into the reader's last block of the group, the attention blocks block for block.
+    assert group_block_pairs(hit, 0, 0, 14, [0, 0, 0, 30], 0) == {"h": ([9], [30])}
+    assert group_block_pairs(hit, 1, 0, 14, [10, 11, 12, 13], 0) == {"h": ([1, 2, 3, 4], [10, 11, 12, 13])}
+    # vLLM reads the state from the table's last block: a table of another length is refused.
+    with pytest.raises(GroupError, match="state in block 3 as the last"):
+        group_block_pairs(hit, 0, 0, 14, [0, 0, 0, 30, 31], 0)
+    # With a local prefix of 8 tokens the reader still needs the state at 14, and blocks 2..3.
+    assert group_block_pairs(hit, 0, 8, 14, [0, 0, 0, 30], 0) == {"h": ([9], [30])}
+
+
+def test_a_state_key_is_its_own_domain():
+    key = bytes(range(KEY_BYTES))
+    assert len(state_key(key)) == KEY_BYTES and state_key(key) != key
+    assert state_key(key) != state_key(bytes(KEY_BYTES)) and state_key(key) == state_key(bytearray(key))
+    with pytest.raises(ValueError, match="32-byte"):
+        state_key(b"short")

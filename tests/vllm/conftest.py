@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import pytest
 
+from pdxfer.contracts.prefill_step import prefill_step_params
 from pdxfer.master import LocalMaster, start_local_master
 from pdxfer.common.procs import ManagedProcess, free_port, wait_http_ready
 from pdxfer.launch.plan import pdxfer_kv_config
@@ -87,17 +88,22 @@ class Answer:
     request_id: str  # the X-Request-Id sent; vLLM's own id for it starts with "cmpl-<it>-"
 
 
-def ask(port: int, prompt: list[int], max_tokens: int, forward_hint: bool = True) -> Answer:
+def ask(port: int, prompt: list[int], max_tokens: int, forward_hint: bool = True,
+        prefill_step: bool = False) -> Answer:
     """A greedy completion of token ids ``prompt`` from the instance on ``port``, with the top-k
-    logprobs of each generated token; the prefill's publish hint is forwarded like a proxy does."""
-    return ask_url(f"http://127.0.0.1:{port}", prompt, max_tokens, forward_hint)
+    logprobs of each generated token; the prefill's publish hint is forwarded like a proxy does.
+    ``prefill_step``: marked as the proxy marks a prefill step (its answer is thrown away)."""
+    return ask_url(f"http://127.0.0.1:{port}", prompt, max_tokens, forward_hint, prefill_step)
 
 
-def ask_url(base_url: str, prompt: list[int], max_tokens: int, forward_hint: bool = True) -> Answer:
+def ask_url(base_url: str, prompt: list[int], max_tokens: int, forward_hint: bool = True,
+            prefill_step: bool = False) -> Answer:
     body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                             "logprobs": TOP_K, "return_tokens_as_token_ids": True}
     if forward_hint and tuple(prompt) in _HINTS:
         body["kv_transfer_params"] = _HINTS[tuple(prompt)]
+    if prefill_step:
+        body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **prefill_step_params()}
     rid = f"t-{uuid.uuid4().hex[:16]}"
     out = post_json(f"{base_url}/v1/completions", body, headers={"X-Request-Id": rid})
     if out.get("kv_transfer_params"):
@@ -206,11 +212,12 @@ def assert_decode_right(pair: "PDPair", got: Answer, ref: Answer, loaded: int | 
 
 def through_pair(pair: "PDPair", prompt: list[int], max_tokens: int) -> Answer:
     """As a proxy sends it: the prefill step (publishes the prompt, tail included), then the decode."""
-    ask(pair.prefill_port, prompt, 1)
+    ask(pair.prefill_port, prompt, 1, prefill_step=True)
     return ask(pair.decode_port, prompt, max_tokens)
 
 
-def pair_oracle(pair: "PDPair", prompt: list[int], max_tokens: int, loaded: int | None = None) -> tuple[Answer, float]:
+def pair_oracle(pair: "PDPair", prompt: list[int], max_tokens: int, loaded: int | None = None,
+                tol: float = LOGPROB_TOL) -> tuple[Answer, float]:
     """A fresh prompt through the pair, checked by the oracle against the producer computing it
     alone, and vLLM's connector hit counter for it (sequential use only: the counter is global).
     ``loaded`` defaults to every prompt token but the last. Returns the decode's answer and the
@@ -222,13 +229,14 @@ def pair_oracle(pair: "PDPair", prompt: list[int], max_tokens: int, loaded: int 
     seen = wait_metric(pair.decode_port, EXTERNAL_HITS, hits + loaded) - hits
     if seen != loaded:
         raise OracleMismatch("cached", f"vLLM's {EXTERNAL_HITS} grew by {seen:.0f} for the request, expected {loaded}")
-    worst = assert_decode_right(pair, got, ref, loaded)
+    worst = assert_decode_right(pair, got, ref, loaded, tol=tol)
     print(f"pair oracle: {len(prompt)}-token prompt, top-{TOP_K} logprobs within {worst:.2g} of plain")  # for -rA
     return got, worst
 
 
 def assert_oracle_catches_corruption(pair: "PDPair", n_tokens: int, seed: int, max_tokens: int,
-                                     modes: tuple[str, ...] = ("shift", "zero_layer", "other")) -> None:
+                                     modes: tuple[str, ...] = ("shift", "zero_layer", "other"),
+                                     tol: float = LOGPROB_TOL) -> None:
     """Mutation check of the oracle on this pair: loads corrupted on purpose in each mode, which
     pdxfer and vLLM still count as full successes, must fail the oracle on the KV (logprobs or
     text). Leaves the decode's prefix cache empty (the corrupted blocks were in it)."""
@@ -246,7 +254,7 @@ def assert_oracle_catches_corruption(pair: "PDPair", n_tokens: int, seed: int, m
             own = pair.request_loads(got.request_id, until=lambda r: r.corrupted >= ranks and len(r.loaded) >= ranks)
             assert own.corrupted == ranks and own.loaded == [n_tokens - 1] * ranks, f"mode {mode}: {own}"
             with pytest.raises(OracleMismatch) as caught:
-                worst = assert_decode_right(pair, got, ref, n_tokens - 1)
+                worst = assert_decode_right(pair, got, ref, n_tokens - 1, tol=tol)
                 pytest.fail(f"mode {mode}: the oracle passed a corrupted load (logprobs within {worst:.3g})")
             assert caught.value.what in ("logprobs", "text"), f"mode {mode}: {caught.value}"
             print(f"corruption mode {mode} caught: {caught.value}")  # the margin, for -rA
@@ -384,6 +392,11 @@ class PDPair:
         self.master_addr = self.master.address
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the master and both instances without waiting for them (start-ups overlap)."""
         self.master_port = free_port()
         self.hooks = self.run_dir / "hooks"
         self.hooks.mkdir(parents=True, exist_ok=True)
@@ -407,6 +420,8 @@ class PDPair:
                                  extra_args=PAIR_VLLM_ARGS + self.decode_args,
                                  extra_env={"PDXFER_TEST_HOOKS_DIR": str(self.hooks),
                                             "VLLM_SERVER_DEV_MODE": "1", **self.extra_env})
+
+    def wait_ready(self) -> None:
         wait_http_ready(f"http://127.0.0.1:{self.prefill_port}/health", READY_TIMEOUT_S, self.prefill)
         wait_http_ready(f"http://127.0.0.1:{self.decode_port}/health", READY_TIMEOUT_S, self.decode)
 

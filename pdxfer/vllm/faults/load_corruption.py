@@ -11,7 +11,11 @@ reader's own blocks, and is still counted and reported as loaded:
   another request's KV;
 - ``zero_layer``: the first layer (K and V) of every loaded block is zeroed;
 - ``zero_window`` (hybrid models): the first layer of the first sliding-window group's loaded
-  blocks is zeroed: one sliding layer's window, every other group intact.
+  blocks is zeroed: one sliding layer's window, every other group intact;
+- ``zero_state`` (recurrent hybrids): the first recurrent group's loaded state block is zeroed
+  in the first layer slot: one Mamba / gated delta-net layer's state;
+- ``other_state`` (recurrent hybrids): that block gets the bytes of the state block an earlier
+  load filled, i.e. another request's state.
 
 Only host memory (CPU KV caches) is touched; the bytes are addressed through the registered
 layout, so any block format works.
@@ -23,17 +27,19 @@ import ctypes
 import logging
 from typing import Sequence
 
-from pdxfer.kv.groups import SLIDING
+from pdxfer.kv.groups import SLIDING, STATE
 from pdxfer.kv.layout import KVLayout
 from pdxfer.vllm.faults.hooks import test_hook_text
 
 log = logging.getLogger("pdxfer.vllm.worker")
 
 HOOK_NAME = "corrupt_load"
-MODES = ("shift", "other", "zero_layer", "zero_window")
+MODES = ("shift", "other", "zero_layer", "zero_window", "zero_state", "other_state")
 
-# Blocks that earlier loads filled: where mode "other" takes another request's bytes from.
+# Blocks that earlier loads filled: where modes "other" and "other_state" take another request's
+# bytes from.
 _earlier: list[int] = []
+_earlier_state: list[int] = []
 
 
 def _block_ranges(layout: KVLayout, block: int, layer: str | None = None) -> list[tuple[int, int]]:
@@ -67,6 +73,8 @@ def maybe_corrupt_load(layout: KVLayout | None, req_id: str, blocks: Sequence[in
                   HOOK_NAME, req_id)
         return
     others = [b for b in _earlier if b not in set(blocks)]
+    state = next((list(got) for kind, got in groups if kind == STATE and got), [])
+    other_states = [b for b in _earlier_state if b not in set(state)]
     if mode == "shift" and len(blocks) > 1:
         for i in range(len(blocks) - 1, 0, -1):
             _copy_block(layout, blocks[i], blocks[i - 1])
@@ -83,16 +91,24 @@ def maybe_corrupt_load(layout: KVLayout | None, req_id: str, blocks: Sequence[in
         for b in window:
             for addr, n in _block_ranges(layout, b, first):
                 ctypes.memset(addr, 0, n)
+    elif mode == "zero_state" and state:
+        addr, n = _block_ranges(layout, state[0], layout.segments[0].layer)[0]
+        ctypes.memset(addr, 0, n)
+    elif mode == "other_state" and state and other_states:
+        (d, n), (s, _) = (_block_ranges(layout, b, layout.segments[0].layer)[0] for b in (state[0], other_states[-1]))
+        ctypes.memmove(d, s, n)
     else:
         log.error("pdxfer test hook %s: cannot apply mode %r to the load of %s (%d blocks, %d earlier); "
                   "modes: %s", HOOK_NAME, mode, req_id, len(blocks), len(others), ", ".join(MODES))
-        _remember(blocks)
+        _remember(blocks, state)
         return
     log.warning("pdxfer test hook %s: corrupted the load of %s (mode %s, %d blocks)", HOOK_NAME, req_id,
                 mode, len(blocks))
-    _remember(blocks)
+    _remember(blocks, state)
 
 
-def _remember(blocks: list[int]) -> None:
+def _remember(blocks: list[int], state: list[int]) -> None:
     _earlier.extend(blocks)
     del _earlier[:-256]  # bounded: only a recent block is ever needed
+    _earlier_state.extend(state[:1])
+    del _earlier_state[:-16]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from pdxfer.kv.groups import KVGroups, held_blocks
-from pdxfer.kv.keys import IncrementalHasher
+from pdxfer.kv.keys import IncrementalHasher, state_key
 from pdxfer.master import MasterError, MasterUnavailable, NodeInfo, NodeSession, PublishFenced
 from pdxfer.kv.chunks import chunk_span
 from pdxfer.contracts.connector_config import ConnectorConfig
@@ -140,13 +140,16 @@ class HolderPath:
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
                          hasher: IncrementalHasher | None,
                          new_hasher: Callable[[], IncrementalHasher], write_seq: int = 0,
-                         group_block_ids: Sequence[Sequence[int]] | None = None) -> int:
+                         group_block_ids: Sequence[Sequence[int]] | None = None,
+                         state_final: bool = False) -> int:
         """Publish every full chunk of a finished request and hold its blocks. ``tokens``: the
         tokens whose KV is in ``block_ids`` (None: nothing publishable, e.g. aborted);
         ``group_block_ids``: a hybrid model's block table per KV cache group (``block_ids`` is
         then ignored; a sliding window's freed blocks are vLLM's null block);
         ``hasher``: the request's own, if the reader path made one; ``new_hasher()`` makes one;
-        ``write_seq``: the step whose completion on the device the publish waits for (0: none).
+        ``write_seq``: the step whose completion on the device the publish waits for (0: none);
+        ``state_final``: the request computed exactly ``tokens`` and its recurrent groups' state
+        blocks hold the state after them (only then does the entry ending there name them).
         Returns how many leading tokens the queued publish covers (0: none), the decode's hint."""
         try:
             self.drain_frees()
@@ -175,6 +178,8 @@ class HolderPath:
                 if tail is not None:
                     keys.append(tail)
                     chunk_blocks.append(tail_blocks)
+            if state_final and self.kv_groups.has_state and keys:
+                self._add_state_entry(keys, chunk_blocks, len(tokens), n_chunks, tables)
             t1 = time.perf_counter()
             covered = self._publish(keys, chunk_blocks, req_id, write_seq)
             t2 = time.perf_counter()
@@ -187,8 +192,25 @@ class HolderPath:
             log.exception("pdxfer: publishing %s failed: %s", req_id, exc)
             return 0
 
-    def _tail_blocks(self, n_tokens: int, n_chunks: int,
-                     tables: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
+    def _add_state_entry(self, keys: list[bytes], chunk_blocks: list[tuple[int, ...]], n_tokens: int,
+                         n_chunks: int, tables: Sequence[Sequence[int]]) -> None:
+        """Append the last entry again, with the recurrent groups' state, under its state key.
+
+        The plain entry stays: its key may already be held without state (an earlier request
+        computed past this point, where the state after it was never kept), and one key has one
+        entry per holder. A reader of a recurrent model asks for the state key at its hit's end."""
+        if len(keys) > n_chunks:
+            entry = self._tail_blocks(n_tokens, n_chunks, tables, state_final=True)
+        elif n_chunks * self.cfg.chunk_tokens == n_tokens:
+            entry = self._chunk_blocks(n_chunks - 1, tables, state_final=True)
+        else:
+            return
+        if entry is not None and entry != chunk_blocks[-1]:
+            keys.append(state_key(keys[-1]))
+            chunk_blocks.append(entry)
+
+    def _tail_blocks(self, n_tokens: int, n_chunks: int, tables: Sequence[Sequence[int]],
+                     state_final: bool = False) -> tuple[int, ...] | None:
         """Blocks of the tokens after the last full chunk, when they are the whole rest of the
         request, else None. With blocks larger than a chunk that is the one block holding them,
         which may hold earlier chunks too (a reader takes it as the source of all its tokens up to
@@ -198,11 +220,12 @@ class HolderPath:
         if n_tokens <= start or n_tokens - start >= C:
             return None
         end_block = -(-n_tokens // bs)
-        return self.kv_groups.entry(tables, start // bs, end_block - start // bs, self._null_block())
+        return self.kv_groups.entry(tables, start // bs, end_block - start // bs, self._null_block(), state_final)
 
-    def _chunk_blocks(self, chunk: int, tables: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
+    def _chunk_blocks(self, chunk: int, tables: Sequence[Sequence[int]],
+                      state_final: bool = False) -> tuple[int, ...] | None:
         span = chunk_span(chunk, self.cfg.chunk_tokens, self.block_size)
-        return self.kv_groups.entry(tables, span.first_block, span.num_blocks, self._null_block())
+        return self.kv_groups.entry(tables, span.first_block, span.num_blocks, self._null_block(), state_final)
 
     def _null_block(self) -> int | None:
         """The id vLLM gives freed sliding-window blocks (only a hybrid model's tables hold it)."""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from pdxfer.common.bounded_cache import ClearWhenFullCache
 from pdxfer.kv.groups import GroupError, KVGroups
-from pdxfer.kv.keys import IncrementalHasher
+from pdxfer.kv.keys import IncrementalHasher, state_key
 from pdxfer.kv.layout import KVLayout, LayoutError
 from pdxfer.master import MasterError
 from pdxfer.contracts.connector_config import ConnectorConfig
@@ -26,8 +26,8 @@ from pdxfer.vllm.load_plan import HitShape, exact_end, plan_reads
 from pdxfer.vllm.lock_release import release_off_path
 from pdxfer.vllm.metadata import HolderRef, LoadSpec, PdxferConnectorMetadata, RepullSpec
 from pdxfer.vllm.scheduler.reader_benefit import LoadGate
-from pdxfer.vllm.scheduler.reader_groups import (blocks_in_range, check_group_holder, group_hit, groups_end,
-                                                 plan_group_reads)
+from pdxfer.vllm.scheduler.reader_groups import (blocks_in_range, check_group_holder, check_state_bytes, group_hit,
+                                                 groups_end, plan_group_reads)
 from pdxfer.vllm.scheduler.scheduler_state import EpisodeLog, SchedulerStats
 
 log = logging.getLogger("pdxfer.vllm.scheduler")
@@ -149,13 +149,18 @@ class ReaderPath:
         if waited is None and now_mono < self._backoff_until:
             return 0, False
         hasher = self._hasher(req_id, cache_salt)
-        prompt = list(tokens[:num_tokens])
+        # A recurrent group's state must be the state after exactly the hit: a prefill stops one
+        # token short for it (the prefill-step truncation), so the lookup names that prompt.
+        span = last if self.kv_groups.has_state else num_tokens
+        prompt = list(tokens[:span])
         keys = hasher.update(prompt)  # every full chunk of the prompt
         # The partial last chunk too: the prefill that computed this very prompt published it.
         tail = hasher.tail(prompt)
         want = keys[first:] + ([tail] if tail is not None else [])
         if not want:
             return 0, False
+        if self.kv_groups.has_state:
+            want[-1] = state_key(want[-1])  # the entry that also names the state after the hit
         if waited is not None:
             self._end_wait(req_id, waited, hinted)
             res, answered_at = waited.result, waited.answered_at
@@ -176,7 +181,7 @@ class ReaderPath:
             self._lookup_log.ok()
             answered_at = time.time()
             self.stats.phases.add("lookup", time.monotonic() - t0)
-            expected = self._hinted_keys(hinted, first, len(keys), tail is not None and hinted == num_tokens)
+            expected = self._hinted_keys(hinted, first, len(keys), tail is not None and hinted == span)
             if res.hit_chunks < expected and self.cfg.publish_hint_wait_s > 0:
                 # Announced chunks are not there yet: wait for them off this thread, bounded by
                 # publish_hint_wait_s from this miss; this answer (and its lock) is the fallback.
@@ -189,8 +194,8 @@ class ReaderPath:
         # prompt's held tokens stop counting says why this request did not hit.
         visible_end = (first + min(res.hit_chunks, len(keys) - first)) * C
         if tail is not None and res.hit_chunks == len(want):
-            visible_end = num_tokens
-        exists_end = max(visible_end, min(hinted, num_tokens))
+            visible_end = span
+        exists_end = max(visible_end, min(hinted, span))
         if res.hit_chunks == 0 or res.lock_id is None:
             self._count_funnel(req_id, local, last, exists_end, visible_end, local)
             return 0, False
@@ -201,7 +206,7 @@ class ReaderPath:
         pieces = None
         gate = self._active_gate()
         if gate is not None and usable:
-            tail_n = num_tokens - len(keys) * C if tail is not None else 0
+            tail_n = span - len(keys) * C if tail is not None else 0
             pieces = gate.pieces(lk.locations[:usable], lk.nodes, local, first, C, tail_n, len(keys), last)
             usable = gate.decide(req_id, pieces).chunks
             if usable == 0:
@@ -210,8 +215,8 @@ class ReaderPath:
                 return 0, False
         hit_end = (first + min(usable, len(keys) - first)) * C
         if tail is not None and usable == len(want):
-            lk.tail_tokens = num_tokens - len(keys) * C
-            hit_end = num_tokens
+            lk.tail_tokens = span - len(keys) * C
+            hit_end = span
         if hit_end >= last:
             hit_end = last  # the last block is read whole; the last token is computed here
         else:
@@ -345,7 +350,8 @@ class ReaderPath:
             return local
         if end < hit_end:
             self.stats.hybrid_hits_cut += 1
-            log.debug("pdxfer: hit cut from %d to %d tokens: a sliding window's blocks are not held", hit_end, end)
+            log.debug("pdxfer: hit cut from %d to %d tokens: a sliding window's or a recurrent state's blocks are "
+                      "not held", hit_end, end)
         lk.locations, lk.tail_tokens = lk.locations[:kept], tail
         return end
 
@@ -364,6 +370,8 @@ class ReaderPath:
             if self.kv_groups.hybrid:
                 check_group_holder(node, self.kv_groups, self.block_size, self.tp_size)
             layouts = layouts_of(node.endpoints)
+            if self.kv_groups.has_state:
+                check_state_bytes(node.node_id, layouts, self._local)
             total = holder_total_heads(int(node.total_kv_heads or 0), len(layouts), layouts[0])
             for rank, local in sorted(self._local.items()):
                 routes(node.node_id, layouts, total, local, self.tp_size, rank, self.total_kv_heads,

@@ -3,12 +3,13 @@ from, how far a hit reaches when every group must be served, and the block-for-b
 every group (:mod:`pdxfer.planning.group_hits`).
 
 Hybrid loads read only from holders with the same groups, block size and TP size, block for
-block; a failed read is recomputed, never re-pulled.
+block (with recurrent state, also the same byte format: the state rides in the attention pages,
+which a conversion would scramble); a failed read is recomputed, never re-pulled.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from pdxfer.kv.groups import LAYOUT_KEY, GroupError, KVGroups
 from pdxfer.planning.group_hits import GroupHit, group_block_pairs, servable_end
@@ -28,6 +29,17 @@ def check_group_holder(node: Any, groups: KVGroups, block_size: int, tp_size: in
     if int(getattr(node, "tp_size", 1) or 1) != tp_size:
         raise NotReadable(f"holder {node.node_id} runs TP {node.tp_size}, this reader TP {tp_size}: a hybrid "
                           "model's KV is moved only between equal TP sizes")
+
+
+def check_state_bytes(node_id: str, holder_layouts: Sequence[Any], local: Mapping[int, Any]) -> None:
+    """Refuse (NotReadable) a holder whose pages are not byte for byte this reader's: a hybrid
+    model's recurrent state lies inside the attention pages and moves only as they are."""
+    for rank, mine in sorted(local.items()):
+        theirs = holder_layouts[rank] if rank < len(holder_layouts) else None
+        if theirs is None or theirs.fingerprint() != mine.fingerprint():
+            raise NotReadable(f"holder {node_id} rank {rank} lays KV out as "
+                              f"{theirs.fingerprint() if theirs is not None else 'nothing'}, this reader as "
+                              f"{mine.fingerprint()}; recurrent state moves only between equal layouts")
 
 
 def group_hit(groups: KVGroups, locations: Sequence[Any], first_chunk: int, chunk_tokens: int,

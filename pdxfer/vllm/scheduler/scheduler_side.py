@@ -251,12 +251,14 @@ class SchedulerSide:
 
     def request_finished(self, req_id: str, tokens: Sequence[int] | None, block_ids: Sequence[int],
                          cache_salt: str | None, unkeyable: str | None = None,
-                         group_block_ids: Sequence[Sequence[int]] | None = None) -> int:
+                         group_block_ids: Sequence[Sequence[int]] | None = None,
+                         state_final: bool = False) -> int:
         """Publish every full chunk (and the tail) of a finished request and hold its blocks, on
         a prefill and, with ``publish_as_decode``, on a decode. ``tokens``: the tokens whose KV is
         in ``block_ids`` (None: nothing publishable, e.g. aborted); a decode's blocks hold what it
         loaded and what it computed alike;
-        ``unkeyable``: why the tokens do not name this request's KV (then: no publish).
+        ``unkeyable``: why the tokens do not name this request's KV (then: no publish);
+        ``state_final``: recurrent groups' state is the state after exactly ``tokens``.
         Returns the leading tokens the queued publish covers (0: none)."""
         self.reader.finish_request(req_id)
         hasher = self._hashers.pop(req_id, None)
@@ -269,7 +271,7 @@ class SchedulerSide:
             return 0
         return self.holder.request_finished(req_id, tokens, block_ids, hasher,
                                             lambda: self._new_hasher(cache_salt), write_seq=write_seq,
-                                            group_block_ids=group_block_ids)
+                                            group_block_ids=group_block_ids, state_final=state_final)
 
     def _keep_out(self, req_id: str, reason: str) -> None:
         self.stats.unkeyable_requests += 1

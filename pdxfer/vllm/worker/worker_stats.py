@@ -23,6 +23,7 @@ class WorkerStats:
     host_tier_tokens_loaded: int = 0  # tokens of loads that read some chunks from a holder's host tier
     bytes_loaded_full: int = 0  # hybrid models: bytes of full-attention groups (part of bytes_loaded)
     bytes_loaded_sliding: int = 0  # ... of sliding-window groups
+    bytes_loaded_state: int = 0  # ... of recurrent groups (the pages holding their state)
     transfer_s: list[float] = field(default_factory=list)
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 
@@ -40,10 +41,11 @@ class WorkerStats:
                "reads_unstopped": self.reads_unstopped, "repulls": self.repulls,
                "host_tier_tokens_loaded": self.host_tier_tokens_loaded,
                "bytes_loaded_full": self.bytes_loaded_full, "bytes_loaded_sliding": self.bytes_loaded_sliding,
-               "transfer_s": list(self.transfer_s)}
+               "bytes_loaded_state": self.bytes_loaded_state, "transfer_s": list(self.transfer_s)}
         out.update(self.phases.take())
         self.loads_ok = self.loads_failed = self.tokens_loaded = self.bytes_loaded = 0
         self.staging_waits = self.staging_full = self.reads_unstopped = self.repulls = 0
         self.host_tier_tokens_loaded = self.bytes_loaded_full = self.bytes_loaded_sliding = 0
+        self.bytes_loaded_state = 0
         self.transfer_s = []
         return out
