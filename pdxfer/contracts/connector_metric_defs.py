@@ -33,6 +33,8 @@ _COUNTER_HELP = (
     ("freed_chunks", "Held chunks returned to the block pool"),
     ("pressure_reclaims", "Held chunks unpublished early to keep held blocks under the cap "
                           "(max_held_fraction of the KV cache)"),
+    ("chunks_over_cap", "Computed chunks left unpublished: held blocks were at the cap (max_held_fraction) and "
+                        "the host tier had no room for them (or is off)"),
     ("late_publishes", "Publishes still in flight when their request's wait for them ran out"),
     ("load_benefit_loads", "Hits the load gate (load_benefit) loaded whole: loading was expected to be faster"),
     ("load_benefit_partials", "Hits the load gate loaded only a leading part of, computing the rest here"),

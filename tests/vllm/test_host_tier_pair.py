@@ -1,6 +1,9 @@
 """The host-memory tier on a real pair: a prompt whose GPU blocks the prefill gave back (its
 retention ran out, the master's entries moved to the prefill's host copy) is loaded by a decode
 from that host copy, and the decode answers exactly as the prefill computing the prompt itself.
+The prefill's KV cache is small (24 blocks of 128 tokens, a held-blocks cap of 12): a working set
+several times larger keeps every computed chunk, each held over the cap only until its host copy
+is made.
 
 NIXL only: a TCP holder serving reads from its host tier is tested by test_host_tier_read.py (a
 real TCP holder process with pdxfer's HostPool, read by the connector's halves).
@@ -30,11 +33,13 @@ CHUNK_TOKENS = 256  # the pairs' chunk size (connector default)
 # again publishes nothing (the host copy is refreshed in the host LRU), so it moves no count.
 POKE = prompt_of(8, seed=7699)
 P = "vllm:pdxfer_"
+PREFILL_BLOCKS = 24  # of 128 tokens: the held-blocks cap (max_held_fraction 0.5) is 12
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_model):
     yield from make_pair(tmp_path_factory, tiny_model, "nixl",
+                         prefill_args=("--num-gpu-blocks-override", str(PREFILL_BLOCKS), "--max-model-len", "2560"),
                          extra_cfg={"host_tier_mib": 64, "retention_s": RETENTION_S})
 
 
@@ -127,3 +132,21 @@ def test_a_prompt_released_from_the_gpu_is_loaded_from_the_host_tier(pair, n_tok
                  "lookup_hit_tokens"):
         key = f"{P}{name}_total"
         assert d.get(key, 0.0) - d0.get(key, 0.0) == n_tokens - 1, (name, d, d0)
+
+
+def test_a_working_set_far_larger_than_the_kv_cache_keeps_every_computed_chunk(pair):
+    """Issue 40: eight prompts of 777-1,300 tokens (35 chunks) prefilled one after another into
+    24 blocks. Before, a request's chunks beyond the cap were dropped while the previous request's
+    chunks waited to move to the host: 4 of 8 prompts then loaded only their first 512 tokens."""
+    lens = [777, 1300, 900, 1100, 1000, 1250, 800, 1200]
+    prompts = [prompt_of(n, seed=7800 + i) for i, n in enumerate(lens)]
+    p0 = _settled_prefill(pair)
+    for p in prompts:  # as a proxy's prefill steps, one after another
+        ask(pair.prefill_port, p, 1, prefill_step=True)
+    answers = [ask(pair.decode_port, p, 1) for p in prompts]
+    for p, got in zip(prompts, answers):
+        # The producer alone, asked only now: its own answers must not publish anything first.
+        assert_decode_right(pair, got, ask(pair.prefill_port, p, 1), loaded=len(p) - 1)
+    m = metrics(pair.prefill_port)
+    assert m.get(f"{P}chunks_over_cap_total", 0.0) == p0.get(f"{P}chunks_over_cap_total", 0.0), m
+    assert m.get(f"{P}held_blocks", 99.0) <= 12, m  # back under the cap: the rest moved to host memory

@@ -104,9 +104,14 @@ class HostTier:
             return self.jobs.take()
 
     def offload_output(self, worker_meta: Any) -> None:
-        """A step's aggregated worker metadata (None: nothing reported): jobs done or failed."""
+        """A step's aggregated worker metadata (None: nothing reported): jobs done or failed.
+        Held blocks over the cap (chunks held while their copies were made) move to the host now."""
         with self._h._lock:
-            self._apply_outcomes(self.jobs.answer(worker_meta) + self.jobs.expire())
+            outcomes = self.jobs.answer(worker_meta) + self.jobs.expire()
+            self._apply_outcomes(outcomes)
+            over = self._h.cap.over_cap() if outcomes and self._h._pool is not None else 0
+        if over > 0:
+            self._h.cap.reclaim_async(over)
 
     def has_pending_offloads(self) -> bool:
         """Offload jobs queued or sent and not ended: vLLM keeps stepping for them (each ends

@@ -21,6 +21,7 @@ class SchedulerStats:
     published_chunks: int = 0
     freed_chunks: int = 0
     pressure_reclaims: int = 0
+    chunks_over_cap: int = 0  # new chunks not published: the cap was full and the host tier too (or off)
     late_publishes: int = 0  # publishes still in flight when the request's wait ran out
     unkeyable_requests: int = 0  # kept out: LoRA, multimodal inputs or prompt embeddings
     background_errors: int = 0  # unexpected errors in the reaper or publisher (logged, survived)
