@@ -25,6 +25,7 @@ FORWARDED: dict[str, tuple[str, str]] = {
     "master": ("pdxfer.master.service:main", "run the pdxfer master (same as pdxfer-master)"),
     "probe": ("pdxfer.probe.cli:main", "transport bandwidth/latency probe (same as pdxfer-probe)"),
     "status": ("pdxfer.master.client.status_cli:main", "the master's leader and every live node (read-only)"),
+    "drain": ("pdxfer.serve.drain_cli:main", "take an instance out of the proxy's rotation, wait for its requests"),
 }
 
 

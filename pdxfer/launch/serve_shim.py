@@ -65,6 +65,9 @@ def vllm_serve_env(cpu_bind: str | None, cache_root: Path,
     return env
 
 
+SHUTDOWN_TIMEOUT_S = 30
+
+
 def vllm_serve_argv(model_dir: str | Path, port: int, kv_transfer_config: dict | None = None,
                     extra_args: Sequence[str] = ()) -> list[str]:
     """argv for `vllm serve MODEL` on 127.0.0.1:port through our quirk-handling entry point."""
@@ -72,6 +75,10 @@ def vllm_serve_argv(model_dir: str | Path, port: int, kv_transfer_config: dict |
         sys.executable, "-m", "pdxfer.launch.serve_shim", "serve", str(Path(model_dir).resolve()),
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager",
+        # SIGTERM then finishes what is in flight and stops the engine cleanly: the connector
+        # deregisters (its chunks unpublished) before the memory goes. vLLM's default (0) kills
+        # the engine at once, and the master serves the dead holder's chunks until its lease ends.
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         "--served-model-name", served_model_name(model_dir),
         "--disable-uvicorn-access-log",
     ]

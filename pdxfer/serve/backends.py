@@ -41,7 +41,13 @@ class Backend:
     changed_at: float = field(default_factory=time.monotonic)
     source: str = ""  # the dns+http:// backend it was found through ("" when given as a URL)
     draining: bool = False  # gone from DNS: picked no more, dropped once nothing is in flight
+    drain_requested: bool = False  # an operator drains it (pdxfer drain): picked no more, kept listed
     removed: bool = False  # dropped from its pool (late updates of its metrics are ignored)
+
+    @property
+    def in_rotation(self) -> bool:
+        """Healthy and not draining: new requests may go to it."""
+        return self.healthy and not self.draining and not self.drain_requested
 
     def mark_down(self, reason: str) -> bool:
         """Take it out; True when it was in (so the caller logs and counts once)."""
@@ -52,17 +58,20 @@ class Backend:
         return True
 
     def mark_up(self) -> bool:
-        """Put it back; True when it was out."""
+        """Put it back; True when it was out. A drained instance that went down and is back
+        (restarted) is in rotation again: a drain lasts until the instance's restart."""
         if self.healthy:
             return False
         self.healthy, self.down_reason, self.changed_at = True, "", time.monotonic()
+        self.drain_requested = False
         return True
 
     def as_dict(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "healthy": self.healthy,
                 "down_reason": self.down_reason, "in_flight": self.in_flight,
                 "requests": self.requests, "errors": self.errors,
-                **({"source": self.source, "draining": self.draining} if self.source else {})}
+                "draining": self.draining or self.drain_requested,
+                **({"source": self.source} if self.source else {})}
 
 
 def check_url(role: str, url: str) -> str:
@@ -97,7 +106,7 @@ class BackendPool:
         return cls(role, [Backend(u, role) for u in clean], policy)
 
     def healthy(self) -> list[Backend]:
-        return [b for b in self.backends if b.healthy and not b.draining]
+        return [b for b in self.backends if b.in_rotation]
 
     def add(self, url: str, source: str = "") -> Backend:
         """A new backend in rotation (healthy until its health check says otherwise)."""
@@ -131,7 +140,8 @@ class BackendPool:
             return None
         start = next(self._turn) % n
         order = [b for b in self.backends[start:] + self.backends[:start]
-                 if (b.healthy or last_resort) and not b.draining and id(b) not in skip]
+                 if (b.healthy or last_resort) and not b.draining and not b.drain_requested
+                 and id(b) not in skip]
         if not order:
             return None
         if self.policy == "round_robin":
@@ -141,8 +151,8 @@ class BackendPool:
     def describe_down(self) -> str:
         if not self.backends:
             return "none known"
-        return "; ".join(f"{b.url}: {b.down_reason or ('draining' if b.draining else 'out')}"
-                         for b in self.backends if not b.healthy or b.draining)
+        return "; ".join(f"{b.url}: {b.down_reason or ('draining' if b.draining or b.drain_requested else 'out')}"
+                         for b in self.backends if not b.in_rotation)
 
 
 def load_backends_file(path: str | Path) -> tuple[list[str], list[str]]:

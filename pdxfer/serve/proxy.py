@@ -50,6 +50,7 @@ from pdxfer.common.secret_file import read_secret_file
 
 from pdxfer.serve.backends import Backend, BackendPool, HealthChecker, load_backends_file
 from pdxfer.serve.discovery import Discovery, split_specs
+from pdxfer.serve.drain import DrainEndpoint
 from pdxfer.serve.http_headers import request_headers
 from pdxfer.serve.index_view import IndexView
 from pdxfer.serve.load_costs import LoadCostScraper
@@ -117,6 +118,7 @@ class PDProxy:
                           if p_dns or d_dns else None)
         self._session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        DrainEndpoint((self.prefill, self.decode), master_token).add_routes(self.app)
         self.app.router.add_get("/health", self.health_endpoint)
         self.app.router.add_get("/metrics", self.metrics_endpoint)
         self.app.router.add_get("/v1/models", self.models)

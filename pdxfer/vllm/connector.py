@@ -247,6 +247,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is not None:
             self.worker_side.close()
         if self.scheduler_side is not None:
+            log.info("pdxfer: engine %s stopping: deregistering from the master (its chunks are no longer served)",
+                     self.engine_id)
             self.scheduler_side.close()
 
     # ============================================================ scheduler side

@@ -21,6 +21,7 @@ import urllib.request
 
 import pytest
 
+from pdxfer.master import MasterClient
 from tests.vllm.conftest import ask, assert_decode_right, make_pair, metrics, prompt_of, wait_metric
 
 pytestmark = pytest.mark.vllm
@@ -40,7 +41,8 @@ PREFILL_BLOCKS = 24  # of 128 tokens: the held-blocks cap (max_held_fraction 0.5
 def pair(tmp_path_factory, tiny_model):
     yield from make_pair(tmp_path_factory, tiny_model, "nixl",
                          prefill_args=("--num-gpu-blocks-override", str(PREFILL_BLOCKS), "--max-model-len", "2560"),
-                         extra_cfg={"host_tier_mib": 64, "retention_s": RETENTION_S})
+                         # A lease far longer than the stop below: only a deregistration ends it.
+                         extra_cfg={"host_tier_mib": 64, "retention_s": RETENTION_S, "lease_ttl_s": 30.0})
 
 
 def _poke(pair) -> dict[str, float]:
@@ -150,3 +152,24 @@ def test_a_working_set_far_larger_than_the_kv_cache_keeps_every_computed_chunk(p
     m = metrics(pair.prefill_port)
     assert m.get(f"{P}chunks_over_cap_total", 0.0) == p0.get(f"{P}chunks_over_cap_total", 0.0), m
     assert m.get(f"{P}held_blocks", 99.0) <= 12, m  # back under the cap: the rest moved to host memory
+
+
+def test_a_stopped_prefill_unpublishes_its_chunks_before_it_exits(pair):
+    """Last in this module (it stops the prefill). vLLM stops with --shutdown-timeout (pdxfer's
+    launch default): SIGTERM finishes what is in flight and stops the engine cleanly, so the
+    connector deregisters and the master serves none of its chunks the moment it is gone (with
+    vLLM's default, 0, the engine was killed at once and its chunks stayed served until the
+    lease ended: measured 8 s and more with a 30 s lease)."""
+    def master_now() -> dict:
+        with MasterClient(pair.master_addr, timeout_s=5.0) as c:
+            return c.stats()
+
+    before = master_now()
+    assert before["nodes"] == 1 and before["entries"] > 0, before  # the prefill, holding chunks
+    t0 = time.monotonic()
+    pair.prefill.stop(40)
+    after = master_now()
+    assert after["nodes"] == 0 and after["entries"] == 0, f"the stopped prefill is still served: {after}"
+    assert after["nodes_expired"] == before["nodes_expired"]  # deregistered, not expired
+    assert time.monotonic() - t0 < 30  # well inside the 30 s lease
+    assert "stopping: deregistering from the master" in pair.prefill.log_path.read_text(errors="replace")
