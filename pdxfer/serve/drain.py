@@ -7,21 +7,20 @@ instance then loses nothing: its connector deregisters from the master before it
 its chunks are unpublished first. A drain lasts until the instance goes down and is healthy again
 (a restart): then it is back in rotation by itself.
 
-Only the fleet's operator may drain: with a token (the proxy's ``--master-token-file``) a request
-must carry it as ``Authorization: Bearer``; without one, only clients on this host may. Anyone
-else learns nothing: 401 before the URL is even looked at.
+Only the fleet's operator may drain (:mod:`pdxfer.serve.operator_view`: a client on the proxy's
+own host, or one with the fleet's token as ``Authorization: Bearer``). Anyone else learns nothing:
+401 before the URL is even looked at.
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import logging
 from typing import Any, Sequence
 
 from aiohttp import web
 
 from pdxfer.serve.backends import Backend, BackendPool
+from pdxfer.serve.operator_view import OperatorGate
 
 log = logging.getLogger("pdxfer.proxy")
 
@@ -31,22 +30,13 @@ DRAIN_PATH = "/pdxfer/drain"
 class DrainEndpoint:
     """The drain endpoint of one proxy over its prefill and decode pools."""
 
-    def __init__(self, pools: Sequence[BackendPool], token: str | None) -> None:
+    def __init__(self, pools: Sequence[BackendPool], gate: OperatorGate) -> None:
         self._pools = pools
-        self._token = token
+        self._gate = gate
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(DRAIN_PATH, self.post)
         app.router.add_get(DRAIN_PATH, self.get)
-
-    def _allowed(self, request: web.Request) -> bool:
-        if self._token is not None:
-            got = request.headers.get("Authorization", "")
-            return hmac.compare_digest(got.encode(), f"Bearer {self._token}".encode())
-        try:
-            return ipaddress.ip_address(request.remote or "").is_loopback
-        except ValueError:
-            return False
 
     def _find(self, url: Any) -> Backend | None:
         if not isinstance(url, str):
@@ -59,12 +49,12 @@ class DrainEndpoint:
                 "healthy": b.healthy}
 
     def _refuse(self, request: web.Request) -> web.Response | None:
-        if self._allowed(request):
+        if self._gate.allows(request):
             return None
         log.warning("drain request from %s refused: %s", request.remote,
-                    "no or a wrong token" if self._token is not None else "not from this host")
-        return _error(401, "drain needs the fleet's token (Authorization: Bearer)" if self._token is not None
-                      else "drain is allowed only from this host (the proxy has no token)")
+                    "no or a wrong token" if self._gate.has_token else "not from this host")
+        return _error(401, "drain needs the fleet's token (Authorization: Bearer)" if self._gate.has_token
+                      else "drain is allowed only from the proxy's own host (it has no token)")
 
     async def post(self, request: web.Request) -> web.Response:
         refused = self._refuse(request)

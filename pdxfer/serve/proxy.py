@@ -51,6 +51,7 @@ from pdxfer.common.secret_file import read_secret_file
 from pdxfer.serve.backends import Backend, BackendPool, HealthChecker, load_backends_file
 from pdxfer.serve.discovery import Discovery, split_specs
 from pdxfer.serve.drain import DrainEndpoint
+from pdxfer.serve.operator_view import PROXY_ERROR_HEADER, OperatorGate, operator_middleware
 from pdxfer.serve.http_headers import request_headers
 from pdxfer.serve.index_view import IndexView
 from pdxfer.serve.load_costs import LoadCostScraper
@@ -117,8 +118,9 @@ class PDProxy:
                                     self._backend_removed)
                           if p_dns or d_dns else None)
         self._session: aiohttp.ClientSession | None = None
-        self.app = web.Application(client_max_size=64 * 1024 * 1024)
-        DrainEndpoint((self.prefill, self.decode), master_token).add_routes(self.app)
+        gate = OperatorGate(master_token)
+        self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[operator_middleware(gate)])
+        DrainEndpoint((self.prefill, self.decode), gate).add_routes(self.app)
         self.app.router.add_get("/health", self.health_endpoint)
         self.app.router.add_get("/metrics", self.metrics_endpoint)
         self.app.router.add_get("/v1/models", self.models)
@@ -182,7 +184,7 @@ class PDProxy:
         body = {"error": {"message": f"no healthy {pool.role} instance ({pool.describe_down()})",
                           "type": "service_unavailable", "code": 503, "role": pool.role,
                           "instances": [b.url for b in pool.backends]}}
-        return web.json_response(body, status=503)
+        return web.json_response(body, status=503, headers={PROXY_ERROR_HEADER: "1"})
 
     # --- plain endpoints ---------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from pdxfer.contracts.prefill_step import prefill_step_params
+from pdxfer.serve.operator_view import PROXY_ERROR_HEADER
 from pdxfer.contracts.publish_hint import merge_hints
 from pdxfer.serve.backends import Backend, BackendPool
 from pdxfer.serve.http_headers import response_headers
@@ -45,7 +46,8 @@ def error_response(status: int, message: str, etype: str, backend: Backend | Non
     if backend is not None:
         body["error"]["instance"] = backend.url
         body["error"]["role"] = backend.role
-    return web.json_response(body, status=status, headers=headers)
+    # Marked as the proxy's own: only the fleet's operator sees it as written (operator_view.py).
+    return web.json_response(body, status=status, headers={**(headers or {}), PROXY_ERROR_HEADER: "1"})
 
 
 def prefill_body(body: dict[str, Any], handoff: str) -> dict[str, Any]:

@@ -6,6 +6,8 @@ proxy in front of real HTTP instances (tests/serve/test_proxy.py's FakeInstance)
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -73,24 +75,43 @@ def test_a_drain_that_outlasts_its_bound_says_what_is_left(instances):
         t.join(10)
 
 
+def host_address() -> str:
+    """This host's own address on a non-loopback interface: a client connecting to it is, for the
+    proxy, a client from elsewhere (no packet leaves: a UDP connect only picks the route)."""
+    addr = "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 9))
+            addr = s.getsockname()[0]
+    except OSError:  # no route out: ask the interfaces
+        out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True,
+                             text=True, timeout=10).stdout.split()
+        addr = next((w.split("/")[0] for i, w in enumerate(out) if out[i - 1] == "inet"), addr)
+    assert not addr.startswith("127."), "this host has no non-loopback IPv4 address to test from"
+    return addr
+
+
 def test_only_the_fleets_operator_may_drain(instances, tmp_path, capsys):
     p, d = instances("P"), instances("D")
-    with RunningProxy(PDProxy([p.url], [d.url], master_token="s3cret")) as px:
+    with RunningProxy(PDProxy([p.url], [d.url], master_token="s3cret"), host="0.0.0.0") as px:
+        remote = f"http://{host_address()}:{px.port}"  # as a client on another host reaches it
         for token in (None, "wrong"):
-            with pytest.raises(DrainFailed, match="HTTP 401: drain needs the fleet's token"):
-                drain(px.url, d.url, token=token)
+            with pytest.raises(DrainFailed, match="HTTP 401: this endpoint is the fleet operator's: send the"):
+                drain(remote, d.url, token=token)
         assert not _health(px.url)["decode"][0]["draining"]  # nothing changed
         with pytest.raises(DrainFailed, match="HTTP 401"):  # nor learnt: 401 before the URL is looked at
-            drain(px.url, "http://10.9.9.9:1", token="wrong")
+            drain(remote, "http://10.9.9.9:1", token="wrong")
         with pytest.raises(DrainFailed, match="HTTP 404: no instance 'http://10.9.9.9:1'"):
-            drain(px.url, "http://10.9.9.9:1", token="s3cret")
+            drain(remote, "http://10.9.9.9:1", token="s3cret")
         secret = tmp_path / "token"
         secret.write_text("s3cret\n")
         secret.chmod(0o600)
-        assert drain_main([d.url, "--proxy", px.url, "--token-file", str(secret)]) == 0
+        assert drain_main([d.url, "--proxy", remote, "--token-file", str(secret)]) == 0
         assert "is drained" in capsys.readouterr().out
         assert _health(px.url)["decode"][0]["draining"]
-    with RunningProxy(PDProxy([p.url], [d.url])) as px:  # no token: this host only (the test is on it)
+    with RunningProxy(PDProxy([p.url], [d.url]), host="0.0.0.0") as px:  # no token: this host only
+        with pytest.raises(DrainFailed, match="from the proxy's own host only"):
+            drain(f"http://{host_address()}:{px.port}", d.url, token="anything")
         assert drain(px.url, d.url)["draining"]
         assert drain_main([d.url, "--proxy", "http://127.0.0.1:1"]) == 2  # no proxy there
 
