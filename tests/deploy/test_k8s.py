@@ -77,7 +77,8 @@ def test_every_object_validates_against_the_kubernetes_schemas(overlay):
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed "
                              "(scripts/setup.sh installs it)")
     name, objs = overlay
-    crds = {"ServiceMonitor"}  # Prometheus Operator's; no schema in kubernetes-validate (checked below)
+    # Prometheus Operator's; no schema in kubernetes-validate (checked below and by promtool)
+    crds = {"ServiceMonitor", "PrometheusRule"}
     objs = objs + list(_secret_examples().values())
     checked = 0
     for o in objs:
@@ -491,3 +492,15 @@ def test_docs_make_an_etcd_client_certificate_without_common_name():
                if "-keyout client.key" in ln]
     subj = re.search(r"-subj (\S+)", line).group(1)
     assert "CN=" not in subj, line
+
+
+def test_the_prometheus_rule_is_the_alerts_file(overlay):
+    """Issue 42, hole 6: no PrometheusRule shipped. The one shipped carries exactly the groups of
+    deploy/monitoring/pdxfer-alerts.yml (which promtool checks), and it and every ServiceMonitor
+    carry the label kube-prometheus-stack selects them by."""
+    name, objs = overlay
+    alerts = yaml.safe_load((K8S.parents[0] / "monitoring" / "pdxfer-alerts.yml").read_text())
+    rules = [o for o in objs if o["kind"] == "PrometheusRule"]
+    assert len(rules) == 1 and rules[0]["spec"]["groups"] == alerts["groups"], name
+    for o in rules + [o for o in objs if o["kind"] == "ServiceMonitor"]:
+        assert o["metadata"]["labels"].get("release") == "kube-prometheus-stack", o["metadata"]["name"]
