@@ -35,6 +35,14 @@ _COUNTER_HELP = (
                           "(max_held_fraction of the KV cache)"),
     ("chunks_over_cap", "Computed chunks left unpublished: held blocks were at the cap (max_held_fraction) and "
                         "the host tier had no room for them (or is off)"),
+    ("holder_refused_connections", "TCP holder: connections closed at accept, every slot held by an authenticated "
+                                   "reader (max_connections)"),
+    ("holder_evicted_handshakes", "TCP holder: connections still in their handshake cut for a newcomer (at "
+                                  "max_connections, or over max_handshakes_per_peer for one peer address)"),
+    ("holder_auth_failures", "TCP holder: connections whose peer failed the proof of the holder's secret (a "
+                             "stale or a guessed secret, or no pdxfer frame)"),
+    ("holder_handshake_timeouts", "TCP holder: connections that did not finish their handshake within "
+                                  "hello_timeout of accept (silent or trickling peers)"),
     ("late_publishes", "Publishes still in flight when their request's wait for them ran out"),
     ("load_benefit_loads", "Hits the load gate (load_benefit) loaded whole: loading was expected to be faster"),
     ("load_benefit_partials", "Hits the load gate loaded only a leading part of, computing the rest here"),

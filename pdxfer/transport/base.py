@@ -122,6 +122,11 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release everything (in-flight reads fail with TransferCancelled). Idempotent."""
 
+    def guard_counts(self) -> dict[str, int]:
+        """Since start, what unauthenticated peers cost this holder, by kind (a transport that
+        authenticates its peers itself reports them; others: none)."""
+        return {}
+
     def __enter__(self) -> "Transport":
         return self
 

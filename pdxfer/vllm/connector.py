@@ -207,7 +207,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> PdxferKVConnectorStats | None:
         if self.worker_side is not None:
-            data = self.worker_side.stats.take()
+            data = self.worker_side.take_stats()
         elif self.refusal is not None:
             # Once, from the scheduler (workers have no worker_side then): /metrics says why
             # this instance never loads, beside the error in its log.

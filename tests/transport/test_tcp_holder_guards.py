@@ -13,6 +13,8 @@ import select
 import socket
 import time
 
+import pytest
+
 
 from pdxfer.transport.tcp import handshake, wire
 from pdxfer.transport.tcp.metadata import parse_metadata
@@ -215,5 +217,58 @@ def test_a_reader_holding_its_verdict_is_never_cut_as_a_handshake(monkeypatch):
                 assert s.recv(1) != b"", "an authenticated reader was cut"
             except BlockingIOError:
                 pass
+    finally:
+        srv.close()
+
+
+def test_what_unauthenticated_peers_cost_is_counted_by_kind():
+    """Issue 42, hole 7: the holder's refused and evicted handshakes were not exported, failed
+    proofs and timed-out handshakes not even counted. A real TcpServer and raw sockets."""
+    from pdxfer.transport.tcp import server as tcp_server
+
+    def cut_within(s: socket.socket, within: float) -> bool:
+        """The holder closed ``s`` within ``within`` s (its challenge read and dropped)."""
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            s.settimeout(left)
+            try:
+                if s.recv(4096) == b"":
+                    return True
+            except socket.timeout:
+                return False
+            except OSError:
+                return True
+        return False
+
+    instance, secret = os.urandom(16), os.urandom(32)
+    srv = tcp_server.TcpServer(tcp_server.RegionTable(), instance, lambda: secret, "127.0.0.1", 0, 1 << 16,
+                               max_connections=2, max_handshakes_per_peer=1, hello_timeout=0.5)
+    zero = {"refused_connections": 0, "evicted_handshakes": 0, "auth_failures": 0, "handshake_timeouts": 0}
+    try:
+        assert srv.guard_counts() == zero
+        guess = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        with pytest.raises(handshake.AuthRefused):
+            handshake.prove(guess, instance, os.urandom(32), time.monotonic() + 5, "holder")
+        silent = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        assert cut_within(silent, 3), "a silent connection outlived hello_timeout"
+        first = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        time.sleep(0.1)
+        second = socket.create_connection(("127.0.0.1", srv.port), timeout=5)  # same peer: cuts the first
+        assert cut_within(first, 0.4)  # before its own hello_timeout: evicted
+        readers = []
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            handshake.prove(s, instance, secret, time.monotonic() + 5, "holder")
+            readers.append(s)
+        extra = socket.create_connection(("127.0.0.1", srv.port), timeout=5)  # every slot a reader's
+        assert cut_within(extra, 2)
+        deadline = time.monotonic() + 5
+        while srv.guard_counts()["handshake_timeouts"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts = srv.guard_counts()
+        assert counts["auth_failures"] == 1 and counts["refused_connections"] == 1, counts
+        assert counts["evicted_handshakes"] >= 1 and counts["handshake_timeouts"] >= 1, counts
+        for s in [guess, silent, first, second, extra, *readers]:
+            s.close()
     finally:
         srv.close()

@@ -51,6 +51,10 @@ _READER_LABEL = b"pdxfer-tcp reader"
 _HOLDER_LABEL = b"pdxfer-tcp holder"
 
 
+class WrongProof(PeerDied):
+    """Holder side: the reader's proof was garbage or did not prove the secret."""
+
+
 class AuthRefused(PeerDied):
     """The holder refused this reader's proof: its metadata is stale or carries a wrong secret."""
 
@@ -133,9 +137,9 @@ def admit(sock: socket.socket, instance: bytes, secret: bytes, deadline: float,
     except VersionMismatch:
         sock.sendall(pack_verdict(wire.ERR_VERSION))
         raise
-    except wire.CorruptFrame:
+    except wire.CorruptFrame as exc:
         sock.sendall(pack_verdict(wire.ERR_AUTH))
-        raise
+        raise WrongProof(f"the reader's proof is no pdxfer frame: {exc}") from None
     frame = head + recv_by(sock, PROOF_SIZE - _PREFIX.size, deadline, "proof")
     ok = False
     reader_nonce = b""
@@ -146,7 +150,7 @@ def admit(sock: socket.socket, instance: bytes, secret: bytes, deadline: float,
         pass
     if not ok:
         sock.sendall(pack_verdict(wire.ERR_AUTH))
-        raise AuthRefused("reader did not prove the holder's secret")
+        raise WrongProof("reader did not prove the holder's secret")
     if on_proven is not None and not on_proven():
         raise AuthRefused("the connection was cut while the reader proved the secret")
     sock.sendall(pack_verdict(wire.OK, mac(secret, _HOLDER_LABEL, instance, nonce, reader_nonce)))

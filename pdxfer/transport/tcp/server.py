@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from pdxfer.transport.tcp import handshake, wire
-from pdxfer.transport.base import RegisteredRegion, TransportError
+from pdxfer.transport.base import RegisteredRegion, TransferTimeout, TransportError
 from pdxfer.transport.tcp.bounce import DevicePlane, segment
 from pdxfer.transport.tcp.bounce_send import BounceBusy, send_bounced
 from pdxfer.transport.runs import SMALL_PLAN, fault, first_fault
@@ -227,6 +227,8 @@ class TcpServer:
         self._evict_log = _RateLimitedLog()
         self.refused_connections = 0
         self.evicted_handshakes = 0
+        self.auth_failures = 0  # readers that failed the proof (a wrong or stale secret)
+        self.handshake_timeouts = 0  # connections that never finished their handshake in time
         self.send_timeout = 60.0
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()  # every connection with a live thread
@@ -306,8 +308,17 @@ class TcpServer:
         try:
             # Counted as authenticated before its verdict is sent: a reader that holds an OK
             # verdict is never cut as a handshake in progress by a newcomer at the cap.
-            handshake.admit(conn, self._instance, self._secret(), accepted + self._hello_timeout,
-                            on_proven=lambda: self._promote(conn))
+            try:
+                handshake.admit(conn, self._instance, self._secret(), accepted + self._hello_timeout,
+                                on_proven=lambda: self._promote(conn))
+            except handshake.WrongProof:
+                with self._lock:
+                    self.auth_failures += 1
+                raise
+            except TransferTimeout:
+                with self._lock:
+                    self.handshake_timeouts += 1
+                raise
             while self._serve_one(conn):
                 pass
         except (OSError, TransportError) as exc:
@@ -320,6 +331,13 @@ class TcpServer:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
+
+    def guard_counts(self) -> dict[str, int]:
+        """Since start: connections refused at accept, handshakes cut for newcomers, failed
+        proofs, handshakes past their deadline (what unauthenticated peers cost this holder)."""
+        with self._lock:
+            return {"refused_connections": self.refused_connections, "evicted_handshakes": self.evicted_handshakes,
+                    "auth_failures": self.auth_failures, "handshake_timeouts": self.handshake_timeouts}
 
     def _promote(self, conn: socket.socket) -> bool:
         """A connection whose reader proved the secret leaves the handshakes for the readers;

@@ -174,6 +174,11 @@ class TcpTransport(Transport):
             self._table.clear(timeout=5.0)
 
     # ------------------------------------------------------------------ holder side
+    def guard_counts(self) -> dict[str, int]:
+        with self._lock:
+            server = self._server
+        return server.guard_counts() if server is not None else {}
+
     def _ensure_server(self) -> TcpServer:
         with self._lock:
             if self._server is None:

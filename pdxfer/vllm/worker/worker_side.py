@@ -36,7 +36,7 @@ from pdxfer.vllm.worker.load import NOT_POSTED, Load, LoadPhase
 from pdxfer.vllm.worker.peers import HolderPeers
 from pdxfer.vllm.worker.reads import LoadReads
 from pdxfer.vllm.worker.staging import ReaderStaging, auto_staging_bytes, region_tensors
-from pdxfer.vllm.worker.worker_stats import WorkerStats
+from pdxfer.vllm.worker.worker_stats import GuardDeltas, WorkerStats
 
 log = logging.getLogger("pdxfer.vllm.worker")
 
@@ -83,6 +83,7 @@ class WorkerSide:
         self._offloads_done: dict[int, int] = {}
         self._offloads_failed: dict[int, str] = {}
         self.stats = WorkerStats()
+        self._guards = GuardDeltas()
         self.peers = HolderPeers(cfg, rank=rank, tp_size=tp_size)
         self.reads = LoadReads(cfg, self.peers, self.stats)
         # Validations, re-pull lookups and unused-lock releases: several at once, so loads that end
@@ -195,6 +196,10 @@ class WorkerSide:
                 self.host_pool.start(job)
             except Exception as exc:
                 self._offloads_failed[job.job_id] = f"{type(exc).__name__}: {exc}"
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """This step's connector stats: the loads' and the holder's guard counts (GuardDeltas)."""
+        return self._guards.merge(self.stats.take(), self.transport)
 
     def take_worker_meta(self) -> PdxferWorkerMeta | None:
         """Offload jobs that ended on this rank since the last call (vLLM sums every rank's)."""
@@ -536,13 +541,9 @@ class WorkerSide:
         self._inflight.clear()
         self.peers.close()
         self._releaser.shutdown(wait=False, cancel_futures=True)
-        if self.transport is not None:
-            try:
-                self.transport.close()
-            except Exception as exc:
-                log.debug("pdxfer: transport close: %s", exc)
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:
-                pass
+        for part in (self.transport, self._client):  # best effort: the process is going anyway
+            if part is not None:
+                try:
+                    part.close()
+                except Exception as exc:
+                    log.debug("pdxfer: closing %s: %s", type(part).__name__, exc)

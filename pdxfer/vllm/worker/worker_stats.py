@@ -49,3 +49,18 @@ class WorkerStats:
         self.bytes_loaded_state = 0
         self.transfer_s = []
         return out
+
+
+class GuardDeltas:
+    """What unauthenticated peers cost a holder's transport since the last report, as counters
+    ``holder_<kind>`` (refused at accept, cut for newcomers, failed proofs, handshakes past their
+    deadline: ``Transport.guard_counts``)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, int] = {}
+
+    def merge(self, stats: dict[str, Any] | None, transport: Any) -> dict[str, Any] | None:
+        now = transport.guard_counts() if transport is not None else {}
+        grew = {f"holder_{k}": v - self._sent.get(k, 0) for k, v in now.items() if v != self._sent.get(k, 0)}
+        self._sent = now
+        return {**(stats or {}), **grew} if grew else stats
