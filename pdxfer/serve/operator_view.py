@@ -8,7 +8,8 @@ remote operator). For everyone else the middleware below:
 - answers ``/metrics`` and ``/pdxfer/...`` with 401 before anything is looked up (a Prometheus on
   another host scrapes with the token: ``authorization: credentials_file``);
 - answers ``/health`` with its status code and a status word only (load balancers need no more);
-- drops the ``X-Pdxfer-*`` route headers, which name instances;
+- drops the ``X-Pdxfer-*`` route headers, which name instances (a streamed answer is sent without
+  them: the steps read :data:`OPERATOR_KEY`);
 - replaces the proxy's own error answers (marked :data:`PROXY_ERROR_HEADER`) by their status, type
   and a message naming no instance. An instance's own 4xx (the client's error) passes unchanged.
 """
@@ -23,6 +24,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 PROXY_ERROR_HEADER = "X-Pdxfer-Error"
+OPERATOR_KEY = "pdxfer_operator"  # set on each request: whether its client is the operator
 _OPERATOR_ONLY = ("/metrics", "/pdxfer/")
 _GENERIC = {502: "an instance behind this proxy failed the request", 503: "no instance can take the request now",
             504: "an instance behind this proxy timed out"}
@@ -54,7 +56,8 @@ def operator_middleware(gate: OperatorGate) -> Callable[..., Awaitable[web.Strea
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                          ) -> web.StreamResponse:
-        if gate.allows(request):
+        request[OPERATOR_KEY] = gate.allows(request)
+        if request[OPERATOR_KEY]:
             return await handler(request)
         if request.path.startswith(_OPERATOR_ONLY):
             how = ("send the fleet's token (Authorization: Bearer)" if gate.has_token

@@ -20,7 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from pdxfer.contracts.prefill_step import prefill_step_params
-from pdxfer.serve.operator_view import PROXY_ERROR_HEADER
+from pdxfer.serve.operator_view import OPERATOR_KEY, PROXY_ERROR_HEADER
 from pdxfer.contracts.publish_hint import merge_hints
 from pdxfer.serve.backends import Backend, BackendPool
 from pdxfer.serve.http_headers import response_headers
@@ -202,7 +202,9 @@ class Steps:
 
     # --- the decode step ---------------------------------------------------------------------
 
-    def _route_headers(self, route: Route, prefill_ms: float) -> dict[str, str]:
+    def _route_headers(self, request: web.Request, route: Route, prefill_ms: float) -> dict[str, str]:
+        if not request.get(OPERATOR_KEY, True):  # they name instances: the operator's only
+            return {}
         h = {"x-pdxfer-route": route.route_header(), "x-pdxfer-route-reason": route.reason_header(),
              "X-Pdxfer-Decode": route.decode.url, "X-Pdxfer-Prefill-Ms": f"{prefill_ms:.2f}"}
         if route.prefill is not None:
@@ -217,7 +219,7 @@ class Steps:
         for attempt in range(2):
             try:
                 return await self._forward_decode(request, backend, path, body, headers,
-                                                  self._route_headers(route, prefill_ms))
+                                                  self._route_headers(request, route, prefill_ms))
             except StepFailed as e:
                 other = (self.decode_pool.pick(exclude=[backend]) if e.retry and attempt == 0
                          else None)
@@ -226,7 +228,7 @@ class Steps:
                         e = StepFailed(e.backend, e.status, f"{e} (after a retry: the first "
                                        f"decode instance failed too)", e.retry, e.data,
                                        e.content_type, e.reason)
-                    return e.response(self._route_headers(route, prefill_ms))
+                    return e.response(self._route_headers(request, route, prefill_ms))
                 self.metrics.retries.labels("decode", e.reason).inc()
                 log.warning("%s; retrying the decode on %s", e, other.url)
                 route.decode = backend = other

@@ -41,6 +41,9 @@ def test_a_client_elsewhere_gets_answers_but_no_view_of_the_fleet(instances):
         status, headers, data = _post(remote + "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 200 and json.loads(data)["by"] == "D"
         assert not [h for h in headers if h.lower().startswith("x-pdxfer-")], headers  # no instance URL
+        status, headers, data = _post(remote + "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True})
+        assert status == 200 and b"[DONE]" in data  # streamed: its headers left before any check could drop them
+        assert not [h for h in headers if h.lower().startswith("x-pdxfer-")], headers
         code, _, body = _get(remote + "/health")
         assert code == 200 and json.loads(body) == {"status": "ok"}
         code, _, body = _get(remote + "/metrics")
