@@ -120,7 +120,7 @@ class PDProxy:
         self._session: aiohttp.ClientSession | None = None
         gate = OperatorGate(master_token)
         self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[operator_middleware(gate)])
-        DrainEndpoint((self.prefill, self.decode), gate).add_routes(self.app)
+        DrainEndpoint((self.prefill, self.decode)).add_routes(self.app)
         self.app.router.add_get("/health", self.health_endpoint)
         self.app.router.add_get("/metrics", self.metrics_endpoint)
         self.app.router.add_get("/v1/models", self.models)
